@@ -1,0 +1,380 @@
+"""Validation, launch plans, torch.library registration and autograd for `act`."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from kernelkit.shared.layout import collapse_dims, is_dense
+from kernelkit.shared.runtime import define_op, interpreting, launch, use_triton
+
+from . import kernels as K
+from .reference import act_reference
+
+ACTS = ("none", "relu", "sigmoid", "silu", "softmax")
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Tile sizes (elements). Memory-bound: big enough for 16-byte accesses and several loads in
+# flight per thread, small enough to keep thousands of programs at benchmark sizes.
+ELEMENTWISE_BLOCK = 4096
+ROWS_MAX_L = 8192  # a softmax row up to this long is held by one program (single pass)
+TILE = 4096  # elements per (rows x cols) tile of the softmax kernels
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+
+def validate(x, act: str, dim: int | None) -> int | None:
+    """Check the arguments of `act`; returns `dim` normalised to be non-negative."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"x: dtype must be float32, float16 or bfloat16, got {x.dtype}")
+    if act not in ACTS:
+        raise ValueError(f"act: must be one of {ACTS}, got {act!r}")
+    if act != "softmax":
+        if dim is not None:
+            raise ValueError(f"dim: only softmax takes a dim, got dim={dim} with act={act!r}")
+        return None
+    if dim is None:
+        raise ValueError("dim: softmax needs the dimension to normalise over (e.g. dim=-1)")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise ValueError(f"dim: expected an int, got {type(dim).__name__}")
+    if x.dim() == 0:
+        raise ValueError("x: softmax needs at least one dimension")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim: {dim} is out of range for x with {x.dim()} dimensions")
+    dim %= x.dim()
+    if x.shape[dim] == 0:
+        raise ValueError(f"dim: softmax over dimension {dim} of size 0 is undefined")
+    return dim
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch plans
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of `device`; a small stand-in under the interpreter."""
+    return _sm_count(device.index or 0) if device.type == "cuda" else 4
+
+
+def _strided4(shape, strides):
+    """Pad a collapsed (<= 4-D) layout to 4 dims: sizes (d1, d2, d3), one 4-stride per tensor."""
+    pad = 4 - len(shape)
+    sizes = [1] * pad + list(shape)
+    return sizes[1:], [[0] * pad + list(s) for s in strides]
+
+
+def _elementwise(kernel, out: torch.Tensor, *tensors: torch.Tensor, act: str) -> torch.Tensor:
+    n = out.numel()
+    if n == 0:
+        return out
+    same = all(t.stride() == out.stride() for t in tensors)
+    flat = same and is_dense(out.shape, out.stride())
+    if flat:
+        sizes, strides = [1, 1, 1], [[0, 0, 0, 1]] * (len(tensors) + 1)
+    else:
+        shape, strides = collapse_dims(out.shape, *(t.stride() for t in tensors), out.stride())
+        if len(shape) > 4:  # layouts no 4-D view describes: read a compact copy instead
+            return _elementwise(kernel, out, *(t.contiguous() for t in tensors), act=act)
+        sizes, strides = _strided4(shape, strides)
+    grid = (triton.cdiv(n, ELEMENTWISE_BLOCK),)
+    launch(kernel)[grid](
+        *tensors,
+        out,
+        n,
+        *sizes,
+        *(s for st in strides for s in st),
+        ACT=act,
+        FLAT=flat,
+        BLOCK=ELEMENTWISE_BLOCK,
+        num_warps=8,
+    )
+    return out
+
+
+class SoftmaxView:
+    """Tensors of one shape viewed as (O0, O1, L, I) around the softmax dim, with per-tensor
+    strides (o0, o1, l, i). Outer dims must collapse to two and inner dims to one."""
+
+    def __init__(self, shape, dim: int, strides_list):
+        outer, o_strides = collapse_dims(shape[:dim], *(s[:dim] for s in strides_list))
+        inner, i_strides = collapse_dims(shape[dim + 1 :], *(s[dim + 1 :] for s in strides_list))
+        self.ok = len(outer) <= 2 and len(inner) == 1
+        if not self.ok:
+            return
+        pad = 2 - len(outer)
+        self.O0, self.O1 = [1] * pad + outer
+        self.L = shape[dim]
+        self.I = inner[0]
+        self.strides = [
+            [*([0] * pad + os_), st[dim], is_[0]]
+            for os_, is_, st in zip(o_strides, i_strides, strides_list)
+        ]
+
+
+def _split_plan(view: SoftmaxView, device: torch.device):
+    """(BLOCK_L, BLOCK_I, chunk, num_chunks) for the split-L softmax kernels."""
+    block_i = min(triton.next_power_of_2(view.I), 128)
+    block_l = max(1, TILE // block_i)
+    programs = view.O0 * view.O1 * triton.cdiv(view.I, block_i)
+    target = 8 * num_sms(device)
+    chunks = max(1, min(triton.cdiv(target, programs), triton.cdiv(view.L, block_l)))
+    chunk = triton.cdiv(triton.cdiv(view.L, chunks), block_l) * block_l
+    return block_l, block_i, chunk, triton.cdiv(view.L, chunk)
+
+
+def _rows_plan(view: SoftmaxView):
+    block_l = triton.next_power_of_2(view.L)
+    block_r = max(1, TILE // block_l)
+    return block_r, block_l, (4 if block_r * block_l <= 2048 else 8)
+
+
+def _use_rows(view: SoftmaxView) -> bool:
+    return view.I == 1 and view.L <= ROWS_MAX_L
+
+
+def softmax_chunk_stats(x: torch.Tensor, dim: int, *, plan=None):
+    """Per-chunk float32 (max, sum) of a softmax over `dim` of x, shape (O0*O1, C, I).
+
+    Building block for ops that fuse a softmax over a long axis (the lrpe packages): they read
+    x once here, then combine the chunk stats with `kernels.combine_chunk_stats` while they
+    write their output. Returns (m, s, view, plan).
+    """
+    view = SoftmaxView(x.shape, dim, [x.stride()])
+    if not view.ok:
+        raise ValueError("x: layout not supported by the split softmax (collapse failed)")
+    plan = plan or _split_plan(view, x.device)
+    block_l, block_i, chunk, num_chunks = plan
+    m = x.new_empty((view.O0 * view.O1, num_chunks, view.I), dtype=torch.float32)
+    s = torch.empty_like(m)
+    grid = (view.O0 * view.O1 * triton.cdiv(view.I, block_i), num_chunks)
+    launch(K.softmax_chunk_stats_kernel)[grid](
+        x,
+        m,
+        s,
+        view.L,
+        view.I,
+        view.O1,
+        chunk,
+        num_chunks,
+        *view.strides[0],
+        BLOCK_L=block_l,
+        BLOCK_I=block_i,
+        num_warps=4,
+    )
+    return m, s, view, plan
+
+
+def _softmax_fwd(x: torch.Tensor, dim: int) -> torch.Tensor:
+    y = torch.empty_like(x)
+    if x.numel() == 0:
+        return y
+    view = SoftmaxView(x.shape, dim, [x.stride(), y.stride()])
+    if not view.ok:
+        y.copy_(_softmax_fwd(x.contiguous(), dim))
+        return y
+    if _use_rows(view):
+        block_r, block_l, warps = _rows_plan(view)
+        rows = view.O0 * view.O1
+        xs, ys = view.strides
+        launch(K.softmax_fwd_rows_kernel)[(triton.cdiv(rows, block_r),)](
+            x,
+            y,
+            rows,
+            view.L,
+            view.O1,
+            xs[0],
+            xs[1],
+            xs[2],
+            ys[0],
+            ys[1],
+            ys[2],
+            BLOCK_R=block_r,
+            BLOCK_L=block_l,
+            num_warps=warps,
+        )
+        return y
+    m, s, _, (block_l, block_i, chunk, num_chunks) = softmax_chunk_stats(x, dim)
+    grid = (view.O0 * view.O1 * triton.cdiv(view.I, block_i), num_chunks)
+    launch(K.softmax_fwd_apply_kernel)[grid](
+        x,
+        y,
+        m,
+        s,
+        view.L,
+        view.I,
+        view.O1,
+        chunk,
+        num_chunks,
+        *view.strides[0],
+        *view.strides[1],
+        BLOCK_L=block_l,
+        BLOCK_I=block_i,
+        num_warps=4,
+    )
+    return y
+
+
+def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
+    dx = torch.empty_like(y)
+    if y.numel() == 0:
+        return dx
+    view = SoftmaxView(y.shape, dim, [y.stride(), dy.stride(), dx.stride()])
+    if not view.ok:
+        dx.copy_(_softmax_bwd(y.contiguous(), dy.contiguous(), dim))
+        return dx
+    ys, gs, ds = view.strides
+    if _use_rows(view):
+        block_r, block_l, warps = _rows_plan(view)
+        rows = view.O0 * view.O1
+        launch(K.softmax_bwd_rows_kernel)[(triton.cdiv(rows, block_r),)](
+            y,
+            dy,
+            dx,
+            rows,
+            view.L,
+            view.O1,
+            *ys[:3],
+            *gs[:3],
+            *ds[:3],
+            BLOCK_R=block_r,
+            BLOCK_L=block_l,
+            num_warps=warps,
+        )
+        return dx
+    block_l, block_i, chunk, num_chunks = _split_plan(view, y.device)
+    p = y.new_empty((view.O0 * view.O1, num_chunks, view.I), dtype=torch.float32)
+    grid = (view.O0 * view.O1 * triton.cdiv(view.I, block_i), num_chunks)
+    launch(K.softmax_bwd_chunk_sums_kernel)[grid](
+        y,
+        dy,
+        p,
+        view.L,
+        view.I,
+        view.O1,
+        chunk,
+        num_chunks,
+        *ys,
+        *gs,
+        BLOCK_L=block_l,
+        BLOCK_I=block_i,
+        num_warps=4,
+    )
+    launch(K.softmax_bwd_apply_kernel)[grid](
+        y,
+        dy,
+        dx,
+        p,
+        view.L,
+        view.I,
+        view.O1,
+        chunk,
+        num_chunks,
+        *ys,
+        *gs,
+        *ds,
+        BLOCK_L=block_l,
+        BLOCK_I=block_i,
+        num_warps=4,
+    )
+    return dx
+
+
+# ---------------------------------------------------------------------------------------------
+# Registered ops
+# ---------------------------------------------------------------------------------------------
+
+
+@define_op("kernelkit_act::act_fwd")
+def act_fwd(x: torch.Tensor, act: str) -> torch.Tensor:
+    if not use_triton(x):
+        y = act_reference(x, act)
+        return y.clone() if y is x else y
+    return _elementwise(K.act_fwd_kernel, torch.empty_like(x), x, act=act)
+
+
+@define_op("kernelkit_act::act_bwd")
+def act_bwd(x: torch.Tensor, dy: torch.Tensor, act: str) -> torch.Tensor:
+    if not use_triton(x):
+        with torch.enable_grad():
+            xr = x.detach().requires_grad_()
+            return torch.autograd.grad(act_reference(xr, act), xr, dy)[0]
+    return _elementwise(K.act_bwd_kernel, torch.empty_like(x), x, dy, act=act)
+
+
+@define_op("kernelkit_act::softmax_fwd")
+def softmax_fwd(x: torch.Tensor, dim: int) -> torch.Tensor:
+    if not use_triton(x):
+        return torch.softmax(x, dim)
+    return _softmax_fwd(x, dim)
+
+
+@define_op("kernelkit_act::softmax_bwd")
+def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
+    if not use_triton(y):
+        return torch._softmax_backward_data(dy, y, dim, y.dtype)
+    return _softmax_bwd(y, dy, dim)
+
+
+def _act_setup(ctx, inputs, output):
+    x, act = inputs
+    ctx.act = act
+    ctx.save_for_backward(x)
+
+
+def _act_backward(ctx, dy):
+    (x,) = ctx.saved_tensors
+    return act_bwd(x, dy, ctx.act), None
+
+
+def _softmax_setup(ctx, inputs, output):
+    _, dim = inputs
+    ctx.dim = dim
+    ctx.save_for_backward(output)
+
+
+def _softmax_backward(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return softmax_bwd(y, dy, ctx.dim), None
+
+
+act_fwd.register_autograd(_act_backward, setup_context=_act_setup)
+softmax_fwd.register_autograd(_softmax_backward, setup_context=_softmax_setup)
+
+
+def act(x: torch.Tensor, act: str = "none", dim: int | None = None) -> torch.Tensor:
+    """Apply `act` ("none", "relu", "sigmoid", "silu", "softmax") to x; softmax needs `dim`.
+
+    Any shape, any strides, float32/float16/bfloat16; math in float32, output in x's dtype.
+    `act="none"` returns x itself (an alias, no copy and no kernel).
+    """
+    dim = validate(x, act, dim)
+    if act == "none":
+        return x
+    if act == "softmax":
+        return softmax_fwd(x, dim)
+    return act_fwd(x, act)
+
+
+__all__ = [
+    "ACTS",
+    "act",
+    "act_bwd",
+    "act_fwd",
+    "interpreting",
+    "softmax_bwd",
+    "softmax_chunk_stats",
+    "softmax_fwd",
+]

@@ -1,0 +1,3 @@
+"""kernelkit-flash-attn (work in progress)."""
+
+__version__ = "0.1.0"

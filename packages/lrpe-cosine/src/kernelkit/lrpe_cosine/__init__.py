@@ -1,0 +1,3 @@
+"""kernelkit-lrpe-cosine (work in progress)."""
+
+__version__ = "0.1.0"

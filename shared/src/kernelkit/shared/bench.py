@@ -1,0 +1,115 @@
+"""Benchmark helpers: honest CUDA timing, copy-bandwidth floor, peak memory, pytest-benchmark glue.
+
+Every benchmark of a kernelkit suite goes through `record`, which
+  * warms the callable up (torch.compile and Triton compile outside the measurement),
+  * times it with `triton.testing.do_bench` (median, L2 flushed between repetitions, the
+    gradients in `grad_to_none` reset so a backward never includes `x.grad` accumulation),
+  * measures the peak allocated memory of one call (MiB, inputs included, as the seed tables),
+  * feeds pytest-benchmark a synchronising callable so its statistics are device time too,
+  * stores ms, GB/s or TFLOP/s, % of the copy bandwidth measured in the same process and the
+    table coordinates (op, direction, tag, x, provider) in `extra_info` for `kernelkit.shared.report`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["bench_ms", "copy_bandwidth_gbs", "peak_memory_mb", "record"]
+
+
+def _sync() -> None:
+    torch.cuda.synchronize()
+
+
+@functools.cache
+def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + bytes written), measured once."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def bench_ms(
+    fn: Callable[[], object], *, grad_to_none: Sequence[torch.Tensor] | None = None
+) -> float:
+    """Median device time of `fn` in ms (do_bench: L2 flushed, grads reset between repetitions)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, grad_to_none=grad_to_none, return_mode="median"))
+
+
+def peak_memory_mb(fn: Callable[[], object], setup: Callable[[], None] | None = None) -> float:
+    """Peak allocated device memory (MiB) during one call of `fn`, live inputs included."""
+    if setup is not None:
+        setup()
+    _sync()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    _sync()
+    peak = torch.cuda.max_memory_allocated() / 2**20
+    del out
+    return peak
+
+
+def record(
+    benchmark,
+    fn: Callable[[], object],
+    *,
+    op: str,
+    direction: str,
+    tag: str,
+    x: float,
+    provider: str,
+    bytes_moved: float | None = None,
+    flops: float | None = None,
+    grad_to_none: Sequence[torch.Tensor] | None = None,
+    xname: str = "n",
+    info: dict | None = None,
+) -> None:
+    """Measure `fn` for one (table, x, provider) cell and hand it to pytest-benchmark."""
+    extra = benchmark.extra_info
+    extra.update(op=op, direction=direction, tag=tag, x=x, xname=xname, provider=provider)
+    extra.update(info or {})
+    grads = list(grad_to_none or [])
+
+    def reset_grads():
+        for t in grads:
+            t.grad = None
+
+    on_cuda = torch.cuda.is_available() and not getattr(benchmark, "disabled", False)
+    if not on_cuda:  # smoke mode (CPU, --benchmark-disable): run the callable once
+        reset_grads()
+        benchmark(fn)
+        return
+    try:
+        for _ in range(3):  # compile (Triton, torch.compile) and autotune outside the timings
+            reset_grads()
+            fn()
+        _sync()
+        ms = bench_ms(fn, grad_to_none=grads)
+        mem = peak_memory_mb(fn, setup=reset_grads)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        extra.update(oom=True)
+        benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+        return
+    extra.update(ms=ms, peak_mb=mem, copy_gbs=copy_bandwidth_gbs())
+    if bytes_moved is not None:
+        gbs = bytes_moved / (ms * 1e-3) / 1e9
+        extra.update(bytes=bytes_moved, gbs=gbs, pct_copy=100.0 * gbs / copy_bandwidth_gbs())
+    if flops is not None:
+        extra.update(flops=flops, tflops=flops / (ms * 1e-3) / 1e12)
+
+    def timed():
+        fn()
+        _sync()
+
+    def setup():
+        reset_grads()
+
+    rounds = max(5, min(50, int(100.0 / max(ms, 1e-3))))
+    benchmark.pedantic(timed, setup=setup, rounds=rounds, warmup_rounds=1, iterations=1)

@@ -1,0 +1,102 @@
+"""pytest plugin for kernelkit packages (entry point `kernelkit`; `-p kernelkit.shared.pytest_plugin`
+when running from source).
+
+* Without a GPU it switches the Triton interpreter on (`TRITON_INTERPRET=1`) at import time,
+  which is before any test module imports a kernel: the same tests then run the real kernels
+  on CPU tensors.
+* Fixtures: `device` (cuda when present, else cpu) and `poison_empty` (autouse: freshly
+  allocated float tensors hold NaN, so an output element a kernel forgot to write fails).
+* Benchmarks: GPU, torch, triton and CUDA versions plus the measured copy bandwidth go into
+  pytest-benchmark's machine_info; autosaved runs are stored per GPU so that
+  `pytest-benchmark compare` compares runs on the same card.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+
+def _gpu_present() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+if not _gpu_present():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def gpu_slug() -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", gpu_name()).strip("-")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (too slow for the interpreter)")
+    opt = config.option
+    storage = getattr(opt, "benchmark_storage", None)
+    if storage is not None and storage.rstrip("/").endswith(".benchmarks"):
+        opt.benchmark_storage = f"{storage.rstrip('/')}/{gpu_slug()}"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def poison_empty(request):
+    """torch.empty fills float tensors with NaN while a test runs (deterministic-mode feature).
+
+    Benchmarks are left alone: the fill is an extra pass that must not be timed.
+    """
+    if "benchmark" in request.fixturenames:
+        yield
+        return
+    import torch.utils.deterministic as det
+
+    prev_det = torch.are_deterministic_algorithms_enabled()
+    prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    prev_fill = det.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = True
+    yield
+    det.fill_uninitialized_memory = prev_fill
+    torch.use_deterministic_algorithms(prev_det, warn_only=prev_warn)
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    import triton
+
+    info = {
+        "gpu": gpu_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "interpreter": os.environ.get("TRITON_INTERPRET", "0"),
+    }
+    if torch.cuda.is_available():
+        from kernelkit.shared.bench import copy_bandwidth_gbs
+
+        props = torch.cuda.get_device_properties(0)
+        info.update(sm_count=props.multi_processor_count, copy_gbs=copy_bandwidth_gbs())
+    machine_info["kernelkit"] = info

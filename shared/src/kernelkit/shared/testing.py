@@ -1,0 +1,89 @@
+"""Numerics helpers for tests: compare against a float64 evaluation of the reference.
+
+The rule every kernelkit test applies (FlashAttention's convention, generalised):
+  * the relative-norm error ||out - ref64|| / ||ref64|| stays under a per-dtype bound, and
+  * for low-precision outputs it is no worse than `factor` times the error of the PyTorch
+    reference evaluated in that same dtype (when the test provides that evaluation).
+NaN or Inf where the float64 reference is finite always fails.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "DTYPE_BOUND",
+    "assert_close",
+    "device",
+    "on_gpu",
+    "rel_err",
+]
+
+# Relative-norm bounds for a kernel that computes in float32 and rounds once to the output
+# dtype: float32 allows a few ulps of transcendental error; low precision allows ~2-4 roundings.
+DTYPE_BOUND = {
+    torch.float32: 2e-5,
+    torch.float16: 2e-3,
+    torch.bfloat16: 1.2e-2,
+}
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if on_gpu() else "cpu")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64 (0 when both are zero)."""
+    out64 = out.detach().to(torch.float64).cpu()
+    ref64 = ref.detach().to(torch.float64).cpu()
+    if out64.shape != ref64.shape:
+        raise AssertionError(f"shape {tuple(out64.shape)} != reference {tuple(ref64.shape)}")
+    den = ref64.norm().item()
+    num = (out64 - ref64).norm().item()
+    if den == 0.0:
+        return num
+    return num / den
+
+
+def assert_close(
+    out: torch.Tensor,
+    ref64: torch.Tensor,
+    *,
+    ref_lowp: torch.Tensor | None = None,
+    bound: float | None = None,
+    factor: float = 2.0,
+    name: str = "output",
+) -> float:
+    """Assert `out` matches the float64 reference `ref64`; returns the relative error.
+
+    `bound` defaults to DTYPE_BOUND[out.dtype]. `ref_lowp` is the same computation done by the
+    PyTorch reference in out.dtype; when given, out's error must also be within `factor` times
+    its error (plus float32-level slack so exact cases compare as equal).
+    """
+    if ref_lowp is not None and out.dtype != ref_lowp.dtype:
+        raise AssertionError(
+            f"{name}: dtype {out.dtype} != low-precision reference {ref_lowp.dtype}"
+        )
+    out_f = out.detach().to(torch.float64).cpu()
+    ref_f = ref64.detach().to(torch.float64).cpu()
+    bad = ~torch.isfinite(out_f) & torch.isfinite(ref_f)
+    if bad.any():
+        idx = bad.nonzero()[0].tolist()
+        raise AssertionError(f"{name}: {int(bad.sum())} non-finite values, first at {idx}")
+    err = rel_err(out_f, ref_f)
+    limit = DTYPE_BOUND[out.dtype] if bound is None else bound
+    if not err <= limit:
+        raise AssertionError(f"{name}: relative error {err:.3e} > bound {limit:.1e} ({out.dtype})")
+    if ref_lowp is not None:
+        ref_err = rel_err(ref_lowp, ref_f)
+        allowed = factor * ref_err + 1e-6
+        if not err <= allowed:
+            raise AssertionError(
+                f"{name}: relative error {err:.3e} > {factor} x PyTorch {out.dtype} error "
+                f"{ref_err:.3e}"
+            )
+    return err
