@@ -19,8 +19,11 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Tile sizes (elements). Memory-bound: big enough for 16-byte accesses and several loads in
 # flight per thread, small enough to keep thousands of programs at benchmark sizes.
 ELEMENTWISE_BLOCK = 4096
+ELEMENTWISE_WARPS = 8
 ROWS_MAX_L = 8192  # a softmax row up to this long is held by one program (single pass)
 TILE = 4096  # elements per (rows x cols) tile of the softmax kernels
+SPLIT_WARPS = 4  # warps of the split-L softmax kernels
+PROGRAMS_PER_SM = 8  # split-L: chunks are added until about this many programs per SM
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,7 +102,7 @@ def _elementwise(kernel, out: torch.Tensor, *tensors: torch.Tensor, act: str) ->
         ACT=act,
         FLAT=flat,
         BLOCK=ELEMENTWISE_BLOCK,
-        num_warps=8,
+        num_warps=ELEMENTWISE_WARPS,
     )
     return out
 
@@ -129,7 +132,7 @@ def _split_plan(view: SoftmaxView, device: torch.device):
     block_i = min(triton.next_power_of_2(view.I), 128)
     block_l = max(1, TILE // block_i)
     programs = view.O0 * view.O1 * triton.cdiv(view.I, block_i)
-    target = 8 * num_sms(device)
+    target = PROGRAMS_PER_SM * num_sms(device)
     chunks = max(1, min(triton.cdiv(target, programs), triton.cdiv(view.L, block_l)))
     chunk = triton.cdiv(triton.cdiv(view.L, chunks), block_l) * block_l
     return block_l, block_i, chunk, triton.cdiv(view.L, chunk)
@@ -172,7 +175,7 @@ def softmax_chunk_stats(x: torch.Tensor, dim: int, *, plan=None):
         *view.strides[0],
         BLOCK_L=block_l,
         BLOCK_I=block_i,
-        num_warps=4,
+        num_warps=SPLIT_WARPS,
     )
     return m, s, view, plan
 
@@ -222,7 +225,7 @@ def _softmax_fwd(x: torch.Tensor, dim: int) -> torch.Tensor:
         *view.strides[1],
         BLOCK_L=block_l,
         BLOCK_I=block_i,
-        num_warps=4,
+        num_warps=SPLIT_WARPS,
     )
     return y
 
@@ -270,7 +273,7 @@ def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
         *gs,
         BLOCK_L=block_l,
         BLOCK_I=block_i,
-        num_warps=4,
+        num_warps=SPLIT_WARPS,
     )
     launch(K.softmax_bwd_apply_kernel)[grid](
         y,
@@ -287,7 +290,7 @@ def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
         *ds,
         BLOCK_L=block_l,
         BLOCK_I=block_i,
-        num_warps=4,
+        num_warps=SPLIT_WARPS,
     )
     return dx
 

@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""Run one package's benchmark suite and render its results. Standard library + PYTHONPATH only,
+so it works from a source checkout on an offline GPU machine (no uv, no nox).
+
+    python ci/bench.py act                  # full suite on the GPU -> packages/act/benchmarks/results/
+    python ci/bench.py act -k "fwd and relu" # a subset (pytest -k)
+    python ci/bench.py act --render-only packages/act/benchmarks/results/NVIDIA-H100-80GB-HBM3.json
+
+Writes results/<GPU>.json (pytest-benchmark JSON), results/<GPU>.md (seed-style tables: one column
+per provider, speed and memory, fwd and bwd, plus GB/s or TFLOP/s) and results/<GPU>.png (a plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC_PATHS = [ROOT / "shared" / "src", *sorted(ROOT.glob("packages/*/src"))]
+
+
+def source_env() -> dict:
+    env = dict(os.environ)
+    paths = [str(p) for p in SRC_PATHS]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def run_suite(package: str, json_path: Path, extra: list[str]) -> int:
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "kernelkit.shared.pytest_plugin",
+        str(ROOT / "packages" / package / "benchmarks"),
+        "-q",
+        "--benchmark-json",
+        str(json_path),
+        "--benchmark-columns=median,iqr,rounds",
+        *extra,
+    ]
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.call(cmd, cwd=ROOT, env=source_env())
+
+
+def render(package: str, runs: list[dict], results: Path) -> Path:
+    sys.path.insert(0, str(ROOT / "shared" / "src"))
+    from kernelkit.shared.report import render_markdown, render_plot
+
+    gpu = runs[0].get("machine_info", {}).get("kernelkit", {}).get("gpu", "unknown")
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-")
+    results.mkdir(parents=True, exist_ok=True)
+    md = render_markdown(runs, f"{package} benchmarks on {gpu}")
+    (results / f"{slug}.md").write_text(md + "\n")
+    if render_plot(runs, results / f"{slug}.png", f"{package} on {gpu}"):
+        print(f"wrote {results / (slug + '.png')}")
+    print(md)
+    return results / f"{slug}.md"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("package", help="folder name under packages/, e.g. act or lrpe-rotate")
+    ap.add_argument("-k", help="pytest -k expression selecting a subset")
+    ap.add_argument(
+        "--render-only", nargs="+", metavar="JSON", help="render saved JSON, run nothing"
+    )
+    ap.add_argument(
+        "--results", help="output folder (default packages/<package>/benchmarks/results)"
+    )
+    args, extra = ap.parse_known_args()
+    results = (
+        Path(args.results)
+        if args.results
+        else ROOT / "packages" / args.package / "benchmarks" / "results"
+    )
+    if args.render_only:
+        runs = [json.loads(Path(p).read_text()) for p in args.render_only]
+        render(args.package, runs, results)
+        return 0
+    if args.k:
+        extra += ["-k", args.k]
+    with tempfile.TemporaryDirectory() as tmp:
+        json_path = Path(tmp) / "run.json"
+        rc = run_suite(args.package, json_path, extra)
+        if not json_path.exists():
+            print(f"no benchmark JSON written (pytest exit code {rc})", file=sys.stderr)
+            return rc or 1
+        run = json.loads(json_path.read_text())
+    gpu = run.get("machine_info", {}).get("kernelkit", {}).get("gpu", "unknown")
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-")
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{slug}.json").write_text(json.dumps(run, indent=1) + "\n")
+    render(args.package, [run], results)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
