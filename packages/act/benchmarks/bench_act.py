@@ -13,7 +13,7 @@ import torch
 
 from kernelkit.act import act
 from kernelkit.act.reference import act_reference
-from kernelkit.shared.bench import record
+from kernelkit.shared.bench import record, torch_compile
 
 GPU = torch.cuda.is_available()
 B, H, D = (12, 12, 128) if GPU else (1, 2, 16)
@@ -32,8 +32,7 @@ PROVIDERS = ["triton", "torch", "torch_compile"]
 
 @functools.cache
 def compiled(a, dim):
-    backend = "inductor" if GPU else "aot_eager"
-    return torch.compile(functools.partial(act_reference, act=a, dim=dim), backend=backend)
+    return torch_compile(functools.partial(act_reference, act=a, dim=dim))
 
 
 def fn_for(provider, a, dim):

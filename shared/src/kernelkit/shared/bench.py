@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["bench_ms", "copy_bandwidth_gbs", "peak_memory_mb", "record"]
+__all__ = ["bench_ms", "copy_bandwidth_gbs", "peak_memory_mb", "record", "torch_compile"]
 
 
 def _sync() -> None:
@@ -113,3 +113,23 @@ def record(
 
     rounds = max(5, min(50, int(100.0 / max(ms, 1e-3))))
     benchmark.pedantic(timed, setup=setup, rounds=rounds, warmup_rounds=1, iterations=1)
+
+
+def torch_compile(fn: Callable) -> Callable:
+    """The `torch_compile` benchmark provider: `torch.compile(fn)` specialised per shape.
+
+    A suite sweeps many sizes and cases through one reference function; dynamo keys its cache
+    on the code object, so the default recompile limit would silently fall back to eager
+    partway through. Limits are raised and shapes are static, as for a fixed-shape model.
+    """
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), 4096))
+    if hasattr(dynamo_config, "accumulated_recompile_limit"):
+        dynamo_config.accumulated_recompile_limit = max(
+            dynamo_config.accumulated_recompile_limit, 65536
+        )
+    backend = "inductor" if torch.cuda.is_available() else "aot_eager"
+    return torch.compile(fn, dynamic=False, backend=backend)

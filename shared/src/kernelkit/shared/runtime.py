@@ -5,17 +5,24 @@ kernels (`wrap_triton`). Under the Triton interpreter (`TRITON_INTERPRET=1`, CPU
 `triton_op` cannot wrap interpreted kernels, so the same function is registered as a
 `custom_op` whose fake implementation is the function itself with kernel launches skipped.
 Either way one Python function is the implementation, the fake and the traced body.
+
+Eager calls skip the dispatcher: the torch.library path costs tens of microseconds per call
+(more through autograd), which dominates small launches. `define_op` therefore returns a
+`KernelOp` that, on plain tensors outside torch.compile, runs the function directly (through a
+`torch.autograd.Function` built from the same backward/setup_context once autograd is
+registered) and otherwise calls the registered op. Both paths run the same code.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["define_op", "interpreting", "launch", "use_triton"]
+__all__ = ["KernelOp", "define_op", "interpreting", "launch", "use_triton"]
 
 
 def interpreting() -> bool:
@@ -72,22 +79,92 @@ class _InterpretedLauncher:
         return run
 
 
+def _eager(args) -> bool:
+    """Plain tensors outside torch.compile/tracing: no dispatcher and no wrap_triton needed."""
+    if torch.compiler.is_compiling():
+        return False
+    return all(type(a) is torch.Tensor for a in args if isinstance(a, torch.Tensor))
+
+
+class _Launcher:
+    """`kernel[grid](...)`: the kernel itself on plain tensors, `wrap_triton` while tracing."""
+
+    def __init__(self, kernel):
+        self._kernel = kernel
+        self._wrapped = torch.library.wrap_triton(kernel)
+
+    def __getitem__(self, grid):
+        kernel, wrapped = self._kernel, self._wrapped
+
+        def run(*args, **kwargs):
+            if _eager(args):
+                return kernel[grid](*args, **kwargs)
+            return wrapped[grid](*args, **kwargs)
+
+        return run
+
+
+_launchers: dict[int, object] = {}
+
+
 def launch(kernel):
-    """Wrap a @triton.jit kernel for launching from inside a registered op."""
-    if interpreting():
-        return _InterpretedLauncher(kernel)
-    return torch.library.wrap_triton(kernel)
+    """Wrap a @triton.jit kernel for launching from inside an op defined with `define_op`."""
+    launcher = _launchers.get(id(kernel))
+    if launcher is None:
+        launcher = _InterpretedLauncher(kernel) if interpreting() else _Launcher(kernel)
+        _launchers[id(kernel)] = launcher  # kernels are module globals: ids stay valid
+    return launcher
 
 
-def define_op(qualname: str, *, mutates_args: Iterable[str] = ()) -> Callable:
-    """Decorator: register `fn` as the op `qualname` ("namespace::name")."""
+class KernelOp:
+    """An op registered with torch.library plus its dispatcher-free eager path.
+
+    Call it like the function. `.op` is the registered op (also `torch.ops.<ns>.<name>`), for
+    opcheck and for code that must go through the dispatcher.
+    """
+
+    def __init__(self, fn: Callable, op):
+        self.fn = fn
+        self.op = op
+        self._function = None
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args):
+        if _eager(args):
+            if (
+                self._function is not None
+                and torch.is_grad_enabled()
+                and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+            ):
+                return self._function.apply(*args)
+            return self.fn(*args)
+        return self.op(*args)
+
+    def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
+        """Same contract as `torch.library.register_autograd`; also builds the eager Function."""
+        self.op.register_autograd(backward, setup_context=setup_context)
+        fn = self.fn
+        self._function = type(
+            f"{fn.__name__}_function",
+            (torch.autograd.Function,),
+            {
+                "forward": staticmethod(fn),
+                "setup_context": staticmethod(setup_context),
+                "backward": staticmethod(backward),
+            },
+        )
+
+
+def define_op(qualname: str, *, mutates_args: Iterable[str] = ()) -> Callable[[Callable], KernelOp]:
+    """Decorator: register `fn` as the op `qualname` ("namespace::name"); returns a KernelOp."""
     mutates_args = tuple(mutates_args)
 
     def register(fn):
         if interpreting():
             op = torch.library.custom_op(qualname, mutates_args=mutates_args)(fn)
             op.register_fake(fn)
-            return op
-        return torch.library.triton_op(qualname, mutates_args=mutates_args)(fn)
+        else:
+            op = torch.library.triton_op(qualname, mutates_args=mutates_args)(fn)
+        return KernelOp(fn, op)
 
     return register

@@ -21,7 +21,8 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ELEMENTWISE_BLOCK = 4096
 ELEMENTWISE_WARPS = 8
 ROWS_MAX_L = 8192  # a softmax row up to this long is held by one program (single pass)
-TILE = 4096  # elements per (rows x cols) tile of the softmax kernels
+ROWS_TILE = 2048  # elements per (rows x L) tile of the single-pass row kernels
+SPLIT_TILE = 16384  # elements per (L x I) tile of the split-L kernels: more bytes in flight
 SPLIT_WARPS = 4  # warps of the split-L softmax kernels
 PROGRAMS_PER_SM = 8  # split-L: chunks are added until about this many programs per SM
 
@@ -130,7 +131,7 @@ class SoftmaxView:
 def _split_plan(view: SoftmaxView, device: torch.device):
     """(BLOCK_L, BLOCK_I, chunk, num_chunks) for the split-L softmax kernels."""
     block_i = min(triton.next_power_of_2(view.I), 128)
-    block_l = max(1, TILE // block_i)
+    block_l = max(1, SPLIT_TILE // block_i)
     programs = view.O0 * view.O1 * triton.cdiv(view.I, block_i)
     target = PROGRAMS_PER_SM * num_sms(device)
     chunks = max(1, min(triton.cdiv(target, programs), triton.cdiv(view.L, block_l)))
@@ -140,7 +141,7 @@ def _split_plan(view: SoftmaxView, device: torch.device):
 
 def _rows_plan(view: SoftmaxView):
     block_l = triton.next_power_of_2(view.L)
-    block_r = max(1, TILE // block_l)
+    block_r = max(1, ROWS_TILE // block_l)
     return block_r, block_l, (4 if block_r * block_l <= 2048 else 8)
 
 
