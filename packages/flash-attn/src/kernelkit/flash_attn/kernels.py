@@ -1,0 +1,601 @@
+"""Triton kernels of flash-attn: FlashAttention-2 forward and backward.
+
+Layout: q and o are (B, Nq, H, D), k and v (B, Nk, Hkv, D), read through runtime strides with a
+unit stride along D (the host makes D contiguous); the LSE and delta are (B, H, Nq) float32.
+Query head h reads kv head h // GROUP.
+
+Scores are kept in log2 units, s2 = (q . k) * scale * log2(e), so that exp2 replaces exp.
+Causal masking is bottom-right aligned: query i sees key j iff j <= i + SHIFT, SHIFT = Nk - Nq.
+Every kernel splits its key (or query) loop into blocks no mask can touch, walked without a
+mask, and the few blocks on the causal diagonal or past the end of a sequence, walked with one.
+
+Offsets: per-(batch, head) bases and block starts are 64-bit; offsets inside a block are 32-bit.
+A program id enumerates (sequence block, batch * head) with the block index fastest, so the
+programs that share one head's K/V (or Q/dO) run together and hit L2.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = 1.4426950408889634
+LN2: tl.constexpr = 0.6931471805599453
+
+
+@triton.jit
+def _load_rows(ptrs, rows, n_rows, offs_d, CHECK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Load a (rows x BLOCK_D) tile; masked only where rows can pass n_rows or D is padded."""
+    if CHECK_ROWS:
+        if offs_d.shape[0] != HEAD_DIM:
+            x = tl.load(
+                ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0
+            )
+        else:
+            x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    else:
+        if offs_d.shape[0] != HEAD_DIM:
+            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _store_rows(ptrs, x, rows, n_rows, offs_d, CHECK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    if CHECK_ROWS:
+        if offs_d.shape[0] != HEAD_DIM:
+            tl.store(ptrs, x, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+        else:
+            tl.store(ptrs, x, mask=rows[:, None] < n_rows)
+    else:
+        if offs_d.shape[0] != HEAD_DIM:
+            tl.store(ptrs, x, mask=offs_d[None, :] < HEAD_DIM)
+        else:
+            tl.store(ptrs, x)
+
+
+@triton.jit
+def _load_vec(ptrs, rows, n_rows, other, CHECK_ROWS: tl.constexpr):
+    if CHECK_ROWS:
+        x = tl.load(ptrs, mask=rows < n_rows, other=other)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _lse_log2(lse):
+    """Natural-log LSE -> log2 units; an empty row (-inf) becomes +inf so its p = exp2(s - lse) = 0."""
+    return tl.where(lse == -float("inf"), float("inf"), lse * LOG2E)
+
+
+@triton.jit
+def _program_ids(num_blocks, REVERSE: tl.constexpr):
+    """(block index, batch * head index) of this program; REVERSE starts with the last blocks
+    (the longest causal rows), which balances the tail of the launch."""
+    pid = tl.program_id(0)
+    blk = pid % num_blocks
+    if REVERSE:
+        blk = num_blocks - 1 - blk
+    return blk, pid // num_blocks
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_steps(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_base,
+    v_base,
+    stride_kn,
+    stride_vn,
+    rows,
+    lo,
+    hi,
+    Nk,
+    shift,
+    qk_scale,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    CHECK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Online-softmax accumulation of key blocks [lo, hi). MASK: apply the causal and
+    end-of-sequence masks (the scores of hidden keys are -inf)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_ptrs = (
+        k_base + tl.cast(lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
+    )
+    v_ptrs = (
+        v_base + tl.cast(lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
+    )
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        k = _load_rows(k_ptrs, cols, Nk, offs_d, CHECK_N, HEAD_DIM)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        if MASK:
+            if CAUSAL:
+                keep = cols[None, :] <= rows[:, None] + shift
+                if CHECK_N:
+                    keep = keep & (cols[None, :] < Nk)
+            else:
+                keep = cols[None, :] < Nk
+            qk = tl.where(keep, qk * qk_scale, -float("inf"))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            # A row that has seen no key yet keeps m = -inf; shift it by 0 to avoid inf - inf.
+            m_use = tl.where(m_ij == -float("inf"), 0.0, m_ij)
+            p = tl.math.exp2(qk - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
+        else:
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+            alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = _load_rows(v_ptrs, cols, Nk, offs_d, CHECK_N, HEAD_DIM)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+        m_i = m_ij
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["Nq", "Nk"])
+def attn_fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    stride_qb,
+    stride_qn,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_ob,
+    stride_on,
+    stride_oh,
+    H,
+    GROUP,
+    Nq,
+    Nk,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    pid_m, bh = _program_ids(tl.cdiv(Nq, BLOCK_M), CAUSAL)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    hk = (h // GROUP).to(tl.int64)
+    h = h.to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    q_ptrs = Q + b * stride_qb + h * stride_qh + start_m.to(tl.int64) * stride_qn
+    q_ptrs = q_ptrs + offs_m[:, None] * stride_qn + offs_d[None, :]
+    q = _load_rows(q_ptrs, rows, Nq, offs_d, not EVEN_M, HEAD_DIM)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+    shift = Nk - Nq
+    if CAUSAL:
+        # Key blocks every row of this block sees in full, then the diagonal ones.
+        full_hi = tl.maximum(start_m + shift + 1, 0) // BLOCK_N * BLOCK_N
+        hi = tl.minimum(start_m + BLOCK_M + shift, Nk)
+    else:
+        full_hi = Nk // BLOCK_N * BLOCK_N
+        hi = Nk
+    acc, l_i, m_i = _fwd_steps(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, rows, 0, full_hi, Nk, shift,
+        qk_scale, False, CAUSAL, False, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC,
+    )  # fmt: skip
+    if CAUSAL or not EVEN_N:
+        acc, l_i, m_i = _fwd_steps(
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, rows, full_hi, hi, Nk,
+            shift, qk_scale, True, CAUSAL, not EVEN_N, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC,
+        )  # fmt: skip
+
+    # A row that sees no key (causal, Nq > Nk) has l = 0: output zeros and LSE = -inf.
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_ptrs = O + b * stride_ob + h * stride_oh + start_m.to(tl.int64) * stride_on
+    o_ptrs = o_ptrs + offs_m[:, None] * stride_on + offs_d[None, :]
+    _store_rows(o_ptrs, o.to(O.dtype.element_ty), rows, Nq, offs_d, not EVEN_M, HEAD_DIM)
+    lse = (m_i + tl.math.log2(l_i)) * LN2
+    lse_ptrs = LSE + bh.to(tl.int64) * Nq + rows
+    if EVEN_M:
+        tl.store(lse_ptrs, lse)
+    else:
+        tl.store(lse_ptrs, lse, mask=rows < Nq)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["Nq"])
+def attn_bwd_preprocess_kernel(
+    O,
+    DO,
+    DLSE,
+    DELTA,
+    stride_ob,
+    stride_on,
+    stride_oh,
+    stride_dob,
+    stride_don,
+    stride_doh,
+    H,
+    Nq,
+    HAS_DLSE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """delta = rowsum(o * do) - dlse (dlse: the gradient flowing into the returned LSE)."""
+    pid_m, bh = _program_ids(tl.cdiv(Nq, BLOCK_M), False)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    o_ptrs = O + b * stride_ob + h * stride_oh + start_m.to(tl.int64) * stride_on
+    o = _load_rows(
+        o_ptrs + offs_m[:, None] * stride_on + offs_d[None, :], rows, Nq, offs_d, True, HEAD_DIM
+    )
+    do_ptrs = DO + b * stride_dob + h * stride_doh + start_m.to(tl.int64) * stride_don
+    do = _load_rows(
+        do_ptrs + offs_m[:, None] * stride_don + offs_d[None, :], rows, Nq, offs_d, True, HEAD_DIM
+    )
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    vec = bh.to(tl.int64) * Nq + rows
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + vec, mask=rows < Nq, other=0.0)
+    tl.store(DELTA + vec, delta, mask=rows < Nq)
+
+
+@triton.jit
+def _dkdv_steps(
+    dk,
+    dv,
+    k,
+    v,
+    q_base,
+    do_base,
+    lse_base,
+    delta_base,
+    stride_qn,
+    stride_don,
+    cols,
+    lo,
+    hi,
+    Nq,
+    shift,
+    qk_scale,
+    MASK: tl.constexpr,
+    CHECK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Accumulate dk, dv of one key block over the query blocks [lo, hi), in the transposed
+    (key x query) orientation. Query rows past Nq load q = do = 0 and LSE = +inf, so their p is 0
+    and they add nothing; MASK applies the causal mask."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_ptrs = (
+        q_base + tl.cast(lo, tl.int64) * stride_qn + offs_m[:, None] * stride_qn + offs_d[None, :]
+    )
+    do_ptrs = (
+        do_base
+        + tl.cast(lo, tl.int64) * stride_don
+        + offs_m[:, None] * stride_don
+        + offs_d[None, :]
+    )
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m
+        q = _load_rows(q_ptrs, rows, Nq, offs_d, CHECK_M, HEAD_DIM)
+        lse2 = _lse_log2(_load_vec(lse_base + rows, rows, Nq, float("inf"), CHECK_M))
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
+        p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
+        if MASK:
+            p_t = tl.where(cols[:, None] <= rows[None, :] + shift, p_t, 0.0)
+        do = _load_rows(do_ptrs, rows, Nq, offs_d, CHECK_M, HEAD_DIM)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+        delta = _load_vec(delta_base + rows, rows, Nq, 0.0, CHECK_M)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+        q_ptrs += BLOCK_M * stride_qn
+        do_ptrs += BLOCK_M * stride_don
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["Nq", "Nk"])
+def attn_bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    stride_qb,
+    stride_qn,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_dob,
+    stride_don,
+    stride_doh,
+    stride_dkb,
+    stride_dkn,
+    stride_dkh,
+    stride_dvb,
+    stride_dvn,
+    stride_dvh,
+    H,
+    Hkv,
+    GROUP,
+    Nq,
+    Nk,
+    qk_scale,
+    sm_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """dk, dv of one key block of one kv head. With GQA the program loops over the GROUP query
+    heads that read this kv head, so their contributions add up in a fixed order (deterministic,
+    no atomics)."""
+    pid_n, bhk = _program_ids(tl.cdiv(Nk, BLOCK_N), False)
+    b = (bhk // Hkv).to(tl.int64)
+    hk = bhk % Hkv
+    start_n = pid_n * BLOCK_N
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_ptrs = K + b * stride_kb + hk.to(tl.int64) * stride_kh + start_n.to(tl.int64) * stride_kn
+    k = _load_rows(
+        k_ptrs + offs_n[:, None] * stride_kn + offs_d[None, :],
+        cols,
+        Nk,
+        offs_d,
+        not EVEN_N,
+        HEAD_DIM,
+    )
+    v_ptrs = V + b * stride_vb + hk.to(tl.int64) * stride_vh + start_n.to(tl.int64) * stride_vn
+    v = _load_rows(
+        v_ptrs + offs_n[:, None] * stride_vn + offs_d[None, :],
+        cols,
+        Nk,
+        offs_d,
+        not EVEN_N,
+        HEAD_DIM,
+    )
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    shift = Nk - Nq
+    if CAUSAL:
+        # Query blocks that see part of this key block (masked), then those that see all of it.
+        m_lo = tl.maximum(start_n - shift, 0) // BLOCK_M * BLOCK_M
+        m_full = tl.maximum(start_n + BLOCK_N - 1 - shift, m_lo)
+        m_full = tl.minimum((m_full + BLOCK_M - 1) // BLOCK_M * BLOCK_M, Nq)
+    else:
+        m_lo = 0
+        m_full = 0
+    for g in range(GROUP):
+        h = (hk * GROUP + g).to(tl.int64)
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = DO + b * stride_dob + h * stride_doh
+        vec_base = (b * H + h) * Nq
+        if CAUSAL:
+            dk, dv = _dkdv_steps(
+                dk, dv, k, v, q_base, do_base, LSE + vec_base, DELTA + vec_base, stride_qn,
+                stride_don, cols, m_lo, m_full, Nq, shift, qk_scale, True, not EVEN_M,
+                HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC,
+            )  # fmt: skip
+        dk, dv = _dkdv_steps(
+            dk, dv, k, v, q_base, do_base, LSE + vec_base, DELTA + vec_base, stride_qn,
+            stride_don, cols, m_full, Nq, Nq, shift, qk_scale, False, not EVEN_M,
+            HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC,
+        )  # fmt: skip
+
+    dk *= sm_scale
+    dk_ptrs = DK + b * stride_dkb + hk.to(tl.int64) * stride_dkh + start_n.to(tl.int64) * stride_dkn
+    _store_rows(
+        dk_ptrs + offs_n[:, None] * stride_dkn + offs_d[None, :],
+        dk.to(DK.dtype.element_ty), cols, Nk, offs_d, not EVEN_N, HEAD_DIM,
+    )  # fmt: skip
+    dv_ptrs = DV + b * stride_dvb + hk.to(tl.int64) * stride_dvh + start_n.to(tl.int64) * stride_dvn
+    _store_rows(
+        dv_ptrs + offs_n[:, None] * stride_dvn + offs_d[None, :],
+        dv.to(DV.dtype.element_ty), cols, Nk, offs_d, not EVEN_N, HEAD_DIM,
+    )  # fmt: skip
+
+
+@triton.jit
+def _dq_steps(
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    k_base,
+    v_base,
+    stride_kn,
+    stride_vn,
+    rows,
+    lo,
+    hi,
+    Nk,
+    shift,
+    qk_scale,
+    MASK: tl.constexpr,
+    CHECK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Accumulate dq of one query block over the key blocks [lo, hi). Keys past Nk load
+    k = v = 0 and so add nothing to dq; MASK applies the causal mask."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_ptrs = (
+        k_base + tl.cast(lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
+    )
+    v_ptrs = (
+        v_base + tl.cast(lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
+    )
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        k = _load_rows(k_ptrs, cols, Nk, offs_d, CHECK_N, HEAD_DIM)
+        v = _load_rows(v_ptrs, cols, Nk, offs_d, CHECK_N, HEAD_DIM)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if MASK:
+            p = tl.where(cols[None, :] <= rows[:, None] + shift, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return dq
+
+
+@triton.jit(do_not_specialize=["Nq", "Nk"])
+def attn_bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    stride_qb,
+    stride_qn,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_dob,
+    stride_don,
+    stride_doh,
+    stride_dqb,
+    stride_dqn,
+    stride_dqh,
+    H,
+    GROUP,
+    Nq,
+    Nk,
+    qk_scale,
+    sm_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """dq of one query block: a pass over the key blocks of its own (no atomics)."""
+    pid_m, bh = _program_ids(tl.cdiv(Nq, BLOCK_M), CAUSAL)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    hk = (h // GROUP).to(tl.int64)
+    h = h.to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_ptrs = Q + b * stride_qb + h * stride_qh + start_m.to(tl.int64) * stride_qn
+    q = _load_rows(
+        q_ptrs + offs_m[:, None] * stride_qn + offs_d[None, :],
+        rows,
+        Nq,
+        offs_d,
+        not EVEN_M,
+        HEAD_DIM,
+    )
+    do_ptrs = DO + b * stride_dob + h * stride_doh + start_m.to(tl.int64) * stride_don
+    do = _load_rows(
+        do_ptrs + offs_m[:, None] * stride_don + offs_d[None, :],
+        rows,
+        Nq,
+        offs_d,
+        not EVEN_M,
+        HEAD_DIM,
+    )
+    vec = bh.to(tl.int64) * Nq + rows
+    lse2 = _lse_log2(_load_vec(LSE + vec, rows, Nq, float("inf"), not EVEN_M))
+    delta = _load_vec(DELTA + vec, rows, Nq, 0.0, not EVEN_M)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    shift = Nk - Nq
+    if CAUSAL:
+        full_hi = tl.maximum(start_m + shift + 1, 0) // BLOCK_N * BLOCK_N
+        dq = _dq_steps(
+            dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, 0, full_hi, Nk,
+            shift, qk_scale, False, False, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC,
+        )  # fmt: skip
+        hi = tl.minimum(start_m + BLOCK_M + shift, Nk)
+        dq = _dq_steps(
+            dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, full_hi, hi, Nk,
+            shift, qk_scale, True, not EVEN_N, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC,
+        )  # fmt: skip
+    else:
+        dq = _dq_steps(
+            dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, 0, Nk, Nk,
+            shift, qk_scale, False, not EVEN_N, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC,
+        )  # fmt: skip
+
+    dq *= sm_scale
+    dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + start_m.to(tl.int64) * stride_dqn
+    _store_rows(
+        dq_ptrs + offs_m[:, None] * stride_dqn + offs_d[None, :],
+        dq.to(DQ.dtype.element_ty), rows, Nq, offs_d, not EVEN_M, HEAD_DIM,
+    )  # fmt: skip

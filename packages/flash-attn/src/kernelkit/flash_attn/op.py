@@ -1,0 +1,393 @@
+"""Validation, launch plans, torch.library registration and autograd for `flash_attn`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kernelkit.shared.runtime import define_op, interpreting, launch, use_triton
+
+from . import kernels as K
+from .reference import attention_reference
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+
+def validate(q, k, v, causal, softmax_scale) -> float:
+    """Check the arguments of `flash_attn`; returns the softmax scale to use."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if q.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"q: dtype must be float16, bfloat16 or float32, got {q.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: on device {t.device}, but q is on {q.device}")
+    if q.dim() not in (3, 4):
+        raise ValueError(f"q: expected shape (B, Nq, H, D) or (B, Nq, D), got {tuple(q.shape)}")
+    layout = "(B, Nk, Hkv, D)" if q.dim() == 4 else "(B, Nk, D)"
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != q.dim():
+            raise ValueError(f"{name}: expected {layout} like q, got shape {tuple(t.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)} {layout}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k: batch size {k.shape[0]} differs from q's {q.shape[0]}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k: head dim {k.shape[-1]} differs from q's {q.shape[-1]}")
+    d = q.shape[-1]
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"q: head dim D={d} outside {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
+    if q.shape[1] < 1:
+        raise ValueError("q: the query sequence is empty (Nq must be >= 1)")
+    if k.shape[1] < 1:
+        raise ValueError("k: the key sequence is empty (Nk must be >= 1)")
+    if q.dim() == 4:
+        h, hkv = q.shape[2], k.shape[2]
+        if h < 1 or hkv < 1:
+            raise ValueError(f"q, k: need at least one head, got H={h}, Hkv={hkv}")
+        if h % hkv:
+            raise ValueError(f"k: q's H={h} heads are not a multiple of k/v's Hkv={hkv} heads")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal: expected a bool, got {type(causal).__name__}")
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise ValueError(f"softmax_scale: expected a float, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale: must be finite, got {softmax_scale}")
+    return float(softmax_scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch plans
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Tile of one kernel: BLOCK_M query rows x BLOCK_N keys, warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+
+
+# Hopper (H100) tiles by BLOCK_D for half-precision inputs; benchmarks/tune.py compares
+# alternatives and NOTES.md records the measurements behind these choices.
+FWD_TILES = {
+    16: Tile(128, 64, 4, 3),
+    32: Tile(128, 64, 4, 3),
+    64: Tile(128, 64, 4, 3),
+    128: Tile(128, 64, 8, 3),
+    256: Tile(64, 32, 4, 2),
+}
+# dk/dv: BLOCK_N keys held by the program, BLOCK_M query rows per step.
+DKDV_TILES = {
+    16: Tile(64, 128, 8, 2),
+    32: Tile(64, 128, 8, 2),
+    64: Tile(64, 128, 8, 2),
+    128: Tile(64, 128, 8, 2),
+    256: Tile(32, 64, 8, 1),
+}
+# dq: BLOCK_M query rows held by the program, BLOCK_N keys per step.
+DQ_TILES = {
+    16: Tile(128, 64, 8, 2),
+    32: Tile(128, 64, 8, 2),
+    64: Tile(128, 64, 8, 2),
+    128: Tile(128, 64, 8, 2),
+    256: Tile(64, 32, 8, 1),
+}
+# Optional per-(BLOCK_D, causal) overrides of the tables above (filled from tuning).
+FWD_TILES_CAUSAL: dict[int, Tile] = {}
+# float32 operands take twice the registers and shared memory: smaller tiles.
+FP32_FWD = {16: Tile(64, 32, 4, 2), 32: Tile(64, 32, 4, 2), 64: Tile(64, 32, 4, 2)}
+FP32_FWD_DEFAULT = Tile(32, 32, 4, 1)
+FP32_BWD = Tile(32, 32, 4, 1)
+PREPROCESS_BLOCK_M = 64
+# Under the interpreter: small, unequal tiles so that tests at small N still walk several
+# blocks, the causal diagonal and the sequence ends in every kernel.
+INTERPRETER_FWD = Tile(32, 16, 4, 1)
+INTERPRETER_DKDV = Tile(16, 32, 4, 1)
+INTERPRETER_DQ = Tile(32, 16, 4, 1)
+
+
+@dataclass(frozen=True)
+class Plan:
+    fwd: Tile
+    dkdv: Tile
+    dq: Tile
+
+
+def block_d_for(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def plan_for(d: int, causal: bool, dtype: torch.dtype) -> Plan:
+    """The tiles used for head dim d (padded to a power of two), causal or not, dtype."""
+    if interpreting():
+        return Plan(INTERPRETER_FWD, INTERPRETER_DKDV, INTERPRETER_DQ)
+    bd = block_d_for(d)
+    if dtype == torch.float32:
+        return Plan(FP32_FWD.get(bd, FP32_FWD_DEFAULT), FP32_BWD, FP32_BWD)
+    fwd = (FWD_TILES_CAUSAL.get(bd) if causal else None) or FWD_TILES[bd]
+    return Plan(fwd, DKDV_TILES[bd], DQ_TILES[bd])
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs: three tf32 products per dot (about float32 accuracy, at a third of the
+    tf32 rate); half precision ignores the setting."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def _unit_d(t: torch.Tensor) -> torch.Tensor:
+    """The kernels read D with unit stride; any other layout of the last dim is copied."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _strides3(t: torch.Tensor):
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def forward(q, k, v, causal: bool, scale: float, plan: Plan | None = None):
+    """(o, lse) for 4-D q (B, Nq, H, D), k/v (B, Nk, Hkv, D); launches only (no autograd)."""
+    q, k, v = _unit_d(q), _unit_d(k), _unit_d(v)
+    b, nq, h, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    o = torch.empty((b, nq, h, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
+    if b == 0:
+        return o, lse
+    plan = plan or plan_for(d, causal, q.dtype)
+    t = plan.fwd
+    grid = (triton.cdiv(nq, t.block_m) * b * h,)
+    launch(K.attn_fwd_kernel)[grid](
+        q,
+        k,
+        v,
+        o,
+        lse,
+        *_strides3(q),
+        *_strides3(k),
+        *_strides3(v),
+        *_strides3(o),
+        h,
+        h // hkv,
+        nq,
+        nk,
+        scale * LOG2E,
+        HEAD_DIM=d,
+        BLOCK_D=block_d_for(d),
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        CAUSAL=causal,
+        EVEN_M=nq % t.block_m == 0,
+        EVEN_N=nk % t.block_n == 0,
+        DOT_PREC=dot_precision(q.dtype),
+        num_warps=t.warps,
+        num_stages=t.stages,
+    )
+    return o, lse
+
+
+def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan | None = None):
+    """(dq, dk, dv) from the saved q, k, v, o, lse; dlse (or None) is the LSE's gradient."""
+    do, q, k, v, o = (_unit_d(t) for t in (do, q, k, v, o))
+    b, nq, h, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if b == 0:
+        return dq, dk, dv
+    plan = plan or plan_for(d, causal, q.dtype)
+    bd = block_d_for(d)
+    prec = dot_precision(q.dtype)
+    lse = lse.contiguous()
+    delta = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
+    pre_m = INTERPRETER_FWD.block_m if interpreting() else PREPROCESS_BLOCK_M
+    launch(K.attn_bwd_preprocess_kernel)[(triton.cdiv(nq, pre_m) * b * h,)](
+        o,
+        do,
+        delta if dlse is None else dlse.contiguous(),
+        delta,
+        *_strides3(o),
+        *_strides3(do),
+        h,
+        nq,
+        HAS_DLSE=dlse is not None,
+        HEAD_DIM=d,
+        BLOCK_D=bd,
+        BLOCK_M=pre_m,
+        num_warps=4,
+    )
+    t = plan.dkdv
+    launch(K.attn_bwd_dkdv_kernel)[(triton.cdiv(nk, t.block_n) * b * hkv,)](
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dk,
+        dv,
+        *_strides3(q),
+        *_strides3(k),
+        *_strides3(v),
+        *_strides3(do),
+        *_strides3(dk),
+        *_strides3(dv),
+        h,
+        hkv,
+        h // hkv,
+        nq,
+        nk,
+        scale * LOG2E,
+        scale,
+        HEAD_DIM=d,
+        BLOCK_D=bd,
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        CAUSAL=causal,
+        EVEN_M=nq % t.block_m == 0,
+        EVEN_N=nk % t.block_n == 0,
+        DOT_PREC=prec,
+        num_warps=t.warps,
+        num_stages=t.stages,
+    )
+    t = plan.dq
+    launch(K.attn_bwd_dq_kernel)[(triton.cdiv(nq, t.block_m) * b * h,)](
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dq,
+        *_strides3(q),
+        *_strides3(k),
+        *_strides3(v),
+        *_strides3(do),
+        *_strides3(dq),
+        h,
+        h // hkv,
+        nq,
+        nk,
+        scale * LOG2E,
+        scale,
+        HEAD_DIM=d,
+        BLOCK_D=bd,
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        CAUSAL=causal,
+        EVEN_M=nq % t.block_m == 0,
+        EVEN_N=nk % t.block_n == 0,
+        DOT_PREC=prec,
+        num_warps=t.warps,
+        num_stages=t.stages,
+    )
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# Registered ops
+# ---------------------------------------------------------------------------------------------
+
+
+@define_op("kernelkit_flash_attn::attn_fwd")
+def attn_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not use_triton(q):
+        o, lse = attention_reference(q, k, v, causal, scale, return_lse=True)
+        return o, lse.float()
+    return forward(q, k, v, causal, scale)
+
+
+@define_op("kernelkit_flash_attn::attn_bwd")
+def attn_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not use_triton(q):
+        with torch.enable_grad():
+            qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
+            o_r, lse_r = attention_reference(qr, kr, vr, causal, scale, return_lse=True)
+            outs, grads = [o_r], [do]
+            if dlse is not None:
+                outs.append(lse_r)
+                grads.append(dlse.to(lse_r.dtype))
+            dq, dk, dv = torch.autograd.grad(outs, (qr, kr, vr), grads)
+        return dq, dk, dv
+    return backward(do, q, k, v, o, lse, dlse, causal, scale)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, causal, scale = inputs
+    o, lse = output
+    ctx.causal, ctx.scale = causal, scale
+    ctx.save_for_backward(q, k, v, o, lse)
+    # An unused output's gradient arrives as None instead of a tensor of zeros.
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(o)
+    dq, dk, dv = attn_bwd(do, q, k, v, o, lse, dlse, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+attn_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def flash_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+):
+    """Exact softmax attention, FlashAttention-2 style (the N x N scores never reach memory).
+
+    q (B, Nq, H, D), k/v (B, Nk, Hkv, D) with H % Hkv == 0 (query head h reads kv head
+    h // (H / Hkv)), or 3-D (B, N, D) tensors (one head). float16/bfloat16 (float32 accepted).
+    causal: query i sees keys j <= i + Nk - Nq; a row that sees no key outputs zeros.
+    Returns o like q, and with return_lse=True also the natural-log LSE (B, H, Nq) float32
+    ((B, Nq) for 3-D inputs; -inf on rows that see no key).
+    """
+    scale = validate(q, k, v, causal, softmax_scale)
+    three_d = q.dim() == 3
+    if three_d:
+        q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
+    if scale < 0:  # the kernels assume scale >= 0 (max of the raw scores); negate q instead
+        q, scale = -q, -scale
+    o, lse = attn_fwd(q, k, v, causal, scale)
+    if three_d:
+        o, lse = o.squeeze(2), lse.squeeze(1)
+    return (o, lse) if return_lse else o
+
+
+__all__ = ["attn_bwd", "attn_fwd", "backward", "flash_attn", "forward", "plan_for", "validate"]

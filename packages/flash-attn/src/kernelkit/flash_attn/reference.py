@@ -1,0 +1,65 @@
+"""PyTorch reference of `flash_attn`: the test oracle (run on float64 inputs), the CPU fallback
+and the "torch" benchmark provider (eager attention that materialises the score matrix).
+
+The matmuls run in the input dtype (PyTorch accumulates half precision in float32) and the
+softmax in float32 inside torch.softmax, the way eager attention is usually written.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def causal_visible(nq: int, nk: int, device) -> torch.Tensor:
+    """(Nq, Nk) bool: query i sees key j iff j <= i + (Nk - Nq) (bottom-right aligned)."""
+    i = torch.arange(nq, device=device)[:, None]
+    j = torch.arange(nk, device=device)[None, :]
+    return j <= i + (nk - nq)
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+):
+    """softmax(q k^T * scale) v for q (B, Nq, H, D), k/v (B, Nk, Hkv, D), or 3-D (B, N, D).
+
+    Same contract as `flash_attn`: GQA by repeating kv heads, bottom-right causal mask, rows that
+    see no key give zeros (LSE -inf), natural-log LSE (B, H, Nq) (or (B, Nq)) in float32.
+    """
+    three_d = q.dim() == 3
+    if three_d:
+        q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    group = q.shape[2] // k.shape[2]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=2)
+        v = v.repeat_interleave(group, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    nq, nk = q.shape[1], k.shape[1]
+    empty = None
+    if causal:
+        visible = causal_visible(nq, nk, q.device)
+        s = s.masked_fill(~visible, -math.inf)
+        if nq > nk:  # the first Nq - Nk rows see no key: softmax them over zeros, then zero them
+            empty = ~visible.any(-1, keepdim=True)
+            s = s.masked_fill(empty, 0.0)
+    p = torch.softmax(s, dim=-1)
+    if empty is not None:
+        p = p.masked_fill(empty, 0.0)
+    o = torch.einsum("bhqk,bkhd->bqhd", p, v)
+    if three_d:
+        o = o.squeeze(2)
+    if not return_lse:
+        return o
+    lse = torch.logsumexp(s.float() if s.dtype != torch.float64 else s, dim=-1)
+    if empty is not None:
+        lse = lse.masked_fill(empty.squeeze(-1), -math.inf)
+    if three_d:
+        lse = lse.squeeze(1)
+    return o, lse
