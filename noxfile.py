@@ -127,7 +127,8 @@ def _fresh_env(session: nox.Session, path: Path, *install: str) -> set[str]:
     py = str(path / "bin" / "python")
     session.run("uv", "pip", "install", "-q", "--python", py, *install, external=True)
     frozen = session.run("uv", "pip", "freeze", "--python", py, external=True, silent=True)
-    return {line.split("==")[0].split(" @ ")[0].lower() for line in frozen.splitlines() if line}
+    pins = [line for line in frozen.splitlines() if "==" in line or " @ " in line]
+    return {line.split("==")[0].split(" @ ")[0].strip().lower() for line in pins}
 
 
 for _pkg in sorted(p.parent for p in ROOT.glob("packages/*/pyproject.toml")):

@@ -18,7 +18,7 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # Tile sizes (elements). Memory-bound: big enough for 16-byte accesses and several loads in
 # flight per thread, small enough to keep thousands of programs at benchmark sizes.
-ELEMENTWISE_BLOCK = 4096
+ELEMENTWISE_BLOCK = 2048
 ELEMENTWISE_WARPS = 8
 ROWS_MAX_L = 8192  # a softmax row up to this long is held by one program (single pass)
 ROWS_TILE = 2048  # elements per (rows x L) tile of the single-pass row kernels
