@@ -1,0 +1,421 @@
+"""lrpe_rotate: every act x theta form x dtype x offset x layout against a float64 reference,
+gradients of x and theta included.
+
+Runs the real Triton kernels: on the GPU when there is one, otherwise under the Triton
+interpreter (the kernelkit pytest plugin switches it on before the kernels are imported).
+"""
+
+import pytest
+import torch
+
+from kernelkit.lrpe_rotate import kernels as K
+from kernelkit.lrpe_rotate import lrpe_rotate
+from kernelkit.lrpe_rotate.op import rotate_bwd, rotate_fwd, seq_softmax_stats
+from kernelkit.lrpe_rotate.reference import lrpe_rotate_reference
+from kernelkit.shared.testing import assert_close
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (act, dim): every activation; softmax over D (dim=-1) and over the sequence (dim=1).
+ACT_CASES = [
+    ("none", None),
+    ("relu", None),
+    ("sigmoid", None),
+    ("silu", None),
+    ("softmax", -1),
+    ("softmax", 1),
+]
+THETA_FORMS = ["full", "single", "partial", "shared"]
+
+
+def case_id(c):
+    return c[0] if c[1] is None else f"{c[0]}{c[1]}"
+
+
+def make(shape, dtype, device, scale=2.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype).to(device)
+
+
+def make_theta(form, heads, d, device, seed=1):
+    """Frequencies of each form: full (H, D/2), single (H, 1), partial (H, E < D/2) and one row
+    shared by all heads (1, D/2). LRPE-style decay 10000^(-j/E) with a random scale per head."""
+    half = d // 2
+    rows = 1 if form == "shared" else heads
+    e = {"full": half, "shared": half, "single": 1, "partial": max(1, half // 2)}[form]
+    g = torch.Generator().manual_seed(seed)
+    base = 10000.0 ** (-torch.arange(e, dtype=torch.float64) / e)
+    scale = 0.5 + torch.rand(rows, 1, generator=g, dtype=torch.float64)
+    return (scale * base).float().to(device)
+
+
+def positions_offset(kind, batch, device):
+    if kind == "per_batch":
+        return torch.tensor([3, 100_000, 0, 77][:batch], device=device)
+    return kind
+
+
+def check(x, theta, offset=0, act="none", dim=None, theta_grad=True, dy=None):
+    """Forward, dx and dtheta vs float64 and vs PyTorch in x.dtype."""
+    x = x.detach().requires_grad_()
+    theta = theta.detach().requires_grad_(theta_grad)
+    y = lrpe_rotate(x, theta, offset, act, dim)
+    x64 = x.detach().double().requires_grad_()
+    th64 = theta.detach().double().requires_grad_(theta_grad)
+    y64 = lrpe_rotate_reference(x64, th64, offset, act, dim)
+    xl = x.detach().clone().requires_grad_()
+    thl = theta.detach().clone().requires_grad_(theta_grad)
+    yl = lrpe_rotate_reference(xl, thl, offset, act, dim)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert_close(y, y64, ref_lowp=yl, name=f"{act} forward")
+    if dy is None:
+        dy = make(x.shape, x.dtype, x.device, scale=1.0, seed=7)
+    y.backward(dy)
+    y64.backward(dy.double())
+    yl.backward(dy)
+    assert_close(x.grad, x64.grad, ref_lowp=xl.grad, name=f"{act} dx")
+    if theta_grad:
+        assert theta.grad.dtype == theta.dtype and theta.grad.shape == theta.shape
+        assert_close(theta.grad, th64.grad, ref_lowp=thl.grad, name=f"{act} dtheta")
+    else:
+        assert theta.grad is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Options: act x theta form x dtype, offsets, sizes
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", THETA_FORMS)
+@pytest.mark.parametrize("case", ACT_CASES, ids=case_id)
+def test_act_theta_forms_fp32(case, form, device):
+    """The full matrix on float32; D/2 = 9 is odd (masked pair lanes)."""
+    x = make((2, 33, 3, 18), torch.float32, device)
+    check(x, make_theta(form, 3, 18, device), 7, *case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", ACT_CASES, ids=case_id)
+def test_act_low_precision(case, dtype, device):
+    x = make((2, 33, 2, 16), dtype, device)
+    check(x, make_theta("full", 2, 16, device), 5, *case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("form", ["single", "partial"])
+def test_theta_forms_low_precision(form, dtype, device):
+    x = make((2, 17, 2, 16), dtype, device)
+    check(x, make_theta(form, 2, 16, device), 0, "silu")
+
+
+@pytest.mark.parametrize("offset", [0, 7, "per_batch", 100_000], ids=str)
+@pytest.mark.parametrize("case", [("silu", None), ("softmax", -1), ("softmax", 1)], ids=case_id)
+def test_offsets(case, offset, device):
+    """Large positions stay exact: angles are float32(theta) * float32(position)."""
+    x = make((3, 20, 2, 16), torch.float32, device)
+    check(x, make_theta("full", 2, 16, device), positions_offset(offset, 3, device), *case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_offset_every_dtype(dtype, device):
+    x = make((2, 9, 2, 32), dtype, device)
+    check(x, make_theta("full", 2, 32, device), 123_457, "none")
+
+
+def test_positions_beyond_float32_integers(device):
+    """Positions past 2**24 round to float32 before the product, as the reference defines."""
+    x = make((1, 5, 1, 8), torch.float32, device)
+    check(x, make_theta("full", 1, 8, device, seed=3) * 1e-3, 2**25 + 3, "none")
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_per_batch_offset_dtypes(dtype, device):
+    x = make((4, 11, 2, 8), torch.float32, device)
+    offsets = torch.tensor([0, 5, 1000, 99_999], dtype=dtype, device=device)
+    check(x, make_theta("full", 2, 8, device), offsets, "sigmoid")
+
+
+def test_per_batch_offset_matches_int_offset(device):
+    """Row b of a per-batch call equals an int-offset call at offset_b (same kernel math)."""
+    x = make((3, 13, 2, 16), torch.float32, device)
+    theta = make_theta("full", 2, 16, device)
+    offsets = [4, 0, 50_000]
+    y = lrpe_rotate(x, theta, torch.tensor(offsets, device=device), "silu")
+    for b, off in enumerate(offsets):
+        torch.testing.assert_close(y[b : b + 1], lrpe_rotate(x[b : b + 1], theta, off, "silu"))
+
+
+@pytest.mark.parametrize("n", [1, 33])
+@pytest.mark.parametrize("case", ACT_CASES, ids=case_id)
+def test_odd_sequence_lengths(case, n, device):
+    x = make((2, n, 2, 16), torch.float32, device)
+    check(x, make_theta("full", 2, 16, device), 3, *case)
+
+
+@pytest.mark.parametrize("case", [("silu", None), ("softmax", 1)], ids=case_id)
+def test_long_sequence_many_chunks(case, device):
+    """N = 1000: softmax over N combines many chunks (stats, sums) in both directions."""
+    x = make((1, 1000, 2, 8), torch.float32, device)
+    check(x, make_theta("full", 2, 8, device), 11, *case)
+
+
+@pytest.mark.parametrize("d", [2, 80])
+@pytest.mark.parametrize("case", [("none", None), ("softmax", -1), ("softmax", 1)], ids=case_id)
+def test_head_dims(case, d, device):
+    x = make((2, 9, 2, d), torch.bfloat16, device)
+    check(x, make_theta("full", 2, d, device), 1, *case)
+
+
+def test_partial_pairs_pass_through(device):
+    """Pairs j >= E are not rotated: y equals act(x) there, bit for bit."""
+    x = make((2, 7, 3, 16), torch.bfloat16, device)
+    theta = make_theta("partial", 3, 16, device)  # E = 4 of 8 pairs
+    y = lrpe_rotate(x, theta, 9, "relu")
+    rest = torch.cat([x[..., 4:8], x[..., 12:16]], -1).relu()
+    assert torch.equal(torch.cat([y[..., 4:8], y[..., 12:16]], -1), rest)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", [("none", None), ("silu", None), ("softmax", -1), ("softmax", 1)])
+def test_qkv_slice_read_in_place(case, device):
+    """The q slice of a fused qkv tensor (B, N, 3H, D) is read through its strides."""
+    qkv = make((2, 19, 3 * 2, 16), torch.bfloat16, device)
+    q = qkv[:, :, :2]
+    assert not q.is_contiguous()
+    check(q, make_theta("full", 2, 16, device), 4, *case)
+
+
+@pytest.mark.parametrize("case", [("sigmoid", None), ("softmax", -1), ("softmax", 1)])
+def test_transposed_input(case, device):
+    """(B, H, N, D) storage viewed as (B, N, H, D)."""
+    x = make((2, 3, 21, 16), torch.float16, device).transpose(1, 2)
+    check(x, make_theta("full", 3, 16, device), 2, *case)
+
+
+def test_strided_head_dim_and_theta(device):
+    """Elements of D not adjacent in memory; theta a transposed view."""
+    base = make((2, 9, 2, 32), torch.float32, device)
+    x = base[..., ::2]
+    theta = make_theta("full", 2, 16, device).t().contiguous().t()
+    assert x.stride(-1) == 2 and theta.stride(0) == 1
+    check(x, theta, 6, "silu")
+    check(x, theta, 6, "softmax", 1)
+
+
+@pytest.mark.parametrize("case", [("none", None), ("softmax", -1), ("softmax", 2), ("softmax", 1)])
+def test_three_dim_input(case, device):
+    """(B, N, D) without a head axis, theta (1, E); dim=2 is D for a 3-D x."""
+    x = make((3, 15, 16), torch.float32, device)
+    check(x, make_theta("shared", 1, 16, device), torch.tensor([1, 2, 3], device=device), *case)
+
+
+@pytest.mark.parametrize("case", [("silu", None), ("softmax", 1)], ids=case_id)
+def test_expanded_grad_output(case, device):
+    """y.sum().backward() hands the backward a stride-0 gradient."""
+    x = make((2, 9, 2, 8), torch.float32, device).requires_grad_()
+    theta = make_theta("full", 2, 8, device).requires_grad_()
+    lrpe_rotate(x, theta, 3, *case).sum().backward()
+    x64 = x.detach().double().requires_grad_()
+    th64 = theta.detach().double().requires_grad_()
+    lrpe_rotate_reference(x64, th64, 3, *case).sum().backward()
+    assert_close(x.grad, x64.grad, name="dx of sum")
+    assert_close(theta.grad, th64.grad, name="dtheta of sum")
+
+
+@pytest.mark.parametrize("theta_dtype", [torch.bfloat16, torch.float64])
+def test_theta_dtypes(theta_dtype, device):
+    """Lower (and higher) precision frequencies are read and upcast; dtheta keeps their dtype."""
+    x = make((2, 9, 2, 8), torch.float32, device)
+    theta = make_theta("full", 2, 8, device).to(theta_dtype).requires_grad_()
+    y = lrpe_rotate(x, theta, 3, "silu")
+    y.backward(torch.ones_like(y))
+    assert theta.grad.dtype == theta_dtype
+    ref = lrpe_rotate_reference(x.double(), theta.detach().float().double(), 3, "silu")
+    assert_close(y, ref, name="forward with theta in " + str(theta_dtype))
+
+
+def test_empty_inputs(device):
+    theta = make_theta("full", 2, 8, device).requires_grad_()
+    for shape in [(0, 5, 2, 8), (2, 0, 2, 8)]:
+        x = torch.zeros(shape, device=device, requires_grad=True)
+        for case in [("silu", None), ("softmax", 1)]:
+            y = lrpe_rotate(x, theta, 0, *case)
+            assert y.shape == shape
+            y.sum().backward()
+            assert x.grad.shape == shape
+            assert torch.equal(theta.grad, torch.zeros_like(theta))
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory: what the backward keeps
+# ---------------------------------------------------------------------------------------------
+
+
+def saved_numels(fn):
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sizes
+
+
+@pytest.mark.parametrize(
+    ("act", "dim", "theta_grad", "keeps_x"),
+    [
+        ("none", None, False, False),
+        ("none", None, True, True),
+        ("silu", None, False, True),
+        ("softmax", 1, False, True),
+    ],
+)
+def test_backward_keeps_only_x(act, dim, theta_grad, keeps_x, device):
+    x = make((2, 16, 2, 8), torch.float32, device).requires_grad_()
+    theta = make_theta("full", 2, 8, device).requires_grad_(theta_grad)
+    big = [n for n in saved_numels(lambda: lrpe_rotate(x, theta, 0, act, dim)) if n >= x.numel()]
+    assert big == ([x.numel()] if keeps_x else [])
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+
+def _args(device, **over):
+    args = {
+        "x": torch.ones(2, 4, 3, 8, device=device),
+        "theta": torch.ones(3, 4, device=device),
+        "offset": 0,
+        "act": "none",
+        "dim": None,
+    }
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize(
+    ("over", "match"),
+    [
+        ({"x": [1.0]}, "x: expected a torch.Tensor"),
+        ({"x": torch.ones(2, 4, 3, 8, dtype=torch.int32)}, "x: dtype"),
+        ({"x": torch.ones(2, 4, 3, 8, dtype=torch.float64)}, "x: dtype"),
+        ({"x": torch.ones(4, 8)}, "x: expected shape"),
+        ({"x": torch.ones(2, 4, 3, 7)}, "x: the head dim D must be even"),
+        ({"theta": torch.ones(3, 5)}, "theta: E=5"),
+        ({"theta": torch.ones(2, 4)}, "theta: has 2 rows"),
+        ({"theta": torch.ones(12)}, "theta: expected shape"),
+        ({"theta": torch.ones(3, 4, dtype=torch.int64)}, "theta: dtype"),
+        ({"offset": 1.5}, "offset: expected a Python int"),
+        ({"offset": True}, "offset: expected a Python int"),
+        ({"offset": torch.zeros(2)}, "offset: a tensor offset must have an integer dtype"),
+        ({"offset": torch.zeros(3, dtype=torch.int64)}, r"offset: a tensor offset must have shape"),
+        (
+            {"offset": torch.zeros((), dtype=torch.int64)},
+            r"offset: a tensor offset must have shape",
+        ),
+        ({"act": "gelu"}, "act: must be one of"),
+        ({"act": "relu", "dim": -1}, "dim: only softmax"),
+        ({"act": "softmax"}, "dim: softmax needs"),
+        ({"act": "softmax", "dim": 2}, "dim: softmax runs over D"),
+        ({"act": "softmax", "dim": 4}, "dim: softmax runs over D"),
+        ({"act": "softmax", "dim": 1.0}, "dim: softmax needs"),
+    ],
+)
+def test_errors(over, match, device):
+    args = _args(device)
+    for k, v in over.items():
+        args[k] = v.to(device) if isinstance(v, torch.Tensor) else v
+    with pytest.raises(ValueError, match=match):
+        lrpe_rotate(**args)
+
+
+def test_error_three_dim_needs_one_theta_row(device):
+    with pytest.raises(ValueError, match="theta: has 3 rows, expected 1 or 1"):
+        lrpe_rotate(torch.ones(2, 4, 8, device=device), torch.ones(3, 4, device=device))
+
+
+def test_error_mismatched_devices():
+    meta = torch.ones(3, 4, device="meta")
+    with pytest.raises(ValueError, match="theta: is on meta"):
+        lrpe_rotate(torch.ones(2, 4, 3, 8), meta)
+    with pytest.raises(ValueError, match="offset: is on meta"):
+        lrpe_rotate(
+            torch.ones(2, 4, 3, 8),
+            torch.ones(3, 4),
+            torch.zeros(2, dtype=torch.int64, device="meta"),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library and torch.compile
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["silu", "softmax", "softmax_seq"])
+def test_opcheck(kind, device):
+    x = make((2, 37, 2, 12), torch.float32, device)
+    theta = make_theta("full", 2, 12, device)
+    m = s = None
+    if kind == "softmax_seq":
+        torch.library.opcheck(seq_softmax_stats.op, (x,))
+        m, s = seq_softmax_stats(x)
+    offsets = torch.tensor([5, 70_000], device=device)
+    args = (x.requires_grad_(), theta.requires_grad_(), offsets, 0, kind, m, s)
+    torch.library.opcheck(rotate_fwd.op, args)
+    dy = make(x.shape, x.dtype, device, seed=3)
+    bwd = (x.detach(), dy, theta.detach(), None, 9, kind, m, s, True)
+    torch.library.opcheck(rotate_bwd.op, bwd)
+
+
+@pytest.mark.parametrize(("act", "dim"), [("silu", None), ("softmax", -1), ("softmax", 1)])
+def test_torch_compile_fullgraph(act, dim, device):
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    f = torch.compile(
+        lambda t, th: lrpe_rotate(t, th, 5, act, dim) * 2.0, fullgraph=True, backend=backend
+    )
+    x = make((2, 33, 3, 16), torch.float32, device).requires_grad_()
+    theta = make_theta("full", 3, 16, device).requires_grad_()
+    dy = make(x.shape, x.dtype, device, seed=5)
+    y = f(x, theta)
+    y.backward(dy)
+    x64 = x.detach().double().requires_grad_()
+    th64 = theta.detach().double().requires_grad_()
+    y64 = lrpe_rotate_reference(x64, th64, 5, act, dim) * 2.0
+    y64.backward(dy.double())
+    assert_close(y, y64, name="compiled forward")
+    assert_close(x.grad, x64.grad, name="compiled dx")
+    assert_close(theta.grad, th64.grad, name="compiled dtheta")
+
+
+def compiled_variants(kernel) -> int:
+    return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+
+@pytest.mark.gpu
+def test_no_recompilation_when_sizes_or_offset_change(device):
+    theta = make_theta("full", 4, 128, device).requires_grad_()
+    kernels = [K.rotate_fwd_kernel, K.rotate_bwd_kernel]
+
+    def run(b, n, offset):
+        x = make((b, n, 4, 128), torch.bfloat16, device).requires_grad_()
+        lrpe_rotate(x, theta, offset, "silu").sum().backward()
+
+    run(2, 64, 0)
+    before = [compiled_variants(k) for k in kernels]
+    for b, n, offset in [(3, 100, 7), (1, 1, 1), (5, 4097, 100_000), (2, 33, 16)]:
+        run(b, n, offset)
+    assert [compiled_variants(k) for k in kernels] == before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ACT_CASES, ids=case_id)
+def test_benchmark_shape(case, device):
+    """The benchmark's (12, N, 12, 128) bf16 with theta (12, 64), big enough for many groups."""
+    x = make((12, 2048, 12, 128), torch.bfloat16, device)
+    check(x, make_theta("full", 12, 128, device), 0, *case)
