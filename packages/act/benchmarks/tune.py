@@ -5,8 +5,6 @@
 Prints ms, GB/s and % of copy bandwidth per variant; the chosen defaults live in act/op.py.
 """
 
-import itertools
-
 import torch
 
 from kernelkit.act import act
@@ -24,19 +22,18 @@ def main():
     dy = torch.randn_like(x)
     nb = x.numel() * x.element_size()
     print(f"copy bandwidth {copy_bandwidth_gbs():.0f} GB/s; x = {nb / 2**30:.2f} GiB")
-    for tile, warps, pps in itertools.product([16384, 32768], [4, 8], [8, 16]):
-        act_op.SPLIT_TILE, act_op.SPLIT_WARPS, act_op.PROGRAMS_PER_SM = tile, warps, pps
-        row(
-            f"softmax-2 fwd TILE={tile} warps={warps} pps={pps}",
-            bench_ms(lambda: act(x, "softmax", -2)),
-            2 * nb,
-        )
+    variants = [(False, 16384, 4)] + [(True, t, w) for t in (16384, 32768) for w in (8, 16)]
+    for resident, tile, warps in variants:
+        act_op.RESIDENT, act_op.RESIDENT_TILE, act_op.RESIDENT_WARPS = resident, tile, warps
+        label = f"resident TILE={tile} warps={warps}" if resident else "split TILE=16384 warps=4"
+        row(f"softmax-2 fwd {label}", bench_ms(lambda: act(x, "softmax", -2)), 2 * nb)
         y = act(x, "softmax", -2)
         row(
-            f"softmax-2 bwd TILE={tile} warps={warps} pps={pps}",
+            f"softmax-2 bwd {label}",
             bench_ms(lambda y=y: y.backward(dy, retain_graph=True), grad_to_none=[x]),
             3 * nb,
         )
+    act_op.RESIDENT, act_op.RESIDENT_TILE, act_op.RESIDENT_WARPS = True, 32768, 16
     act_op.SPLIT_TILE, act_op.SPLIT_WARPS, act_op.PROGRAMS_PER_SM = 16384, 4, 8
     # Per-call overhead at the smallest benchmark size (host-bound: the kernel takes ~5 us).
     xs = torch.randn(12, 12, 256, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
@@ -49,7 +46,7 @@ def main():
         3 * xs.numel() * 2,
     )
     row("N=256 torch silu fwd", bench_ms(lambda: torch.nn.functional.silu(xs)), 2 * xs.numel() * 2)
-    comp = torch.compile(lambda t: torch.softmax(t, -2))
+    comp = torch.compile(lambda t: torch.softmax(t, -2), dynamic=False)
     row("torch.compile softmax-2 fwd", bench_ms(lambda: comp(x)), 2 * nb)
     comp1 = torch.compile(lambda t: torch.nn.functional.silu(t))
     row("torch.compile silu fwd", bench_ms(lambda: comp1(x)), 2 * nb)

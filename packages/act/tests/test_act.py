@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernelkit.act import act
+from kernelkit.act import op as act_op
 from kernelkit.act.reference import act_reference
 from kernelkit.shared.testing import assert_close
 
@@ -89,13 +90,41 @@ def test_softmax_dims(dtype, dim, device):
     check(make((2, 3, 37, 80), dtype, device), "softmax", dim)
 
 
+@pytest.fixture(params=[True, False], ids=["resident", "split"])
+def resident(request, monkeypatch):
+    """On a GPU, long softmax axes run the register-resident kernels unless switched off; the
+    split-L kernels (the interpreter's path) must stay correct too."""
+    monkeypatch.setattr(act_op, "RESIDENT", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_softmax_sequence_axis_multi_chunk(dtype, device):
-    """(B, N, H, D) with dim=1: the split-L path with many chunks combined."""
+def test_softmax_sequence_axis_multi_chunk(dtype, resident, device):
+    """(B, N, H, D) with dim=1: many chunks per column combined."""
     check(make((2, 300, 3, 40), dtype, device), "softmax", 1)
 
 
-def test_softmax_long_row(device):
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(3, 20000, 2, 64), (1, 70000, 3, 5), (2, 4096, 300)])
+def test_softmax_long_sequence_gpu(shape, resident, device):
+    """Tens of chunks per slab (resident: one chunk per program, all waiting on each other)."""
+    check(make(shape, torch.bfloat16, device), "softmax", 1)
+
+
+@pytest.mark.gpu
+def test_softmax_longer_than_resident_capacity_gpu(device):
+    """More chunks than SMs: the resident plan declines and the split kernels take over."""
+    x = make((1, 600000, 16), torch.float32, device)
+    assert (
+        act_op._resident_plan(
+            act_op.SoftmaxView(x.shape, 1, [x.stride()]), x.device, act_op.RESIDENT_TILE
+        )
+        is None
+    )
+    check(x, "softmax", 1)
+
+
+def test_softmax_long_row(resident, device):
     """A last-dim row longer than one program holds (split-L with one column per program)."""
     check(make((2, 9000), torch.float32, device), "softmax", -1)
 

@@ -84,25 +84,41 @@ def softmax_grad(y, dy, AXIS: tl.constexpr):
 
 
 @triton.jit
-def combine_chunk_stats(m_ptr, s_ptr, num_chunks, stride_chunk, offs, mask):
+def combine_chunk_stats(
+    m_ptr, s_ptr, num_chunks, stride_chunk, offs, mask, CACHE: tl.constexpr = ""
+):
     """Global (max, sum) of the columns `offs` from per-chunk stats written by
-    `softmax_chunk_stats_kernel` (pointers already at this outer index's (chunk 0, column 0))."""
-    m_tot = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    s_tot = tl.load(s_ptr + offs, mask=mask, other=1.0)
+    `softmax_chunk_stats_kernel` (pointers already at this outer index's (chunk 0, column 0)).
+    CACHE=".cg" reads around L1, for stats other programs of the same launch just wrote."""
+    m_tot = tl.load(m_ptr + offs, mask=mask, other=0.0, cache_modifier=CACHE)
+    s_tot = tl.load(s_ptr + offs, mask=mask, other=1.0, cache_modifier=CACHE)
     for c in range(1, num_chunks):
-        m = tl.load(m_ptr + c * stride_chunk + offs, mask=mask, other=0.0)
-        s = tl.load(s_ptr + c * stride_chunk + offs, mask=mask, other=1.0)
+        m = tl.load(m_ptr + c * stride_chunk + offs, mask=mask, other=0.0, cache_modifier=CACHE)
+        s = tl.load(s_ptr + c * stride_chunk + offs, mask=mask, other=1.0, cache_modifier=CACHE)
         m_tot, s_tot = softmax_merge(m_tot, s_tot, m, s)
     return m_tot, s_tot
 
 
 @triton.jit
-def combine_chunk_sums(p_ptr, num_chunks, stride_chunk, offs, mask):
+def combine_chunk_sums(p_ptr, num_chunks, stride_chunk, offs, mask, CACHE: tl.constexpr = ""):
     """Sum over chunks of per-chunk partial sums (e.g. sum(y * dy) for a softmax backward)."""
-    tot = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    tot = tl.load(p_ptr + offs, mask=mask, other=0.0, cache_modifier=CACHE)
     for c in range(1, num_chunks):
-        tot += tl.load(p_ptr + c * stride_chunk + offs, mask=mask, other=0.0)
+        tot += tl.load(p_ptr + c * stride_chunk + offs, mask=mask, other=0.0, cache_modifier=CACHE)
     return tot
+
+
+@triton.jit
+def arrive_and_wait(count_ptr, expected):
+    """Grid-level barrier for the programs of one slab: publish (release) this program's prior
+    global writes, then spin (acquire) until `expected` programs have arrived. Only safe when
+    every program that must arrive is resident or can still be scheduled (see
+    softmax_*_resident_kernel)."""
+    tl.debug_barrier()  # every thread's stores precede the release
+    tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+    while tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu") < expected:
+        pass
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -444,6 +460,145 @@ def softmax_bwd_apply_kernel(
         dx = y * (dy - tot[None, :])
         tl.store(
             d_base + rows[:, None] * ds_l + cols[None, :] * ds_i,
+            dx.to(dx_ptr.dtype.element_ty),
+            mask=mask,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Register-resident softmax over a long axis: two transfers instead of three (fwd), three
+# instead of five (bwd). A persistent grid of P programs, at most one per SM so that all are
+# resident, walks work items (slab, chunk) in increasing order: item w goes to program w mod P.
+# A program loads its chunk, publishes the chunk's stats, arrives at the slab's counter and
+# waits for the slab's other chunks, then finishes the chunk it still holds in registers.
+# Deadlock-free when a slab has at most P chunks: the lowest unfinished slab's chunks are each
+# the next item of some program whose earlier items belong to finished slabs.
+# A slab is (outer index, column block); its stats are laid out (slab, chunk, BLOCK_I).
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _resident_coords(
+    w, num_chunks, n_iblk, O1, I, chunk, BLOCK_L: tl.constexpr, BLOCK_I: tl.constexpr
+):
+    slab = w // num_chunks
+    c = w % num_chunks
+    o = slab // n_iblk
+    cols = (slab % n_iblk) * BLOCK_I + tl.arange(0, BLOCK_I)
+    rows = (c * chunk + tl.arange(0, BLOCK_L)).to(tl.int64)
+    return slab, c, (o // O1).to(tl.int64), (o % O1).to(tl.int64), rows, cols
+
+
+@triton.jit
+def softmax_fwd_resident_kernel(
+    x_ptr,
+    y_ptr,
+    m_ptr,
+    s_ptr,
+    count_ptr,
+    L,
+    I,
+    O1,
+    n_iblk,
+    num_chunks,
+    n_items,
+    xs_o0,
+    xs_o1,
+    xs_l,
+    xs_i,
+    ys_o0,
+    ys_o1,
+    ys_l,
+    ys_i,
+    BLOCK_L: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    for w in range(tl.program_id(0), n_items, tl.num_programs(0)):
+        slab, c, o0, o1, rows, cols = _resident_coords(
+            w, num_chunks, n_iblk, O1, I, BLOCK_L, BLOCK_L, BLOCK_I
+        )
+        mask = (rows < L)[:, None] & (cols < I)[None, :]
+        x = tl.load(
+            x_ptr + o0 * xs_o0 + o1 * xs_o1 + rows[:, None] * xs_l + cols[None, :] * xs_i,
+            mask=mask,
+            other=-float("inf"),
+        ).to(tl.float32)
+        m, s = softmax_stats(x, 0)
+        stats = (slab.to(tl.int64) * num_chunks + c) * BLOCK_I + tl.arange(0, BLOCK_I)
+        tl.store(m_ptr + stats, m)
+        tl.store(s_ptr + stats, s)
+        arrive_and_wait(count_ptr + slab, num_chunks)
+        first = slab.to(tl.int64) * num_chunks * BLOCK_I
+        m, s = combine_chunk_stats(
+            m_ptr + first,
+            s_ptr + first,
+            num_chunks,
+            BLOCK_I,
+            tl.arange(0, BLOCK_I),
+            cols < I,
+            CACHE=".cg",
+        )
+        y = softmax_normalize(x, m, s, 0)
+        tl.store(
+            y_ptr + o0 * ys_o0 + o1 * ys_o1 + rows[:, None] * ys_l + cols[None, :] * ys_i,
+            y.to(y_ptr.dtype.element_ty),
+            mask=mask,
+        )
+
+
+@triton.jit
+def softmax_bwd_resident_kernel(
+    y_ptr,
+    dy_ptr,
+    dx_ptr,
+    p_ptr,
+    count_ptr,
+    L,
+    I,
+    O1,
+    n_iblk,
+    num_chunks,
+    n_items,
+    ys_o0,
+    ys_o1,
+    ys_l,
+    ys_i,
+    gs_o0,
+    gs_o1,
+    gs_l,
+    gs_i,
+    ds_o0,
+    ds_o1,
+    ds_l,
+    ds_i,
+    BLOCK_L: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    for w in range(tl.program_id(0), n_items, tl.num_programs(0)):
+        slab, c, o0, o1, rows, cols = _resident_coords(
+            w, num_chunks, n_iblk, O1, I, BLOCK_L, BLOCK_L, BLOCK_I
+        )
+        mask = (rows < L)[:, None] & (cols < I)[None, :]
+        y = tl.load(
+            y_ptr + o0 * ys_o0 + o1 * ys_o1 + rows[:, None] * ys_l + cols[None, :] * ys_i,
+            mask=mask,
+            other=0.0,
+        ).to(tl.float32)
+        dy = tl.load(
+            dy_ptr + o0 * gs_o0 + o1 * gs_o1 + rows[:, None] * gs_l + cols[None, :] * gs_i,
+            mask=mask,
+            other=0.0,
+        ).to(tl.float32)
+        part = (slab.to(tl.int64) * num_chunks + c) * BLOCK_I + tl.arange(0, BLOCK_I)
+        tl.store(p_ptr + part, tl.sum(y * dy, axis=0))
+        arrive_and_wait(count_ptr + slab, num_chunks)
+        first = slab.to(tl.int64) * num_chunks * BLOCK_I
+        tot = combine_chunk_sums(
+            p_ptr + first, num_chunks, BLOCK_I, tl.arange(0, BLOCK_I), cols < I, CACHE=".cg"
+        )
+        dx = y * (dy - tot[None, :])
+        tl.store(
+            dx_ptr + o0 * ds_o0 + o1 * ds_o1 + rows[:, None] * ds_l + cols[None, :] * ds_i,
             dx.to(dx_ptr.dtype.element_ty),
             mask=mask,
         )
