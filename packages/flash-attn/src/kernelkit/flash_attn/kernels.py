@@ -55,7 +55,7 @@ def _store_rows(ptrs, x, rows, n_rows, offs_d, CHECK_ROWS: tl.constexpr, HEAD_DI
 
 @triton.jit
 def _load_vec(ptrs, rows, n_rows, other, CHECK_ROWS: tl.constexpr):
-    if CHECK_ROWS:
+    if CHECK_ROWS:  # noqa: SIM108 (a constexpr branch, not a run-time select)
         x = tl.load(ptrs, mask=rows < n_rows, other=other)
     else:
         x = tl.load(ptrs)

@@ -1,0 +1,409 @@
+"""flash-attn: outputs, LSE and gradients against a float64 evaluation of the reference.
+
+Runs the real Triton kernels: on the GPU when there is one, otherwise under the Triton
+interpreter (the kernelkit pytest plugin switches it on before the kernels are imported), where
+shapes stay small and the tiles are small too (op.INTERPRETER_*), so that N = 17 or 40 already
+walks several blocks, the causal diagonal and the ragged sequence ends of every kernel.
+Tests marked `gpu` use sizes only a GPU gets through quickly.
+"""
+
+import math
+
+import pytest
+import torch
+
+from kernelkit.flash_attn import FlashAttentionFunction, flash_attn
+from kernelkit.flash_attn import op as fa_op
+from kernelkit.flash_attn.reference import attention_reference
+from kernelkit.shared.testing import assert_close
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def make(shape, dtype, device, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype).to(device)
+
+
+def qkv(b, nq, nk, h, hkv, d, dtype, device, seed=0):
+    return (
+        make((b, nq, h, d), dtype, device, seed),
+        make((b, nk, hkv, d), dtype, device, seed + 1),
+        make((b, nk, hkv, d), dtype, device, seed + 2),
+    )
+
+
+def _finite(t):
+    return torch.where(torch.isfinite(t), t, torch.zeros_like(t))
+
+
+def _run(fn, q, k, v, do, dlse, **kw):
+    """Forward and backward of fn on leaf copies of q, k, v: (o, lse, (dq, dk, dv))."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    o, lse = fn(*leaves, return_lse=True, **kw)
+    outs, grads = [o], [do.to(o.dtype)]
+    if dlse is not None:  # the LSE is differentiable too; empty rows (-inf) are left out
+        outs.append(_finite(lse))
+        grads.append(dlse.to(lse.dtype))
+    dq, dk, dv = torch.autograd.grad(outs, leaves, grads)
+    return o, lse, (dq, dk, dv)
+
+
+def check(q, k, v, causal=False, softmax_scale=None, with_dlse=True):
+    """flash_attn vs the float64 reference (and, for half precision, the reference evaluated in
+    q.dtype: the error may be at most 2x that one's): o, LSE, dq, dk, dv."""
+    kw = dict(causal=causal, softmax_scale=softmax_scale)
+    do = make(q.shape[:-1] + (v.shape[-1],), q.dtype, q.device, seed=7)
+    lse_shape = (q.shape[0], q.shape[1]) if q.dim() == 3 else (q.shape[0], q.shape[2], q.shape[1])
+    dlse = make(lse_shape, torch.float32, q.device, seed=8) if with_dlse else None
+    o, lse, grads = _run(flash_attn, q, k, v, do, dlse, **kw)
+    o64, lse64, grads64 = _run(
+        attention_reference, q.double(), k.double(), v.double(), do, dlse, **kw
+    )
+    lowp = q.dtype in HALF
+    if lowp:
+        o_l, _, grads_l = _run(attention_reference, q, k, v, do, dlse, **kw)
+    assert o.dtype == q.dtype and o.shape == q.shape[:-1] + (v.shape[-1],)
+    assert lse.dtype == torch.float32 and lse.shape == lse_shape
+    assert_close(o, o64, ref_lowp=o_l if lowp else None, name="o")
+    # Rows that see no key: LSE -inf exactly where the reference has it, output zeros.
+    empty = torch.isneginf(lse64.cpu())
+    assert torch.equal(torch.isneginf(lse.cpu()), empty), "LSE -inf rows differ"
+    assert not torch.isnan(lse).any()
+    assert_close(_finite(lse), _finite(lse64), bound=2e-5, name="lse")
+    for g, g64, name, i in zip(grads, grads64, ("dq", "dk", "dv"), range(3)):
+        assert g.dtype == q.dtype and g.shape == (q, k, v)[i].shape
+        assert_close(g, g64, ref_lowp=grads_l[i] if lowp else None, name=name)
+    return o, lse, grads
+
+
+# ------------------------------------------------------------------------------------------
+# Shapes, causal, dtypes
+# ------------------------------------------------------------------------------------------
+
+# (B, Nq, Nk, H, Hkv, D)
+SHAPES = [
+    (1, 1, 1, 1, 1, 16),  # N = 1
+    (2, 17, 17, 2, 2, 64),  # N = 17: ragged last block everywhere
+    (1, 17, 40, 2, 2, 64),  # Nq < Nk
+    (1, 40, 17, 2, 2, 64),  # Nq > Nk: causal rows that see no key
+    (1, 1, 33, 1, 1, 32),  # one query row
+    (1, 33, 1, 1, 1, 32),  # one key
+    (1, 64, 64, 1, 1, 80),  # D = 80: padded to 128
+    (1, 32, 48, 1, 1, 128),  # even blocks, D = 128
+    (1, 17, 19, 1, 1, 256),  # D = 256
+    (1, 300, 300, 1, 1, 16),  # N = 300
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}-hkv{}-d{}".format(*s))
+def test_shapes(shape, causal, device):
+    check(*qkv(*shape, torch.bfloat16, device), causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_dtypes(dtype, causal, device):
+    check(*qkv(2, 33, 47, 2, 1, 64, dtype, device), causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(4, 2), (3, 1), (6, 3)], ids=["gqa-4-2", "mqa-3-1", "gqa-6-3"])
+def test_grouped_query_heads(heads, causal, device):
+    h, hkv = heads
+    check(*qkv(2, 33, 41, h, hkv, 32, torch.bfloat16, device), causal=causal)
+
+
+def test_gqa_matches_repeated_kv_heads(device):
+    """GQA equals plain attention over kv heads repeated per group (dk/dv summed per group)."""
+    q, k, v = qkv(1, 21, 21, 4, 2, 32, torch.float32, device)
+    o, _, (dq, dk, dv) = _run(flash_attn, q, k, v, torch.ones_like(q), None, causal=True)
+    kr, vr = k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2)
+    o_r, _, (dq_r, dk_r, dv_r) = _run(flash_attn, q, kr, vr, torch.ones_like(q), None, causal=True)
+    assert_close(o, o_r, name="o")
+    assert_close(dq, dq_r, name="dq")
+    assert_close(dk, dk_r.unflatten(2, (2, 2)).sum(3), name="dk")
+    assert_close(dv, dv_r.unflatten(2, (2, 2)).sum(3), name="dv")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_three_dim_inputs(causal, device):
+    q, k, v = (t.squeeze(2) for t in qkv(2, 37, 45, 1, 1, 48, torch.bfloat16, device))
+    o, lse, _ = check(q, k, v, causal=causal)
+    o4, lse4 = flash_attn(q[:, :, None], k[:, :, None], v[:, :, None], causal, return_lse=True)
+    assert torch.equal(o, o4.squeeze(2)) and torch.equal(lse, lse4.squeeze(1))
+
+
+# ------------------------------------------------------------------------------------------
+# Layouts, scales, special rows, gradient plumbing
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "layout", ["packed-qkv", "bhnd-transposed", "strided-head-dim"], ids=lambda s: s
+)
+def test_strided_inputs(layout, device):
+    b, n, h, d = 2, 29, 2, 32
+    if layout == "packed-qkv":  # slices of one (B, N, 3, H, D) projection output
+        packed = make((b, n, 3, h, d), torch.bfloat16, device, seed=3)
+        q, k, v = packed.unbind(2)
+    elif layout == "bhnd-transposed":  # (B, H, N, D) storage viewed as (B, N, H, D)
+        q, k, v = (make((b, h, n, d), torch.bfloat16, device, s).transpose(1, 2) for s in (4, 5, 6))
+    else:  # D not contiguous: copied by the op
+        q, k, v = (make((b, n, d, h), torch.bfloat16, device, s).transpose(2, 3) for s in (4, 5, 6))
+    assert not q.is_contiguous()
+    check(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("scale", [0.3, 0.0, -0.5])
+def test_softmax_scale(scale, device):
+    check(*qkv(1, 19, 23, 2, 2, 32, torch.float32, device), causal=True, softmax_scale=scale)
+
+
+def test_rows_that_see_no_key(device):
+    """Causal with Nq > Nk: the first Nq - Nk query rows see nothing -> zeros, LSE -inf, and
+    gradients that are finite (zero dq on those rows)."""
+    q, k, v = qkv(1, 45, 20, 2, 2, 32, torch.bfloat16, device)
+    o, lse, (dq, dk, dv) = check(q, k, v, causal=True)
+    assert (o[:, :25] == 0).all() and torch.isneginf(lse[:, :, :25]).all()
+    assert torch.isfinite(lse[:, :, 25:]).all()
+    assert (dq[:, :25] == 0).all()
+    assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
+
+
+def test_gradient_of_output_only_and_lse_only(device):
+    q, k, v = qkv(1, 23, 31, 2, 1, 32, torch.float32, device)
+    check(q, k, v, causal=True, with_dlse=False)
+    # Only the LSE feeds the loss: the output's gradient is None inside the backward.
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    flash_attn(*leaves, return_lse=True)[1].sum().backward()
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    attention_reference(*ref, return_lse=True)[1].sum().backward()
+    for a, r, name in zip(leaves[:2], ref[:2], ("dq", "dk")):
+        assert_close(a.grad, r.grad, name=f"{name} of sum(lse)")
+    assert (leaves[2].grad == 0).all()
+
+
+def test_expanded_output_gradient(device):
+    """o.sum().backward() hands the backward a stride-0 gradient."""
+    q, k, v = (t.requires_grad_() for t in qkv(1, 18, 18, 2, 2, 16, torch.float32, device))
+    flash_attn(q, k, v, causal=True).sum().backward()
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    attention_reference(*ref, causal=True).sum().backward()
+    for a, r, name in zip((q, k, v), ref, ("dq", "dk", "dv")):
+        assert_close(a.grad, r.grad, name=name)
+
+
+def test_no_grad_forward(device):
+    q, k, v = qkv(1, 20, 20, 1, 1, 32, torch.bfloat16, device)
+    with torch.no_grad():
+        o = flash_attn(q.requires_grad_(), k, v)
+    assert o.grad_fn is None
+    assert_close(o, attention_reference(q.double(), k.double(), v.double()), name="o")
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        fa_op.Plan(fa_op.Tile(16, 32, 4, 1), fa_op.Tile(32, 16, 4, 1), fa_op.Tile(16, 32, 4, 1)),
+        fa_op.Plan(fa_op.Tile(32, 32, 4, 1), fa_op.Tile(32, 32, 4, 1), fa_op.Tile(32, 32, 4, 1)),
+    ],
+    ids=["kv-tiles-wider", "square-tiles"],
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_other_tile_shapes(plan, causal, device):
+    """The block bookkeeping (diagonal ranges, ragged ends) for other tile aspect ratios."""
+    q, k, v = qkv(1, 45, 37, 2, 1, 32, torch.float32, device)
+    do = make(q.shape, q.dtype, device, seed=9)
+    scale = 1 / math.sqrt(32)
+    o, lse = fa_op.forward(q, k, v, causal, scale, plan)
+    grads = fa_op.backward(do, q, k, v, o, lse, None, causal, scale, plan)
+    o64, lse64, grads64 = _run(
+        attention_reference, q.double(), k.double(), v.double(), do, None, causal=causal
+    )
+    assert_close(o, o64, name="o")
+    assert_close(_finite(lse), _finite(lse64), name="lse")
+    for g, g64, name in zip(grads, grads64, ("dq", "dk", "dv")):
+        assert_close(g, g64, name=name)
+
+
+def test_deterministic(device):
+    """Same inputs, bit-identical outputs and gradients (no atomics anywhere)."""
+    q, k, v = qkv(2, 70, 70, 4, 2, 32, torch.bfloat16, device)
+    do = make(q.shape, q.dtype, device, seed=5)
+    first = _run(flash_attn, q, k, v, do, None, causal=True)
+    second = _run(flash_attn, q, k, v, do, None, causal=True)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    for a, b in zip(first[2], second[2]):
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------
+# The course assignment's interface
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_flash_attention_function_adapter(is_causal, device):
+    """What the assignment's tests check: one saved (B, Nq) tensor holding the LSE, the output,
+    and the gradients of the plain attention."""
+    q, k, v = (t.squeeze(2) for t in qkv(4, 64, 64, 1, 1, 32, torch.float32, device))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    o = FlashAttentionFunction.apply(q, k, v, is_causal)
+    saved = [t for t in o.grad_fn.saved_tensors if t.shape == (q.shape[0], q.shape[1])]
+    assert len(saved) == 1
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    o64, lse64 = attention_reference(*ref, causal=is_causal, return_lse=True)
+    assert_close(o, o64, name="o")
+    assert_close(saved[0], lse64, name="L")
+    do = make(o.shape, o.dtype, device, seed=11)
+    o.backward(do)
+    o64.backward(do.double())
+    for a, r, name in zip((q, k, v), ref, ("dq", "dk", "dv")):
+        assert_close(a.grad, r.grad, name=name)
+
+
+# ------------------------------------------------------------------------------------------
+# Registration, compile, fallback, errors
+# ------------------------------------------------------------------------------------------
+
+
+def test_opcheck(device):
+    q, k, v = (t.requires_grad_() for t in qkv(1, 19, 21, 2, 1, 32, torch.float32, device))
+    torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_fwd, (q, k, v, True, 0.25))
+    o, lse = fa_op.attn_fwd(q.detach(), k.detach(), v.detach(), True, 0.25)
+    do = make(o.shape, o.dtype, device, seed=3)
+    dlse = make(lse.shape, lse.dtype, device, seed=4)
+    args = (do, q.detach(), k.detach(), v.detach(), o, lse)
+    torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_bwd, (*args, dlse, True, 0.25))
+    torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_bwd, (*args, None, True, 0.25))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_torch_compile_fullgraph(causal, device):
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+
+    def f(q, k, v):
+        o, lse = flash_attn(q, k, v, causal=causal, return_lse=True)
+        return o * 2.0, lse
+
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    q, k, v = qkv(1, 33, 33, 2, 1, 32, torch.float32, device)
+    do = make(q.shape, q.dtype, device, seed=5)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, lse = compiled(*leaves)
+    (o * do).sum().backward()
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    o64, lse64 = attention_reference(*ref, causal=causal, return_lse=True)
+    (o64 * 2.0 * do.double()).sum().backward()
+    assert_close(o, o64 * 2.0, name="compiled o")
+    assert_close(lse, lse64, name="compiled lse")
+    for a, r, name in zip(leaves, ref, ("dq", "dk", "dv")):
+        assert_close(a.grad, r.grad, name=f"compiled {name}")
+
+
+def test_cpu_tensors_without_interpreter_use_the_reference(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v = (t.requires_grad_() for t in qkv(1, 9, 12, 2, 1, 16, torch.float32, "cpu"))
+    o, lse = flash_attn(q, k, v, causal=True, return_lse=True)
+    o.sum().backward()
+    ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    o_r, lse_r = attention_reference(*ref, causal=True, return_lse=True)
+    o_r.sum().backward()
+    assert torch.equal(o, o_r) and torch.equal(lse, lse_r)
+    for a, r in zip((q, k, v), ref):
+        assert torch.equal(a.grad, r.grad)
+
+
+def _errors(device):
+    def t(*shape, dtype=torch.float32, dev=device):
+        return torch.zeros(shape, dtype=dtype, device=dev)
+
+    q = t(2, 8, 4, 32)
+    kv = t(2, 8, 2, 32)
+    return [
+        ((q.tolist(), kv, kv), "q: expected a torch.Tensor"),
+        ((t(2, 8, 4, 32, dtype=torch.int32), kv, kv), "q: dtype"),
+        ((q, t(2, 8, 2, 32, dtype=torch.float16), kv), "k: dtype"),
+        ((q, kv, t(2, 8, 2, 32, dtype=torch.bfloat16)), "v: dtype"),
+        ((t(8, 32), t(8, 32), t(8, 32)), r"q: expected shape \(B, Nq, H, D\)"),
+        ((q, t(2, 8, 32), kv), "k: expected"),
+        ((q, kv, t(2, 9, 2, 32)), "v: shape"),
+        ((q, t(3, 8, 2, 32), t(3, 8, 2, 32)), "k: batch size 3"),
+        ((q, t(2, 8, 2, 64), t(2, 8, 2, 64)), "k: head dim 64"),
+        ((q, t(2, 8, 3, 32), t(2, 8, 3, 32)), "not a multiple"),
+        ((t(2, 8, 4, 8), t(2, 8, 2, 8), t(2, 8, 2, 8)), "D=8 outside 16..256"),
+        ((t(2, 8, 4, 272), t(2, 8, 2, 272), t(2, 8, 2, 272)), "D=272 outside"),
+        ((t(2, 0, 4, 32), kv, kv), "Nq must be >= 1"),
+        ((q, t(2, 0, 2, 32), t(2, 0, 2, 32)), "Nk must be >= 1"),
+        ((q, t(2, 8, 0, 32), t(2, 8, 0, 32)), "at least one head"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(15))
+def test_errors(case, device):
+    args, match = _errors(device)[case]
+    with pytest.raises(ValueError, match=match):
+        flash_attn(*args)
+
+
+def test_argument_errors(device):
+    q = torch.zeros(1, 4, 1, 16, device=device)
+    with pytest.raises(ValueError, match="causal: expected a bool"):
+        flash_attn(q, q, q, causal=1)
+    with pytest.raises(ValueError, match="softmax_scale: must be finite"):
+        flash_attn(q, q, q, softmax_scale=math.inf)
+    with pytest.raises(ValueError, match="softmax_scale: expected a float"):
+        flash_attn(q, q, q, softmax_scale="0.1")
+    with pytest.raises(ValueError, match="q: expected"):
+        FlashAttentionFunction.apply(q, q, q, False)
+
+
+@pytest.mark.gpu
+def test_device_mismatch():
+    q = torch.zeros(1, 4, 1, 16, device="cuda")
+    with pytest.raises(ValueError, match="k: on device cpu"):
+        flash_attn(q, q.cpu(), q)
+
+
+# ------------------------------------------------------------------------------------------
+# GPU sizes: the real tiles (128-row blocks), several of them per sequence
+# ------------------------------------------------------------------------------------------
+
+GPU_SHAPES = [
+    (2, 1024, 1024, 8, 2, 128),
+    (1, 2048, 1000, 4, 4, 64),
+    (1, 1000, 2048, 4, 1, 64),
+    (1, 4096, 4096, 2, 2, 64),
+    (2, 777, 777, 3, 3, 80),
+    (1, 1500, 1500, 2, 2, 96),
+    (1, 1024, 1024, 2, 1, 256),
+    (1, 333, 1024, 2, 2, 32),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}-hkv{}-d{}".format(*s))
+def test_gpu_shapes(shape, causal, device):
+    check(*qkv(*shape, torch.bfloat16, device), causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_dtypes(dtype, d, device):
+    check(*qkv(2, 1024, 1024, 4, 2, d, dtype, device), causal=True)
+
+
+@pytest.mark.gpu
+def test_gpu_large_batch_offsets(device):
+    """A batch stride past 2^31 elements: base offsets must be 64-bit."""
+    n, d = 64, 64
+    stride_b = 2**31 + 64  # elements between batch 0 and batch 1 of q
+    big = torch.empty(stride_b + n * d, dtype=torch.bfloat16, device=device).normal_()
+    q = big.as_strided((2, n, 1, d), (stride_b, d, d, 1))
+    k = make((2, n, 1, d), torch.bfloat16, device, seed=1)
+    v = make((2, n, 1, d), torch.bfloat16, device, seed=2)
+    check(q, k, v, causal=True)
