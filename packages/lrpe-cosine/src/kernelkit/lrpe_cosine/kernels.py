@@ -28,7 +28,7 @@ from kernelkit.act.kernels import (
 )
 
 # Sizes, offsets and batch-group sizes change with every call: never specialise on them.
-_RUNTIME = ["B", "N", "offset", "rows_per_program"]
+_RUNTIME = ["B", "N", "offset", "rows_per_program", "stats_part"]
 
 # --------------------------------------------------------------------------------------------
 # Position -> angle mapping (the extension point)
@@ -349,7 +349,7 @@ def lrpe_cosine_bwd_seq_sums_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total", "num_chunks"])
 def seq_stats_finalize_kernel(m_ptr, s_ptr, out_ptr, total, I, num_chunks, BLOCK: tl.constexpr):
     """Combine per-chunk (max, sum) of kernelkit-act's `softmax_chunk_stats`, shape (O, C, I),
     into the final float32 stats out[0, o * I + i] = max, out[1, o * I + i] = sum."""

@@ -62,7 +62,9 @@ def validate(x, theta, offset, act: str, dim):
         raise ValueError(f"theta: is on {theta.device} but x is on {x.device}")
     if isinstance(offset, torch.Tensor):
         if offset.dtype.is_floating_point or offset.dtype.is_complex or offset.dtype == torch.bool:
-            raise ValueError(f"offset: a tensor offset must have an integer dtype, got {offset.dtype}")
+            raise ValueError(
+                f"offset: a tensor offset must have an integer dtype, got {offset.dtype}"
+            )
         if tuple(offset.shape) != (x.shape[0],):
             raise ValueError(
                 f"offset: a tensor offset must have shape (B,) = ({x.shape[0]},), "
@@ -72,6 +74,8 @@ def validate(x, theta, offset, act: str, dim):
             raise ValueError(f"offset: is on {offset.device} but x is on {x.device}")
     elif not _is_int(offset):
         raise ValueError(f"offset: expected an int or an integer tensor (B,), got {offset!r}")
+    elif isinstance(offset, int) and not -(2**62) <= offset <= 2**62:
+        raise ValueError(f"offset: {offset} is out of range (positions are int64)")
     if act not in ACTS:
         raise ValueError(f"act: must be one of {ACTS}, got {act!r}")
     if act != "softmax":
@@ -107,16 +111,28 @@ def tile_sizes(d) -> tuple[int, int]:
     return max(1, TILE // block_d), block_d
 
 
-def batch_groups(b, programs, device, max_rows=None) -> tuple[int, int]:
+def target_programs(device) -> int:
+    return PROGRAMS_PER_SM * num_sms(device)
+
+
+def batch_groups(b, programs, device) -> tuple[int, int]:
     """(rows per program, number of batch groups): group batch rows (shared cos/sin) as long as
     `programs` x groups still gives PROGRAMS_PER_SM programs per multiprocessor."""
-    want = triton.cdiv(PROGRAMS_PER_SM * num_sms(device), programs)
-    groups = max(1, min(b, want))
-    rows = triton.cdiv(b, groups)
-    rows = max(rows, triton.cdiv(b, _GRID_AXIS_LIMIT))
-    if max_rows is not None:
-        rows = min(rows, max_rows)
+    groups = max(1, min(b, triton.cdiv(target_programs(device), programs)))
+    rows = max(triton.cdiv(b, groups), triton.cdiv(b, _GRID_AXIS_LIMIT))
     return rows, triton.cdiv(b, rows)
+
+
+def sequence_chunks(b, n, heads, block_n, device) -> tuple[int, int, int, int]:
+    """(rows, groups, chunk, num_chunks) of the softmax_seq sums kernel: up to MAX_ROWS batch
+    rows per program (shared cos/sin), then the sequence split into chunks of whole token
+    blocks until there are enough programs."""
+    groups = triton.cdiv(b, MAX_ROWS)
+    rows = triton.cdiv(b, groups)
+    n_blocks = triton.cdiv(n, block_n)
+    chunks = max(1, min(n_blocks, triton.cdiv(target_programs(device), heads * groups)))
+    chunk = triton.cdiv(n_blocks, chunks) * block_n
+    return rows, groups, chunk, triton.cdiv(n, chunk)
 
 
 def _offset_args(offsets, offset, fallback):
@@ -138,12 +154,12 @@ def _strides(t: torch.Tensor):
 def _sequence_stats(x: torch.Tensor) -> torch.Tensor:
     """Final float32 (max, sum) of the softmax over the sequence for every (b, h, k), shape
     (2, B * H * D): one read of x (kernelkit-act's chunk stats) and a tiny combine kernel."""
-    # The (O, C, I) stats index b * H * D + h * D + k is the same for both views.
-    for xv, dim in ((x, 1), (x.transpose(1, 2), 2)):
-        if SoftmaxView(xv.shape, dim, [xv.stride()]).ok:
-            break
-    else:
-        xv, dim = x.contiguous(), 1  # a layout neither view describes: stats of a compact copy
+    # (B, N, H, D) needs (H, D) to collapse into one inner dim; otherwise the (B, H, N, D) view
+    # (two outer dims, inner D) always works. The (O, C, I) stats index o * I + i is
+    # b * H * D + h * D + k in both.
+    xv, dim = x, 1
+    if not SoftmaxView(x.shape, 1, [x.stride()]).ok:
+        xv, dim = x.transpose(1, 2), 2
     m, s, view, (_, _, _, num_chunks) = softmax_chunk_stats(xv, dim)
     total = view.O0 * view.O1 * view.I
     stats = x.new_empty((2, total), dtype=torch.float32)
@@ -209,6 +225,8 @@ def _reduce_dtheta(partials: torch.Tensor, theta_shape) -> torch.Tensor:
 def _backward(dy, x, theta, offsets, offset, stats, kind, need_dx, need_dtheta):
     b, n, heads, d2 = dy.shape
     d = d2 // 2
+    if x is None and (need_dtheta or kind != "none"):
+        raise RuntimeError("lrpe_cosine backward: x was not saved but is needed")
     if need_dx:
         dx = torch.empty_like(x) if x is not None else dy.new_empty((b, n, heads, d))
     else:
@@ -228,10 +246,7 @@ def _backward(dy, x, theta, offsets, offset, stats, kind, need_dx, need_dtheta):
     sums = stats  # dummy unless softmax_seq
     partials = None
     if kind == "softmax_seq":
-        rows, groups = batch_groups(b, heads, dy.device, max_rows=MAX_ROWS)
-        want = triton.cdiv(PROGRAMS_PER_SM * num_sms(dy.device), heads * groups)
-        chunk = triton.cdiv(n_blocks, max(1, min(n_blocks, want))) * block_n
-        num_chunks = triton.cdiv(n, chunk)
+        rows, groups, chunk, num_chunks = sequence_chunks(b, n, heads, block_n, dy.device)
         chunk_sums = dy.new_empty((b, num_chunks, heads, d), dtype=torch.float32)
         if need_dtheta:
             partials = dy.new_empty((num_chunks * groups, heads, d), dtype=torch.float32)
@@ -363,7 +378,8 @@ def _setup_context(ctx, inputs, output):
     _, stats = output
     ctx.act = act
     ctx.offset = offset
-    keep_x = act != "none" or theta.requires_grad  # act none: dx needs only dy and the angles
+    # act none: dx needs only dy and the angles, x only matters for dtheta.
+    keep_x = act != "none" or ctx.needs_input_grad[1]
     ctx.save_for_backward(x if keep_x else None, theta, offsets, stats)
 
 
