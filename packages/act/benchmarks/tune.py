@@ -22,10 +22,17 @@ def main():
     dy = torch.randn_like(x)
     nb = x.numel() * x.element_size()
     print(f"copy bandwidth {copy_bandwidth_gbs():.0f} GB/s; x = {nb / 2**30:.2f} GiB")
-    variants = [(False, 16384, 4)] + [(True, t, w) for t in (16384, 32768) for w in (8, 16)]
-    for resident, tile, warps in variants:
+    variants = [(False, 16384, 4, 0)] + [
+        (True, t, w, bi) for t in (16384, 32768) for w in (8, 16) for bi in (16, 32, 64)
+    ]
+    for resident, tile, warps, block_i in variants:
         act_op.RESIDENT, act_op.RESIDENT_TILE, act_op.RESIDENT_WARPS = resident, tile, warps
-        label = f"resident TILE={tile} warps={warps}" if resident else "split TILE=16384 warps=4"
+        act_op.RESIDENT_BLOCK_I = block_i
+        label = (
+            f"resident TILE={tile} warps={warps} BLOCK_I={block_i}"
+            if resident
+            else "split TILE=16384 warps=4"
+        )
         row(f"softmax-2 fwd {label}", bench_ms(lambda: act(x, "softmax", -2)), 2 * nb)
         y = act(x, "softmax", -2)
         row(
@@ -34,6 +41,7 @@ def main():
             3 * nb,
         )
     act_op.RESIDENT, act_op.RESIDENT_TILE, act_op.RESIDENT_WARPS = True, 32768, 16
+    act_op.RESIDENT_BLOCK_I = 32
     act_op.SPLIT_TILE, act_op.SPLIT_WARPS, act_op.PROGRAMS_PER_SM = 16384, 4, 8
     # Per-call overhead at the smallest benchmark size (host-bound: the kernel takes ~5 us).
     xs = torch.randn(12, 12, 256, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)

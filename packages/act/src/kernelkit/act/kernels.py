@@ -84,27 +84,60 @@ def softmax_grad(y, dy, AXIS: tl.constexpr):
 
 
 @triton.jit
-def combine_chunk_stats(
-    m_ptr, s_ptr, num_chunks, stride_chunk, offs, mask, CACHE: tl.constexpr = ""
-):
+def combine_chunk_stats(m_ptr, s_ptr, num_chunks, stride_chunk, offs, mask):
     """Global (max, sum) of the columns `offs` from per-chunk stats written by
-    `softmax_chunk_stats_kernel` (pointers already at this outer index's (chunk 0, column 0)).
-    CACHE=".cg" reads around L1, for stats other programs of the same launch just wrote."""
-    m_tot = tl.load(m_ptr + offs, mask=mask, other=0.0, cache_modifier=CACHE)
-    s_tot = tl.load(s_ptr + offs, mask=mask, other=1.0, cache_modifier=CACHE)
+    `softmax_chunk_stats_kernel` (pointers already at this outer index's (chunk 0, column 0))."""
+    m_tot = tl.load(m_ptr + offs, mask=mask, other=0.0)
+    s_tot = tl.load(s_ptr + offs, mask=mask, other=1.0)
     for c in range(1, num_chunks):
-        m = tl.load(m_ptr + c * stride_chunk + offs, mask=mask, other=0.0, cache_modifier=CACHE)
-        s = tl.load(s_ptr + c * stride_chunk + offs, mask=mask, other=1.0, cache_modifier=CACHE)
+        m = tl.load(m_ptr + c * stride_chunk + offs, mask=mask, other=0.0)
+        s = tl.load(s_ptr + c * stride_chunk + offs, mask=mask, other=1.0)
         m_tot, s_tot = softmax_merge(m_tot, s_tot, m, s)
     return m_tot, s_tot
 
 
 @triton.jit
-def combine_chunk_sums(p_ptr, num_chunks, stride_chunk, offs, mask, CACHE: tl.constexpr = ""):
+def combine_chunk_sums(p_ptr, num_chunks, stride_chunk, offs, mask):
     """Sum over chunks of per-chunk partial sums (e.g. sum(y * dy) for a softmax backward)."""
-    tot = tl.load(p_ptr + offs, mask=mask, other=0.0, cache_modifier=CACHE)
+    tot = tl.load(p_ptr + offs, mask=mask, other=0.0)
     for c in range(1, num_chunks):
-        tot += tl.load(p_ptr + c * stride_chunk + offs, mask=mask, other=0.0, cache_modifier=CACHE)
+        tot += tl.load(p_ptr + c * stride_chunk + offs, mask=mask, other=0.0)
+    return tot
+
+
+_CHUNKS_PER_LOAD: tl.constexpr = 16
+
+
+@triton.jit
+def _gather_chunk_stats(m_ptr, s_ptr, num_chunks, BLOCK_I: tl.constexpr):
+    """(max, sum) merged over `num_chunks` rows of (chunk, BLOCK_I) stats, 16 chunks per load,
+    read around L1 (other programs of this launch just wrote them)."""
+    cols = tl.arange(0, BLOCK_I)
+    m_tot = tl.full([BLOCK_I], -float("inf"), tl.float32)
+    s_tot = tl.zeros([BLOCK_I], tl.float32)
+    for c0 in range(0, num_chunks, _CHUNKS_PER_LOAD):
+        cs = c0 + tl.arange(0, _CHUNKS_PER_LOAD)
+        offs = cs[:, None] * BLOCK_I + cols[None, :]
+        ok = (cs < num_chunks)[:, None]
+        m = tl.load(m_ptr + offs, mask=ok, other=-float("inf"), cache_modifier=".cg")
+        s = tl.load(s_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
+        bm = tl.max(m, axis=0)
+        bs = tl.sum(s * tl.exp(m - _finite_or_zero(bm)[None, :]), axis=0)
+        m_tot, s_tot = softmax_merge(m_tot, s_tot, bm, bs)
+    return m_tot, s_tot
+
+
+@triton.jit
+def _gather_chunk_sums(p_ptr, num_chunks, BLOCK_I: tl.constexpr):
+    cols = tl.arange(0, BLOCK_I)
+    tot = tl.zeros([BLOCK_I], tl.float32)
+    for c0 in range(0, num_chunks, _CHUNKS_PER_LOAD):
+        cs = c0 + tl.arange(0, _CHUNKS_PER_LOAD)
+        ok = (cs < num_chunks)[:, None]
+        p = tl.load(
+            p_ptr + cs[:, None] * BLOCK_I + cols[None, :], mask=ok, other=0.0, cache_modifier=".cg"
+        )
+        tot += tl.sum(p, axis=0)
     return tot
 
 
@@ -529,15 +562,7 @@ def softmax_fwd_resident_kernel(
         tl.store(s_ptr + stats, s)
         arrive_and_wait(count_ptr + slab, num_chunks)
         first = slab.to(tl.int64) * num_chunks * BLOCK_I
-        m, s = combine_chunk_stats(
-            m_ptr + first,
-            s_ptr + first,
-            num_chunks,
-            BLOCK_I,
-            tl.arange(0, BLOCK_I),
-            cols < I,
-            CACHE=".cg",
-        )
+        m, s = _gather_chunk_stats(m_ptr + first, s_ptr + first, num_chunks, BLOCK_I)
         y = softmax_normalize(x, m, s, 0)
         tl.store(
             y_ptr + o0 * ys_o0 + o1 * ys_o1 + rows[:, None] * ys_l + cols[None, :] * ys_i,
@@ -593,9 +618,7 @@ def softmax_bwd_resident_kernel(
         tl.store(p_ptr + part, tl.sum(y * dy, axis=0))
         arrive_and_wait(count_ptr + slab, num_chunks)
         first = slab.to(tl.int64) * num_chunks * BLOCK_I
-        tot = combine_chunk_sums(
-            p_ptr + first, num_chunks, BLOCK_I, tl.arange(0, BLOCK_I), cols < I, CACHE=".cg"
-        )
+        tot = _gather_chunk_sums(p_ptr + first, num_chunks, BLOCK_I)
         dx = y * (dy - tot[None, :])
         tl.store(
             dx_ptr + o0 * ds_o0 + o1 * ds_o1 + rows[:, None] * ds_l + cols[None, :] * ds_i,

@@ -30,6 +30,9 @@ PROGRAMS_PER_SM = 8  # split-L: chunks are added until about this many programs 
 # program holds in registers, and its warps. One program per SM keeps the whole grid resident.
 RESIDENT_TILE = 32768
 RESIDENT_WARPS = 16
+# Column block of the resident kernels: narrow (64-byte bf16 row segments) so that a slab spans
+# few programs (few chunks to wait for and merge) and many slabs are in flight at once.
+RESIDENT_BLOCK_I = 32
 # KERNELKIT_ACT_RESIDENT=0 turns the resident kernels off (they need every SM of the device
 # schedulable at once: e.g. not under an MPS SM limit).
 RESIDENT = os.environ.get("KERNELKIT_ACT_RESIDENT", "1") != "0"
@@ -160,7 +163,7 @@ def _resident_plan(view: SoftmaxView, device: torch.device, tile: int):
     if not RESIDENT or interpreting() or device.type != "cuda":
         return None
     sms = num_sms(device)
-    block_i = min(triton.next_power_of_2(view.I), 128)
+    block_i = min(triton.next_power_of_2(view.I), RESIDENT_BLOCK_I)
     while True:
         block_l = min(max(1, tile // block_i), triton.next_power_of_2(view.L))
         num_chunks = triton.cdiv(view.L, block_l)
