@@ -105,7 +105,7 @@ def combine_chunk_sums(p_ptr, num_chunks, stride_chunk, offs, mask):
     return tot
 
 
-_CHUNKS_PER_LOAD: tl.constexpr = 16
+_CHUNKS_PER_LOAD = tl.constexpr(16)
 
 
 @triton.jit
