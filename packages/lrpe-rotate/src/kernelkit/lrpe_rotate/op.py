@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from kernelkit.act.op import num_sms, softmax_chunk_stats
+from kernelkit.act import softmax_chunk_stats
+from kernelkit.act.op import num_sms
 from kernelkit.shared.runtime import define_op, launch, use_triton
 
 from . import kernels as K
@@ -17,14 +18,19 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Internal kinds: the element-wise acts keep their names, "softmax" is over D, SEQ over N.
 SEQ = "softmax_seq"
 
-# Tiles: a half-tile [BLOCK_N, BLOCK_E] holds about TILE elements (BLOCK_N = 32 tokens at
-# D = 128): two halves of bf16 are 8 KB per batch row, small enough for many programs per SM.
+# Launch parameters (read at call time: benchmarks/tune.py sweeps them). A half-tile
+# [BLOCK_N, BLOCK_E] holds about TILE elements: BLOCK_N = 32 tokens at D = 128, two bf16 halves
+# = 8 KB per batch row. Registers bound the programs per SM; cos/sin of the tile stay live across
+# the batch loop, so tiles are kept moderate.
 TILE = 2048
-MIN_BLOCK_N = 8
-MAX_BLOCK_N = 128
 NUM_WARPS = 4
 PROGRAMS_PER_SM = 4  # batch rows are split into groups until about this many programs per SM
-SEQ_PROGRAMS_PER_SM = 8  # softmax over N: the sequence is split into chunks likewise
+# Softmax over N: a program walks a chunk of the sequence of one (b, h).
+SEQ_TILE = 2048
+SEQ_WARPS = 4
+SEQ_PROGRAMS_PER_SM = 8  # the sequence is split into chunks until about this many programs/SM
+MIN_BLOCK_N = 8
+MAX_BLOCK_N = 128
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,10 +122,11 @@ def _act_and_dim(kind: str) -> tuple[str, int | None]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _blocks(half: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_E): a power-of-two half-tile of about TILE elements."""
+def _tile_plan(kind: str, half: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_E, num_warps): a power-of-two half-tile of about TILE elements."""
+    tile, warps = (SEQ_TILE, SEQ_WARPS) if kind == SEQ else (TILE, NUM_WARPS)
     block_e = triton.next_power_of_2(half)
-    return max(MIN_BLOCK_N, min(MAX_BLOCK_N, TILE // block_e)), block_e
+    return max(MIN_BLOCK_N, min(MAX_BLOCK_N, tile // block_e)), block_e, warps
 
 
 def _batch_groups(batch, n_tiles, heads, device, per_batch) -> tuple[int, int]:
@@ -196,7 +203,7 @@ def rotate_fwd(
         return y
     batch, n, heads, d = x.shape
     half = d // 2
-    block_n, block_e = _blocks(half)
+    block_n, block_e, warps = _tile_plan(kind, half)
     per_batch = offsets is not None
     offs = offsets if per_batch else theta  # never read without PER_BATCH
     if kind == SEQ:
@@ -220,7 +227,7 @@ def rotate_fwd(
             HALF=half,
             BLOCK_N=block_n,
             BLOCK_E=block_e,
-            num_warps=NUM_WARPS,
+            num_warps=warps,
         )
         return y
     n_tiles = triton.cdiv(n, block_n)
@@ -242,7 +249,7 @@ def rotate_fwd(
         HALF=half,
         BLOCK_N=block_n,
         BLOCK_E=block_e,
-        num_warps=NUM_WARPS,
+        num_warps=warps,
     )
     return y
 
@@ -280,7 +287,7 @@ def rotate_bwd(
     if dx.numel() == 0:
         dtheta = torch.zeros_like(theta) if need_dtheta else theta.new_empty(0)
         return dx, dtheta
-    block_n, block_e = _blocks(half)
+    block_n, block_e, warps = _tile_plan(kind, half)
     per_batch = offsets is not None
     offs = offsets if per_batch else theta
     xt = dy if x is None else x  # never read when act is none and dtheta is not needed
@@ -289,7 +296,7 @@ def rotate_bwd(
         "HALF": half,
         "BLOCK_N": block_n,
         "BLOCK_E": block_e,
-        "num_warps": NUM_WARPS,
+        "num_warps": warps,
     }
     if kind == SEQ:
         chunk, chunks = _seq_chunks(batch, n, heads, block_n, dy.device)
