@@ -115,13 +115,42 @@ def test_softmax_long_sequence_gpu(shape, resident, device):
 def test_softmax_longer_than_resident_capacity_gpu(device):
     """More chunks than SMs: the resident plan declines and the split kernels take over."""
     x = make((1, 600000, 16), torch.float32, device)
-    assert (
-        act_op._resident_plan(
-            act_op.SoftmaxView(x.shape, 1, [x.stride()]), x.device, act_op.RESIDENT_TILE
-        )
-        is None
-    )
+    view = act_op.SoftmaxView(x.shape, 1, [x.stride()])
+    assert act_op._resident_plan(view, act_op.num_sms(x.device), act_op.RESIDENT_TILE) is None
     check(x, "softmax", 1)
+
+
+def test_resident_plan_bounds_chunks_by_programs():
+    view = act_op.SoftmaxView((12, 32768, 12, 128), 1, [(32768 * 1536, 1536, 128, 1)])
+    block_l, block_i, num_chunks, n_iblk, n_items, programs = act_op._resident_plan(
+        view, 132, 32768
+    )
+    assert num_chunks <= programs <= 132 and block_l * num_chunks >= 32768
+    assert n_items == 12 * n_iblk * num_chunks and n_iblk * block_i >= 12 * 128
+    assert act_op._resident_plan(view, 8, 32768) is None  # 8 SMs cannot hold a slab
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU these kernels run for real")
+def test_resident_kernels_are_compile_checked(monkeypatch):
+    """The resident kernels never run under the interpreter (its programs run one after
+    another, so a waiting program would never return). Record their launches instead, so the
+    session's sm_90 compile check (kernelkit.shared.compile_check) covers them."""
+    from kernelkit.shared.compile_check import record_launch
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: record_launch(self.kernel, args, kwargs)
+
+    monkeypatch.setattr(act_op, "launch", Recorder)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = make((2, 300, 3, 40), dtype, "cpu")
+        view = act_op.SoftmaxView(x.shape, 1, [x.stride()] * 3)
+        act_op._resident_fwd(x, torch.empty_like(x), view, act_op._resident_plan(view, 8, 2048))
+        plan = act_op._resident_plan(view, 8, 1024)
+        act_op._resident_bwd(x, x, torch.empty_like(x), view, plan)
 
 
 def test_softmax_long_row(resident, device):

@@ -41,8 +41,26 @@ def gpu_slug() -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", gpu_name()).strip("-")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--no-compile-check",
+        action="store_true",
+        help="kernelkit: skip compiling the interpreter-launched kernels for sm_90 at the end",
+    )
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (too slow for the interpreter)")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and not config.getoption(
+        "--no-compile-check"
+    ):
+        import tempfile
+
+        from kernelkit.shared.compile_check import ENV
+
+        fd, path = tempfile.mkstemp(prefix="kernelkit-launches-", suffix=".jsonl")
+        os.close(fd)
+        os.environ[ENV] = path
     opt = config.option
     storage = getattr(opt, "benchmark_storage", None)
     if storage is not None and storage.rstrip("/").endswith(".benchmarks"):
@@ -100,3 +118,30 @@ def pytest_benchmark_update_machine_info(config, machine_info):
         props = torch.cuda.get_device_properties(0)
         info.update(sm_count=props.multi_processor_count, copy_gbs=copy_bandwidth_gbs())
     machine_info["kernelkit"] = info
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Compile every kernel configuration the interpreter launched for a Hopper GPU."""
+    from kernelkit.shared.compile_check import ENV
+
+    path = os.environ.pop(ENV, None)
+    if not path or not os.path.getsize(path):
+        return
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernelkit.shared.compile_check", path],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    os.unlink(path)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    out = (proc.stdout + proc.stderr).strip()
+    if reporter is not None:
+        reporter.write_line(out)
+    if proc.returncode != 0:
+        session.exitstatus = 1

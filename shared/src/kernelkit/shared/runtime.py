@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from .compile_check import record_launch
+
 __all__ = ["KernelOp", "define_op", "interpreting", "launch", "use_triton"]
 
 
@@ -60,6 +62,7 @@ class _InterpretedLauncher:
         def run(*args, **kwargs):
             if any(isinstance(a, FakeTensor) for a in (*args, *kwargs.values())):
                 return None
+            record_launch(self._kernel, args, kwargs)
             write_back = []
 
             def shim(a):

@@ -156,13 +156,16 @@ def _rows_plan(view: SoftmaxView):
     return block_r, block_l, (4 if block_r * block_l <= 2048 else 8)
 
 
-def _resident_plan(view: SoftmaxView, device: torch.device, tile: int):
-    """(BLOCK_L, BLOCK_I, num_chunks, n_iblk, n_items, programs) for the resident kernels, or
-    None when they do not apply (interpreter: programs run one after another; a slab with more
-    chunks than SMs)."""
-    if not RESIDENT or interpreting() or device.type != "cuda":
-        return None
-    sms = num_sms(device)
+def _use_resident(t: torch.Tensor) -> bool:
+    # Under the interpreter programs run one after another: a program waiting for a later one
+    # would never return.
+    return RESIDENT and t.device.type == "cuda" and not interpreting()
+
+
+def _resident_plan(view: SoftmaxView, sms: int, tile: int):
+    """(BLOCK_L, BLOCK_I, num_chunks, n_iblk, n_items, programs) for the resident kernels with
+    `tile` elements of each tensor per program, or None when a slab would need more chunks
+    (programs) than there are SMs."""
     block_i = min(triton.next_power_of_2(view.I), RESIDENT_BLOCK_I)
     while True:
         block_l = min(max(1, tile // block_i), triton.next_power_of_2(view.L))
@@ -175,6 +178,58 @@ def _resident_plan(view: SoftmaxView, device: torch.device, tile: int):
     n_iblk = triton.cdiv(view.I, block_i)
     n_items = view.O0 * view.O1 * n_iblk * num_chunks
     return block_l, block_i, num_chunks, n_iblk, n_items, min(sms, n_items)
+
+
+def _resident_fwd(x, y, view: SoftmaxView, plan) -> None:
+    block_l, block_i, num_chunks, n_iblk, n_items, programs = plan
+    slabs = view.O0 * view.O1 * n_iblk
+    m = x.new_empty((slabs, num_chunks, block_i), dtype=torch.float32)
+    s = torch.empty_like(m)
+    count = torch.zeros(slabs, dtype=torch.int32, device=x.device)
+    launch(K.softmax_fwd_resident_kernel)[(programs,)](
+        x,
+        y,
+        m,
+        s,
+        count,
+        view.L,
+        view.I,
+        view.O1,
+        n_iblk,
+        num_chunks,
+        n_items,
+        *view.strides[0],
+        *view.strides[1],
+        BLOCK_L=block_l,
+        BLOCK_I=block_i,
+        num_warps=RESIDENT_WARPS,
+    )
+
+
+def _resident_bwd(y, dy, dx, view: SoftmaxView, plan) -> None:
+    block_l, block_i, num_chunks, n_iblk, n_items, programs = plan
+    slabs = view.O0 * view.O1 * n_iblk
+    p = y.new_empty((slabs, num_chunks, block_i), dtype=torch.float32)
+    count = torch.zeros(slabs, dtype=torch.int32, device=y.device)
+    launch(K.softmax_bwd_resident_kernel)[(programs,)](
+        y,
+        dy,
+        dx,
+        p,
+        count,
+        view.L,
+        view.I,
+        view.O1,
+        n_iblk,
+        num_chunks,
+        n_items,
+        *view.strides[0],
+        *view.strides[1],
+        *view.strides[2],
+        BLOCK_L=block_l,
+        BLOCK_I=block_i,
+        num_warps=RESIDENT_WARPS,
+    )
 
 
 def _use_rows(view: SoftmaxView) -> bool:
@@ -242,31 +297,9 @@ def _softmax_fwd(x: torch.Tensor, dim: int) -> torch.Tensor:
             num_warps=warps,
         )
         return y
-    plan = _resident_plan(view, x.device, RESIDENT_TILE)
-    if plan is not None:
-        block_l, block_i, num_chunks, n_iblk, n_items, programs = plan
-        slabs = view.O0 * view.O1 * n_iblk
-        m = x.new_empty((slabs, num_chunks, block_i), dtype=torch.float32)
-        s = torch.empty_like(m)
-        count = torch.zeros(slabs, dtype=torch.int32, device=x.device)
-        launch(K.softmax_fwd_resident_kernel)[(programs,)](
-            x,
-            y,
-            m,
-            s,
-            count,
-            view.L,
-            view.I,
-            view.O1,
-            n_iblk,
-            num_chunks,
-            n_items,
-            *view.strides[0],
-            *view.strides[1],
-            BLOCK_L=block_l,
-            BLOCK_I=block_i,
-            num_warps=RESIDENT_WARPS,
-        )
+    plan = _use_resident(x) and _resident_plan(view, num_sms(x.device), RESIDENT_TILE)
+    if plan:
+        _resident_fwd(x, y, view, plan)
         return y
     m, s, _, (block_l, block_i, chunk, num_chunks) = softmax_chunk_stats(x, dim)
     grid = (view.O0 * view.O1 * triton.cdiv(view.I, block_i), num_chunks)
@@ -316,31 +349,10 @@ def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
             num_warps=warps,
         )
         return dx
-    plan = _resident_plan(view, y.device, RESIDENT_TILE // 2)  # holds y and dy
-    if plan is not None:
-        block_l, block_i, num_chunks, n_iblk, n_items, programs = plan
-        slabs = view.O0 * view.O1 * n_iblk
-        p = y.new_empty((slabs, num_chunks, block_i), dtype=torch.float32)
-        count = torch.zeros(slabs, dtype=torch.int32, device=y.device)
-        launch(K.softmax_bwd_resident_kernel)[(programs,)](
-            y,
-            dy,
-            dx,
-            p,
-            count,
-            view.L,
-            view.I,
-            view.O1,
-            n_iblk,
-            num_chunks,
-            n_items,
-            *ys,
-            *gs,
-            *ds,
-            BLOCK_L=block_l,
-            BLOCK_I=block_i,
-            num_warps=RESIDENT_WARPS,
-        )
+    # Each program holds y and dy: half the elements per tensor.
+    plan = _use_resident(y) and _resident_plan(view, num_sms(y.device), RESIDENT_TILE // 2)
+    if plan:
+        _resident_bwd(y, dy, dx, view, plan)
         return dx
     block_l, block_i, chunk, num_chunks = _split_plan(view, y.device)
     p = y.new_empty((view.O0 * view.O1, num_chunks, view.I), dtype=torch.float32)

@@ -1,0 +1,143 @@
+"""Compile, for a Hopper GPU, every kernel configuration the CPU test run launched.
+
+The Triton interpreter accepts code the GPU compiler rejects (loop-carried type changes,
+non-constexpr globals, default-valued constexpr parameters, ...). Under the interpreter, the
+kernelkit launcher records each distinct launch (kernel, argument types, constexprs, warps)
+with `record_launch`; at the end of the session the pytest plugin runs this module in a
+process without the interpreter, which compiles every record for sm_90 with Triton's own
+toolchain (no GPU or driver needed) and fails the run if one does not compile. Kernels that
+only run on a GPU (never launched by the interpreter) can be recorded by a test directly.
+
+    python -m kernelkit.shared.compile_check RECORDS.jsonl
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+ENV = "KERNELKIT_COMPILE_RECORD"
+_seen: set[str] = set()
+
+_DTYPES = {
+    "torch.float32": "fp32",
+    "torch.float16": "fp16",
+    "torch.bfloat16": "bf16",
+    "torch.float64": "fp64",
+    "torch.int64": "i64",
+    "torch.int32": "i32",
+    "torch.int16": "i16",
+    "torch.int8": "i8",
+    "torch.uint8": "u8",
+    "torch.bool": "i1",
+}
+_OPTIONS = ("num_warps", "num_stages")
+
+
+def _is_constexpr(annotation) -> bool:
+    return "constexpr" in (annotation if isinstance(annotation, str) else repr(annotation))
+
+
+def record_launch(kernel, args, kwargs) -> None:
+    """Append this launch's configuration to the record file named by $KERNELKIT_COMPILE_RECORD."""
+    path = os.environ.get(ENV)
+    if not path:
+        return
+    import torch
+
+    fn = kernel.fn
+    params = inspect.signature(fn).parameters
+    bound = dict(zip(params, args))
+    bound.update({k: v for k, v in kwargs.items() if k not in _OPTIONS})
+    signature, constexprs = {}, {}
+    for name, value in bound.items():
+        if _is_constexpr(params[name].annotation) or value is None or isinstance(value, str):
+            signature[name] = "constexpr"
+            constexprs[name] = value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + _DTYPES[str(value.dtype)]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            return  # not a type this check knows; the GPU run covers it
+    rec = {
+        "module": fn.__module__,
+        "name": fn.__name__,
+        "signature": signature,
+        "constexprs": constexprs,
+        "options": {k: kwargs[k] for k in _OPTIONS if k in kwargs},
+    }
+    key = json.dumps(rec, sort_keys=True)
+    if key in _seen:
+        return
+    _seen.add(key)
+    with open(path, "a") as f:
+        f.write(key + "\n")
+
+
+def _compile(key: str) -> str | None:
+    """Front end + the TTIR and TTGIR pipelines for sm_90: where the interpreter and the GPU
+    compiler disagree. (PTX/ptxas would add seconds per kernel and has not been a source of
+    such differences.)"""
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+
+    rec = json.loads(key)
+    try:
+        kernel = getattr(importlib.import_module(rec["module"]), rec["name"])
+        src = ASTSource(fn=kernel, signature=rec["signature"], constexprs=rec["constexprs"])
+        target = GPUTarget("cuda", 90, 32)
+        backend = make_backend(target)
+        options = backend.parse_options(rec["options"])
+        stages: dict = {}
+        backend.add_stages(stages, options, src.language)
+        context = ir.context()
+        ir.load_dialects(context)
+        backend.load_dialects(context)
+        module = src.make_ir(
+            target,
+            options,
+            backend.get_codegen_implementation(options),
+            backend.get_module_map(),
+            context,
+        )
+        metadata = {"hash": "compile-check", "target": target, **options.__dict__}
+        for stage in ("ttir", "ttgir"):
+            module = stages[stage](module, metadata)
+    except Exception as e:  # report every failure, not just the first
+        first = str(e).strip().splitlines()
+        return (
+            f"{rec['module']}.{rec['name']} {rec['constexprs']} {rec['options']}:\n  "
+            + "\n  ".join(first[-12:])
+        )
+    return None
+
+
+def main(path: str) -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("run without TRITON_INTERPRET: the check compiles real Triton kernels")
+    with open(path) as f:
+        keys = sorted(set(f.read().splitlines()) - {""})
+    with ProcessPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        failures = [r for r in pool.map(_compile, keys) if r]
+    print(
+        f"kernelkit compile check: {len(keys)} kernel configurations lowered to TTGIR for sm_90, "
+        f"{len(failures)} failed"
+    )
+    for msg in failures:
+        print("FAILED", msg)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
