@@ -38,8 +38,9 @@ def _finite(t):
 
 
 def _run(fn, q, k, v, do, dlse, **kw):
-    """Forward and backward of fn on leaf copies of q, k, v: (o, lse, (dq, dk, dv))."""
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    """Forward and backward of fn on leaves aliasing q, k, v (strides kept, unlike a clone):
+    (o, lse, (dq, dk, dv))."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     o, lse = fn(*leaves, return_lse=True, **kw)
     outs, grads = [o], [do.to(o.dtype)]
     if dlse is not None:  # the LSE is differentiable too; empty rows (-inf) are left out

@@ -17,8 +17,8 @@ programs that share one head's K/V (or Q/dO) run together and hit L2.
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634
-LN2: tl.constexpr = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit

@@ -86,22 +86,24 @@ class Tile:
     stages: int
 
 
-# Hopper (H100) tiles by BLOCK_D for half-precision inputs; benchmarks/tune.py compares
-# alternatives and NOTES.md records the measurements behind these choices.
+# Tiles by BLOCK_D for half-precision inputs on Hopper. Candidates were first screened by
+# compiling for sm_90a (registers, spills, shared memory: NOTES.md), then timed on an H100 with
+# benchmarks/tune.py. The dk/dv kernel holds k, v and two float32 accumulators per key block,
+# so its query step stays narrow (16-32 rows) to avoid register spills.
 FWD_TILES = {
     16: Tile(128, 64, 4, 3),
     32: Tile(128, 64, 4, 3),
     64: Tile(128, 64, 4, 3),
     128: Tile(128, 64, 8, 3),
-    256: Tile(64, 32, 4, 2),
+    256: Tile(128, 32, 8, 2),
 }
 # dk/dv: BLOCK_N keys held by the program, BLOCK_M query rows per step.
 DKDV_TILES = {
     16: Tile(64, 128, 8, 2),
     32: Tile(64, 128, 8, 2),
-    64: Tile(64, 128, 8, 2),
-    128: Tile(64, 128, 8, 2),
-    256: Tile(32, 64, 8, 1),
+    64: Tile(32, 128, 8, 2),
+    128: Tile(16, 128, 8, 3),
+    256: Tile(16, 32, 8, 2),
 }
 # dq: BLOCK_M query rows held by the program, BLOCK_N keys per step.
 DQ_TILES = {
@@ -109,14 +111,19 @@ DQ_TILES = {
     32: Tile(128, 64, 8, 2),
     64: Tile(128, 64, 8, 2),
     128: Tile(128, 64, 8, 2),
-    256: Tile(64, 32, 8, 1),
+    256: Tile(64, 16, 4, 2),
 }
-# Optional per-(BLOCK_D, causal) overrides of the tables above (filled from tuning).
+# Optional per-(BLOCK_D, causal) overrides of the forward table (from tuning).
 FWD_TILES_CAUSAL: dict[int, Tile] = {}
-# float32 operands take twice the registers and shared memory: smaller tiles.
-FP32_FWD = {16: Tile(64, 32, 4, 2), 32: Tile(64, 32, 4, 2), 64: Tile(64, 32, 4, 2)}
-FP32_FWD_DEFAULT = Tile(32, 32, 4, 1)
-FP32_BWD = Tile(32, 32, 4, 1)
+# float32 inputs (three tf32 products per dot) need about three times the operand registers:
+# small tiles, (fwd, dk/dv, dq) by BLOCK_D.
+FP32_TILES = {
+    16: (Tile(64, 32, 4, 2), Tile(32, 32, 4, 1), Tile(32, 32, 4, 1)),
+    32: (Tile(64, 32, 4, 2), Tile(32, 32, 4, 1), Tile(32, 32, 4, 1)),
+    64: (Tile(64, 32, 4, 2), Tile(32, 32, 4, 1), Tile(32, 32, 4, 1)),
+    128: (Tile(32, 32, 8, 1), Tile(16, 32, 8, 1), Tile(32, 32, 8, 1)),
+    256: (Tile(16, 16, 4, 1), Tile(16, 16, 4, 1), Tile(16, 16, 4, 1)),
+}
 PREPROCESS_BLOCK_M = 64
 # Under the interpreter: small, unequal tiles so that tests at small N still walk several
 # blocks, the causal diagonal and the sequence ends in every kernel.
@@ -142,7 +149,7 @@ def plan_for(d: int, causal: bool, dtype: torch.dtype) -> Plan:
         return Plan(INTERPRETER_FWD, INTERPRETER_DKDV, INTERPRETER_DQ)
     bd = block_d_for(d)
     if dtype == torch.float32:
-        return Plan(FP32_FWD.get(bd, FP32_FWD_DEFAULT), FP32_BWD, FP32_BWD)
+        return Plan(*FP32_TILES[bd])
     fwd = (FWD_TILES_CAUSAL.get(bd) if causal else None) or FWD_TILES[bd]
     return Plan(fwd, DKDV_TILES[bd], DQ_TILES[bd])
 

@@ -1,0 +1,188 @@
+"""flash-attn benchmark suite: suites 1 and 5 of ../../shared/specs/flash-attn.md.
+
+Suite 1 (`flash_attn`): bf16, d in {64, 128}, causal and not, N in 1k..32k, B = 16384 / N,
+H = 2048 / d; forward, backward and forward+backward in TFLOP/s (forward FLOPs 4 B H N^2 d,
+halved for causal; backward 2.5x, forward+backward 3.5x of that), one column per provider:
+  triton          this package (q, k, v in (B, N, H, D))
+  sdpa_flash      PyTorch SDPA pinned to each backend with torch.nn.attention.sdpa_kernel
+  sdpa_cudnn      (inputs in SDPA's (B, H, N, D) layout; extra_info["kernel"] names the autograd
+  sdpa_efficient   node that ran; a backend the GPU lacks is skipped)
+  torch           eager attention (the package's reference: the N x N scores in memory)
+  torch_compile   torch.compile of it (static shapes)
+Eager/compiled cells whose score matrices cannot fit on the GPU are recorded as OOM without
+being run (an estimate, extra_info["oom_estimated"]); the rest that run out of memory are
+recorded as OOM by `record`.
+
+Suite 5 (`flash_attn_leaderboard`): the course leaderboard shape, (16, 16384, 64) one-head 3-D
+tensors, causal, bf16; forward, backward and forward+backward.
+
+`python ci/bench.py flash-attn` runs it on a GPU. Without one (CI smoke mode,
+--benchmark-disable) every test runs once on a tiny shape under the Triton interpreter.
+"""
+
+import functools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from kernelkit.flash_attn import flash_attn
+from kernelkit.flash_attn.reference import attention_reference
+from kernelkit.shared.bench import record, torch_compile
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+DTYPE = torch.bfloat16
+TOKENS, HIDDEN = (16384, 2048) if GPU else (33, 32)
+DS = [64, 128] if GPU else [16]
+NS = [1024 * 2**i for i in range(6)] if GPU else [33]
+LEADERBOARD = (16, 16384, 64) if GPU else (2, 33, 16)
+DIRECTIONS = ["fwd", "bwd", "fwd_bwd"]
+FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
+PROVIDERS = ["triton", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "torch", "torch_compile"]
+SDPA = {
+    "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+    "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+    "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
+}
+# Bytes per score element an eager forward+backward holds at its peak (bf16 scores, the masked
+# copy, probabilities, their gradient and the scores' gradient), for the OOM estimate.
+EAGER_BYTES_PER_SCORE = 10
+
+
+def shape_for(n, d):
+    return max(1, TOKENS // n), HIDDEN // d
+
+
+def fwd_flops(b, h, n, d, causal):
+    return 4.0 * b * h * n * n * d / (2 if causal else 1)
+
+
+def eager_fits(b, h, n):
+    if not GPU:
+        return True
+    free, _ = torch.cuda.mem_get_info()
+    return EAGER_BYTES_PER_SCORE * b * h * n * n < 0.9 * free
+
+
+@functools.cache
+def compiled(causal):
+    return torch_compile(functools.partial(attention_reference, causal=causal))
+
+
+def sdpa(backend, causal):
+    def f(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return f
+
+
+def attention_fn(provider, causal):
+    """(fn(q, k, v) -> o, layout) of one provider."""
+    if provider == "triton":
+        return functools.partial(flash_attn, causal=causal), "bnhd"
+    if provider in SDPA:
+        return sdpa(SDPA[provider], causal), "bhnd"
+    if provider == "torch":
+        return functools.partial(attention_reference, causal=causal), "bnhd"
+    return compiled(causal), "bnhd"
+
+
+def make_inputs(shape, layout):
+    """q, k, v (requiring grad) and a gradient for o, shape (B, N, H, D) or (B, N, D)."""
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+
+    def r(requires_grad=True):
+        t = torch.randn(shape, dtype=DTYPE, device=DEVICE, generator=g)
+        if layout == "bhnd" and t.dim() == 4:
+            t = t.transpose(1, 2).contiguous()
+        elif layout == "bhnd":  # 3-D (B, N, D): one head for SDPA
+            t = t.unsqueeze(1)
+        return t.requires_grad_(requires_grad)
+
+    return r(), r(), r(), r(False)
+
+
+def _raise_oom():
+    raise torch.OutOfMemoryError("eager attention's score matrices do not fit (estimated)")
+
+
+def run_case(benchmark, *, op, tag, x, shape, causal, provider, direction, flops):
+    fn, layout = attention_fn(provider, causal)
+    info = {"layout": layout}
+    b, n = shape[0], shape[1]
+    h = shape[2] if len(shape) == 4 else 1
+    if provider in ("torch", "torch_compile") and not eager_fits(b, h, n):
+        info["oom_estimated"] = True
+        record(benchmark, _raise_oom, op=op, direction=direction, tag=tag, x=x,
+               provider=provider, flops=flops, info=info)  # fmt: skip
+        return
+    q, k, v, do = make_inputs(shape, layout)
+    try:
+        o = fn(q, k, v)
+    except torch.OutOfMemoryError:
+        o = None
+    except RuntimeError as e:  # an SDPA backend this GPU or these inputs lack
+        if provider in SDPA:
+            pytest.skip(f"{provider} unavailable: {str(e).splitlines()[0]}")
+        raise
+    if o is not None and provider in SDPA:
+        info["kernel"] = type(o.grad_fn).__name__
+    if o is None:
+        call = _raise_oom
+    elif direction == "fwd":
+        del o
+
+        def call():
+            with torch.no_grad():
+                return fn(q, k, v)
+
+    elif direction == "bwd":
+
+        def call():
+            o.backward(do, retain_graph=True)
+
+    else:
+        del o
+
+        def call():
+            fn(q, k, v).backward(do)
+
+    record(benchmark, call, op=op, direction=direction, tag=tag, x=x, provider=provider,
+           flops=flops, grad_to_none=[q, k, v], info=info)  # fmt: skip
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("causal", [False, True], ids=["causal0", "causal1"])
+@pytest.mark.parametrize("d", DS, ids=lambda d: f"d{d}")
+def test_sweep(benchmark, d, causal, n, direction, provider):
+    b, h = shape_for(n, d)
+    benchmark.group = f"flash_attn-{direction}-dim{d}-causal{int(causal)}"
+    flops = FLOP_FACTOR[direction] * fwd_flops(b, h, n, d, causal)
+    # B = TOKENS / N changes along the table's rows, so the tag names the token count.
+    tag = f"tokens{TOKENS}-head{h}-dim{d}-causal{int(causal)}-bf16"
+    run_case(benchmark, op="flash_attn", tag=tag, x=n, shape=(b, n, h, d), causal=causal,
+             provider=provider, direction=direction, flops=flops)  # fmt: skip
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_leaderboard(benchmark, direction, provider):
+    b, n, d = LEADERBOARD
+    tag = f"batch{b}-head1-dim{d}-causal1-bf16"
+    benchmark.group = f"flash_attn_leaderboard-{direction}"
+    flops = FLOP_FACTOR[direction] * fwd_flops(b, 1, n, d, True)
+    run_case(benchmark, op="flash_attn_leaderboard", tag=tag, x=n, shape=(b, n, d), causal=True,
+             provider=provider, direction=direction, flops=flops)  # fmt: skip
+
+
+def test_flops_convention():
+    """The suite's FLOP count: 4 B H N^2 d forward, halved for causal."""
+    assert fwd_flops(2, 3, 8, 16, False) == 4 * 2 * 3 * 64 * 16
+    assert fwd_flops(2, 3, 8, 16, True) == 2 * 2 * 3 * 64 * 16
+    assert math.isclose(FLOP_FACTOR["fwd_bwd"], FLOP_FACTOR["fwd"] + FLOP_FACTOR["bwd"])
