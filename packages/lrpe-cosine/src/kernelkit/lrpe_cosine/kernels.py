@@ -1,18 +1,21 @@
 """Triton code of lrpe-cosine.
 
-Every kernel works on a tile of (BLOCK_N tokens) x (all D features) of one head and loops over a
-group of batch rows: with an int offset the angles do not depend on the batch, so cos/sin are
-computed once per tile and reused for every row of the group (B times less trigonometry).
+Tiles are 3-D: [BLOCK_N tokens, ROWS batch rows, BLOCK_D >= D features] of one head. With an
+int offset the angles do not depend on the batch row, so cos/sin are a [BLOCK_N, 1, BLOCK_D]
+tile computed once per program and reused by every row it handles: B times less trigonometry,
+and the ROWS rows of one load multiply the bytes in flight without holding more cos/sin. (Rows
+sit on axis 1: Triton spreads threads and warps over the feature axis and then axis 0, so the
+rows of a token stay in one thread's registers next to that token's cos/sin.)
 
 Layout: x (B, N, H, D), y and dy (B, N, H, 2D) with the cos half first, all with runtime strides.
 ACT is a tl.constexpr string: none / relu / sigmoid / silu (element-wise, from kernelkit-act),
-softmax (over the D features of a tile) or softmax_seq (over the sequence, using per-(b, h, k)
-float32 (max, sum) stats computed beforehand).
+softmax (over the D features of each token) or softmax_seq (over the sequence, from float32
+per-(b, h, k) (max, sum) stats computed beforehand).
 
-Extension point. The position -> angle mapping is the three device functions `positions`,
-`frequencies` and `angles`; everything else (`activate`, `activate_grad`, the stores) does not
-know where angles come from. md-lrpe-cosine maps tokens to grid coordinates instead of
-`offset + t`; it reuses these building blocks and only replaces the mapping.
+Extension point. The position -> angle mapping is the device functions `positions`,
+`frequencies` and `angles`; `activate`, `activate_grad` and the kernels' load/store code do not
+know where the angles come from. md-lrpe-cosine maps tokens to grid coordinates instead of
+`offset + t` and reuses the rest.
 """
 
 import triton
@@ -37,8 +40,8 @@ _RUNTIME = ["B", "N", "offset", "rows_per_program", "stats_part"]
 
 @triton.jit
 def positions(tokens, offset):
-    """Integer positions (int64) of the token indices `tokens` of a sequence that starts at
-    `offset` (a scalar: the int offset, or this batch row's entry of the offsets tensor)."""
+    """Integer positions (int64) of the token indices `tokens` of sequences starting at
+    `offset` (the int offset, or a block of per-batch-row offsets broadcastable to tokens)."""
     return tokens.to(tl.int64) + offset
 
 
@@ -55,23 +58,38 @@ def frequencies(theta_row_ptr, feats, D, E, stride_e):
 
 @triton.jit
 def angles(pos, freqs):
-    """[tokens, features] angles float32(freq) * float32(position), exactly the reference's."""
-    return pos.to(tl.float32)[:, None] * freqs[None, :]
+    """float32(freq) * float32(position), exactly the reference's angles; `pos` and `freqs`
+    are already shaped to broadcast (e.g. [1, BLOCK_N, 1] x [1, 1, BLOCK_D])."""
+    return pos.to(tl.float32) * freqs
+
+
+@triton.jit
+def token_angles(tokens, offset, freqs):
+    """[BLOCK_N, 1, BLOCK_D] angles of a block of tokens for an int offset."""
+    return angles(positions(tokens, offset)[:, None, None], freqs[None, None, :])
+
+
+@triton.jit
+def row_positions(offsets_ptr, b, row_ok, tokens):
+    """[BLOCK_N, ROWS, 1] positions of the tokens of batch rows `b` with per-row offsets."""
+    off = tl.load(offsets_ptr + b, mask=row_ok, other=0)
+    return positions(tokens[:, None], off[None, :])[:, :, None]
 
 
 # --------------------------------------------------------------------------------------------
-# Activation in front of the feature map (forward and backward)
+# Activation in front of the feature map (forward and backward), on [tokens, rows, features]
 # --------------------------------------------------------------------------------------------
 
 
 @triton.jit
 def activate(x, feat_ok, m, s, ACT: tl.constexpr):
-    """x̄ = act(x) of a float32 [tokens, features] tile. softmax: over the valid features of
-    each token; softmax_seq: with the sequence (max, sum) `m`, `s` of these features."""
+    """x̄ = act(x) of a float32 [tokens, rows, features] tile. softmax: over the valid
+    features (`feat_ok` [1, 1, BLOCK_D]); softmax_seq: with the [rows, features] sequence
+    (max, sum) `m`, `s`."""
     if ACT == "softmax":
-        xm = tl.where(feat_ok[None, :], x, -float("inf"))
-        mx, sx = softmax_stats(xm, 1)
-        y = softmax_normalize(xm, mx, sx, 1)
+        xm = tl.where(feat_ok, x, -float("inf"))
+        mx, sx = softmax_stats(xm, 2)
+        y = softmax_normalize(xm, mx, sx, 2)
     elif ACT == "softmax_seq":
         y = softmax_normalize(x, m, s, 0)
     else:
@@ -81,25 +99,27 @@ def activate(x, feat_ok, m, s, ACT: tl.constexpr):
 
 @triton.jit
 def activate_grad(x, xbar, dxbar, tot, ACT: tl.constexpr):
-    """dx from dx̄ through the activation; `xbar` = activate(x); `tot` = sum over the sequence
-    of x̄ * dx̄ per feature (softmax_seq only)."""
+    """dx from dx̄ through the activation; `xbar` = activate(x); `tot` [rows, features] = sum
+    over the sequence of x̄ * dx̄ (softmax_seq only)."""
     if ACT == "softmax":
-        dx = softmax_grad(xbar, dxbar, 1)
+        dx = softmax_grad(xbar, dxbar, 2)
     elif ACT == "softmax_seq":
-        dx = xbar * (dxbar - tot[None, :])
+        dx = xbar * (dxbar - tot[None, :, :])
     else:
         dx = apply_act_grad(x, dxbar, ACT)
     return dx
 
 
 @triton.jit
-def feature_row(ptr, b, h, H, D, feats, feat_ok, other):
-    """Entries (b, h, feats) of a float32 (B, H, D) buffer (sequence stats or sums)."""
-    return tl.load(ptr + (b * H + h).to(tl.int64) * D + feats, mask=feat_ok, other=other)
+def feature_rows(ptr, b, row_ok, h, H, D, feats, feat_ok, other):
+    """[rows, features] entries (b, h, feats) of a float32 (B, H, D) buffer (stats or sums)."""
+    offs = ((b * H + h).to(tl.int64) * D)[:, None] + feats[None, :]
+    return tl.load(ptr + offs, mask=row_ok[:, None] & feat_ok[None, :], other=other)
 
 
 # --------------------------------------------------------------------------------------------
-# Kernels. Grid: (token blocks or chunks, H, batch groups of `rows_per_program` rows).
+# Kernels. Grid: (token blocks or chunks, H, batch groups). A program of the forward/backward
+# kernels loops over its `rows_per_program` batch rows ROWS at a time.
 # --------------------------------------------------------------------------------------------
 
 
@@ -130,6 +150,7 @@ def lrpe_cosine_fwd_kernel(
     ste,
     ACT: tl.constexpr,
     PER_BATCH: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -137,31 +158,38 @@ def lrpe_cosine_fwd_kernel(
     tokens = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     feats = tl.arange(0, BLOCK_D)
     feat_ok = feats < D
-    mask = (tokens < N)[:, None] & feat_ok[None, :]
+    tile_ok = (tokens < N)[:, None, None] & feat_ok[None, None, :]
     freqs = frequencies(theta_ptr + h * sth, feats, D, E, ste)
     if not PER_BATCH:
-        theta_t = angles(positions(tokens, offset), freqs)
+        theta_t = token_angles(tokens, offset, freqs)
         cos_t = tl.cos(theta_t)
         sin_t = tl.sin(theta_t)
-    x_tile = tokens.to(tl.int64)[:, None] * sxn + feats[None, :] * sxd
-    y_tile = tokens.to(tl.int64)[:, None] * syn + feats[None, :] * syd
-    m = tl.zeros([BLOCK_D], tl.float32)  # sequence stats: only softmax_seq reads them
-    s = tl.full([BLOCK_D], 1.0, tl.float32)
-    b0 = tl.program_id(2) * rows_per_program
-    for b in range(b0, tl.minimum(b0 + rows_per_program, B)):
+    x_tile = (tokens.to(tl.int64) * sxn)[:, None, None] + (feats * sxd)[None, None, :]
+    y_tile = (tokens.to(tl.int64) * syn)[:, None, None] + (feats * syd)[None, None, :]
+    x_head = x_ptr + h.to(tl.int64) * sxh
+    y_head = y_ptr + h.to(tl.int64) * syh
+    m = tl.zeros([ROWS, BLOCK_D], tl.float32)  # sequence stats: only softmax_seq reads them
+    s = tl.full([ROWS, BLOCK_D], 1.0, tl.float32)
+    b_lo = tl.program_id(2) * rows_per_program
+    b_hi = tl.minimum(b_lo + rows_per_program, B)
+    for b0 in range(b_lo, b_hi, ROWS):
+        b = b0 + tl.arange(0, ROWS)
+        row_ok = b < b_hi
+        mask = row_ok[None, :, None] & tile_ok
         if PER_BATCH:
-            theta_t = angles(positions(tokens, tl.load(offsets_ptr + b)), freqs)
+            pos = row_positions(offsets_ptr, b, row_ok, tokens)
+            theta_t = angles(pos, freqs[None, None, :])
             cos_t = tl.cos(theta_t)
             sin_t = tl.sin(theta_t)
         if ACT == "softmax_seq":
-            m = feature_row(stats_ptr, b, h, H, D, feats, feat_ok, 0.0)
-            s = feature_row(stats_ptr + stats_part, b, h, H, D, feats, feat_ok, 1.0)
-        x_row = x_ptr + tl.cast(b, tl.int64) * sxb + h.to(tl.int64) * sxh
-        x = tl.load(x_row + x_tile, mask=mask, other=0.0).to(tl.float32)
-        xbar = activate(x, feat_ok, m, s, ACT)
-        y_row = y_ptr + tl.cast(b, tl.int64) * syb + h.to(tl.int64) * syh + y_tile
-        tl.store(y_row, (xbar * cos_t).to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(y_row + D * syd, (xbar * sin_t).to(y_ptr.dtype.element_ty), mask=mask)
+            m = feature_rows(stats_ptr, b, row_ok, h, H, D, feats, feat_ok, 0.0)
+            s = feature_rows(stats_ptr + stats_part, b, row_ok, h, H, D, feats, feat_ok, 1.0)
+        x_rows = x_head + (b.to(tl.int64) * sxb)[None, :, None] + x_tile
+        x = tl.load(x_rows, mask=mask, other=0.0).to(tl.float32)
+        xbar = activate(x, feat_ok[None, None, :], m, s, ACT)
+        y_rows = y_head + (b.to(tl.int64) * syb)[None, :, None] + y_tile
+        tl.store(y_rows, (xbar * cos_t).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_rows + D * syd, (xbar * sin_t).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=_RUNTIME)
@@ -200,58 +228,68 @@ def lrpe_cosine_bwd_kernel(
     PER_BATCH: tl.constexpr,
     NEED_DX: tl.constexpr,
     NEED_DTHETA: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """dx̄ = dy_cos cos + dy_sin sin, then the act backward. With NEED_DTHETA each program
-    also writes its float32 partial of dtheta[h, :] = sum pos * x̄ * (dy_sin cos - dy_cos sin)
-    to dtheta_ptr[program, h, :] (summed by the host: deterministic)."""
+    """dx̄ = dy_cos cos + dy_sin sin, then the act backward (softmax_seq: the apply pass, with
+    the sums of the first pass). With NEED_DTHETA each program also writes its float32 partial
+    of dtheta[h, :] = sum pos * x̄ * (dy_sin cos - dy_cos sin) to dtheta_ptr[program, h, :]
+    (summed by the host: deterministic)."""
     h = tl.program_id(1)
     tokens = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     feats = tl.arange(0, BLOCK_D)
     feat_ok = feats < D
-    mask = (tokens < N)[:, None] & feat_ok[None, :]
+    tile_ok = (tokens < N)[:, None, None] & feat_ok[None, None, :]
     freqs = frequencies(theta_ptr + h * sth, feats, D, E, ste)
     if not PER_BATCH:
-        pos = positions(tokens, offset)
-        theta_t = angles(pos, freqs)
+        pos = positions(tokens, offset)[:, None, None]
+        theta_t = angles(pos, freqs[None, None, :])
         cos_t = tl.cos(theta_t)
         sin_t = tl.sin(theta_t)
-    x_tile = tokens.to(tl.int64)[:, None] * sxn + feats[None, :] * sxd
-    g_tile = tokens.to(tl.int64)[:, None] * sgn + feats[None, :] * sgd
-    d_tile = tokens.to(tl.int64)[:, None] * sdn + feats[None, :] * sdd
+    x_tile = (tokens.to(tl.int64) * sxn)[:, None, None] + (feats * sxd)[None, None, :]
+    g_tile = (tokens.to(tl.int64) * sgn)[:, None, None] + (feats * sgd)[None, None, :]
+    d_tile = (tokens.to(tl.int64) * sdn)[:, None, None] + (feats * sdd)[None, None, :]
+    x_head = x_ptr + h.to(tl.int64) * sxh
+    g_head = dy_ptr + h.to(tl.int64) * sgh
+    d_head = dx_ptr + h.to(tl.int64) * sdh
     acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    m = tl.zeros([BLOCK_D], tl.float32)  # sequence stats and sums: only softmax_seq reads them
-    s = tl.full([BLOCK_D], 1.0, tl.float32)
-    tot = tl.zeros([BLOCK_D], tl.float32)
-    b0 = tl.program_id(2) * rows_per_program
-    for b in range(b0, tl.minimum(b0 + rows_per_program, B)):
+    m = tl.zeros([ROWS, BLOCK_D], tl.float32)  # stats and sums: only softmax_seq reads them
+    s = tl.full([ROWS, BLOCK_D], 1.0, tl.float32)
+    tot = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    b_lo = tl.program_id(2) * rows_per_program
+    b_hi = tl.minimum(b_lo + rows_per_program, B)
+    for b0 in range(b_lo, b_hi, ROWS):
+        b = b0 + tl.arange(0, ROWS)
+        row_ok = b < b_hi
+        mask = row_ok[None, :, None] & tile_ok
         if PER_BATCH:
-            pos = positions(tokens, tl.load(offsets_ptr + b))
-            theta_t = angles(pos, freqs)
+            pos = row_positions(offsets_ptr, b, row_ok, tokens)
+            theta_t = angles(pos, freqs[None, None, :])
             cos_t = tl.cos(theta_t)
             sin_t = tl.sin(theta_t)
-        g_row = dy_ptr + tl.cast(b, tl.int64) * sgb + h.to(tl.int64) * sgh + g_tile
-        dy_cos = tl.load(g_row, mask=mask, other=0.0).to(tl.float32)
-        dy_sin = tl.load(g_row + D * sgd, mask=mask, other=0.0).to(tl.float32)
+        g_rows = g_head + (b.to(tl.int64) * sgb)[None, :, None] + g_tile
+        dy_cos = tl.load(g_rows, mask=mask, other=0.0).to(tl.float32)
+        dy_sin = tl.load(g_rows + D * sgd, mask=mask, other=0.0).to(tl.float32)
         dxbar = dy_cos * cos_t + dy_sin * sin_t
         if ACT != "none" or NEED_DTHETA:
             if ACT == "softmax_seq":
-                m = feature_row(stats_ptr, b, h, H, D, feats, feat_ok, 0.0)
-                s = feature_row(stats_ptr + stats_part, b, h, H, D, feats, feat_ok, 1.0)
-                tot = feature_row(sums_ptr, b, h, H, D, feats, feat_ok, 0.0)
-            x_row = x_ptr + tl.cast(b, tl.int64) * sxb + h.to(tl.int64) * sxh
-            x = tl.load(x_row + x_tile, mask=mask, other=0.0).to(tl.float32)
-            xbar = activate(x, feat_ok, m, s, ACT)
+                m = feature_rows(stats_ptr, b, row_ok, h, H, D, feats, feat_ok, 0.0)
+                s = feature_rows(stats_ptr + stats_part, b, row_ok, h, H, D, feats, feat_ok, 1.0)
+                tot = feature_rows(sums_ptr, b, row_ok, h, H, D, feats, feat_ok, 0.0)
+            x_rows = x_head + (b.to(tl.int64) * sxb)[None, :, None] + x_tile
+            x = tl.load(x_rows, mask=mask, other=0.0).to(tl.float32)
+            xbar = activate(x, feat_ok[None, None, :], m, s, ACT)
         else:
             x = dxbar
             xbar = dxbar
         if NEED_DTHETA:
-            acc += pos.to(tl.float32)[:, None] * xbar * (dy_sin * cos_t - dy_cos * sin_t)
+            dang = pos.to(tl.float32) * xbar * (dy_sin * cos_t - dy_cos * sin_t)
+            acc += tl.sum(dang, axis=1)
         if NEED_DX:
             dx = activate_grad(x, xbar, dxbar, tot, ACT)
-            d_row = dx_ptr + tl.cast(b, tl.int64) * sdb + h.to(tl.int64) * sdh + d_tile
-            tl.store(d_row, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            d_rows = d_head + (b.to(tl.int64) * sdb)[None, :, None] + d_tile
+            tl.store(d_rows, dx.to(dx_ptr.dtype.element_ty), mask=mask)
     if NEED_DTHETA:
         part = tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)
         out = dtheta_ptr + (part.to(tl.int64) * H + h) * D + feats
@@ -289,64 +327,54 @@ def lrpe_cosine_bwd_seq_sums_kernel(
     ste,
     PER_BATCH: tl.constexpr,
     NEED_DTHETA: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_G: tl.constexpr,
 ):
-    """First pass of the softmax-over-the-sequence backward: per (b, chunk of tokens, h, k)
-    float32 partial sums of y * dx̄ (y = softmax(x) over the sequence) into
-    sums_ptr[b, chunk, h, k], plus the dtheta partial of this program (it has x̄ and dy).
-    The batch rows of the group accumulate into the rows of one [BLOCK_G, BLOCK_D] tile so
-    that cos/sin stay shared by the group."""
+    """First pass of the softmax-over-the-sequence backward. A program (chunk of tokens, h,
+    ROWS batch rows) writes the float32 partial sums over its tokens of y * dx̄
+    (y = softmax(x) over the sequence) to sums_ptr[b, chunk, h, :], and its dtheta partial (it
+    has x̄ and dy at hand). `rows_per_program` is ROWS: the grid covers B in groups of ROWS."""
     h = tl.program_id(1)
     feats = tl.arange(0, BLOCK_D)
     feat_ok = feats < D
-    groups = tl.arange(0, BLOCK_G)
+    b = tl.program_id(2) * rows_per_program + tl.arange(0, ROWS)
+    row_ok = b < B
     freqs = frequencies(theta_ptr + h * sth, feats, D, E, ste)
-    b0 = tl.program_id(2) * rows_per_program
-    rows = tl.minimum(rows_per_program, B - b0)
-    sums = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    m = feature_rows(stats_ptr, b, row_ok, h, H, D, feats, feat_ok, 0.0)
+    s = feature_rows(stats_ptr + stats_part, b, row_ok, h, H, D, feats, feat_ok, 1.0)
+    x_rows = x_ptr + h.to(tl.int64) * sxh + (b.to(tl.int64) * sxb)[None, :, None]
+    g_rows = dy_ptr + h.to(tl.int64) * sgh + (b.to(tl.int64) * sgb)[None, :, None]
+    # Element-wise accumulators, reduced once at the end: no cross-warp reduction per block.
+    sums = tl.zeros([BLOCK_N, ROWS, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_N, ROWS, BLOCK_D], tl.float32)
     t_start = tl.program_id(0) * chunk
     for t0 in range(t_start, tl.minimum(t_start + chunk, N), BLOCK_N):
         tokens = t0 + tl.arange(0, BLOCK_N)
-        mask = (tokens < N)[:, None] & feat_ok[None, :]
-        if not PER_BATCH:
-            pos = positions(tokens, offset)
-            theta_t = angles(pos, freqs)
-            cos_t = tl.cos(theta_t)
-            sin_t = tl.sin(theta_t)
-        x_tile = tokens.to(tl.int64)[:, None] * sxn + feats[None, :] * sxd
-        g_tile = tokens.to(tl.int64)[:, None] * sgn + feats[None, :] * sgd
-        for j in range(0, rows):
-            b = b0 + j
-            if PER_BATCH:
-                pos = positions(tokens, tl.load(offsets_ptr + b))
-                theta_t = angles(pos, freqs)
-                cos_t = tl.cos(theta_t)
-                sin_t = tl.sin(theta_t)
-            m = feature_row(stats_ptr, b, h, H, D, feats, feat_ok, 0.0)
-            s = feature_row(stats_ptr + stats_part, b, h, H, D, feats, feat_ok, 1.0)
-            x_row = x_ptr + tl.cast(b, tl.int64) * sxb + h.to(tl.int64) * sxh
-            x = tl.load(x_row + x_tile, mask=mask, other=0.0).to(tl.float32)
-            g_row = dy_ptr + tl.cast(b, tl.int64) * sgb + h.to(tl.int64) * sgh + g_tile
-            dy_cos = tl.load(g_row, mask=mask, other=0.0).to(tl.float32)
-            dy_sin = tl.load(g_row + D * sgd, mask=mask, other=0.0).to(tl.float32)
-            xbar = activate(x, feat_ok, m, s, "softmax_seq")
-            part = tl.sum(xbar * (dy_cos * cos_t + dy_sin * sin_t), axis=0)
-            sums += tl.where(groups[:, None] == j, part[None, :], 0.0)
-            if NEED_DTHETA:
-                acc += pos.to(tl.float32)[:, None] * xbar * (dy_sin * cos_t - dy_cos * sin_t)
-    out_rows = (b0 + groups).to(tl.int64) * num_chunks + tl.program_id(0)
+        mask = (tokens < N)[:, None, None] & row_ok[None, :, None] & feat_ok[None, None, :]
+        if PER_BATCH:
+            pos = row_positions(offsets_ptr, b, row_ok, tokens)
+        else:
+            pos = positions(tokens, offset)[:, None, None]
+        theta_t = angles(pos, freqs[None, None, :])
+        cos_t = tl.cos(theta_t)
+        sin_t = tl.sin(theta_t)
+        x_tile = (tokens.to(tl.int64) * sxn)[:, None, None] + (feats * sxd)[None, None, :]
+        g_tile = (tokens.to(tl.int64) * sgn)[:, None, None] + (feats * sgd)[None, None, :]
+        x = tl.load(x_rows + x_tile, mask=mask, other=0.0).to(tl.float32)
+        dy_cos = tl.load(g_rows + g_tile, mask=mask, other=0.0).to(tl.float32)
+        dy_sin = tl.load(g_rows + g_tile + D * sgd, mask=mask, other=0.0).to(tl.float32)
+        xbar = activate(x, feat_ok[None, None, :], m, s, "softmax_seq")
+        sums += xbar * (dy_cos * cos_t + dy_sin * sin_t)
+        if NEED_DTHETA:
+            acc += pos.to(tl.float32) * xbar * (dy_sin * cos_t - dy_cos * sin_t)
+    out_rows = b.to(tl.int64) * num_chunks + tl.program_id(0)
     out = sums_ptr + (out_rows[:, None] * H + h) * D + feats[None, :]
-    tl.store(out, sums, mask=(groups < rows)[:, None] & feat_ok[None, :])
+    tl.store(out, tl.sum(sums, axis=0), mask=row_ok[:, None] & feat_ok[None, :])
     if NEED_DTHETA:
-        part_id = tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)
-        tl.store(
-            dtheta_ptr + (part_id.to(tl.int64) * H + h) * D + feats,
-            tl.sum(acc, axis=0),
-            mask=feat_ok,
-        )
+        part = tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)
+        out_t = dtheta_ptr + (part.to(tl.int64) * H + h) * D + feats
+        tl.store(out_t, tl.sum(tl.sum(acc, axis=1), axis=0), mask=feat_ok)
 
 
 @triton.jit(do_not_specialize=["total", "num_chunks"])

@@ -17,12 +17,19 @@ ACTS = ("none", "relu", "sigmoid", "silu", "softmax")
 KINDS = (*ELEMENTWISE_ACTS, "softmax", "softmax_seq")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# Memory-bound tiles: (BLOCK_N tokens) x (BLOCK_D >= D features) ~ TILE elements per program,
-# 16 float32 values per thread per tile at 4 warps (x, cos, sin, two outputs fit in registers).
-TILE = 2048
+# Memory-bound tiles: [ROWS batch rows, BLOCK_N tokens, BLOCK_D >= D features] ~ TILE elements
+# per load, 32 per thread at 4 warps. cos/sin are [1, BLOCK_N, BLOCK_D]: ROWS times fewer
+# registers than the x tile, so the registers go to bytes in flight.
+ROWS = 4
+TILE = 4096
+# Per-batch offsets need cos/sin per row (as many registers as the x tile) and the softmax_seq
+# sums kernel keeps [ROWS, D] stats and sums per thread: both use half tiles to avoid spills.
+SMALL_TILE = 2048
 NUM_WARPS = 4
 PROGRAMS_PER_SM = 4  # batch rows are grouped only while this many programs remain
-MAX_ROWS = 16  # batch rows per program of the softmax_seq sums kernel (= its BLOCK_G)
+# The softmax_seq sums kernel has long programs (a chunk of tokens x ROWS rows): many of them
+# keep the last wave short.
+SUMS_PROGRAMS_PER_SM = 16
 FINALIZE_BLOCK = 1024
 _GRID_AXIS_LIMIT = 65535  # grid axes 1 and 2 (heads, batch groups)
 
@@ -104,35 +111,36 @@ def _next_pow2(n) -> int:
     return triton.next_power_of_2(int(n))
 
 
-def tile_sizes(d) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_D): a whole head (BLOCK_D >= D) by as many tokens as fit in TILE. Depends
-    on D only, so a new N, B or offset never compiles a new kernel."""
+def tile_sizes(d, tile=TILE) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_D): a whole head (BLOCK_D >= D) by as many tokens as fit in `tile` with
+    ROWS batch rows. Depends on D only: a new N, B or offset never compiles a new kernel."""
     block_d = _next_pow2(d)
-    return max(1, TILE // block_d), block_d
+    return max(1, tile // (ROWS * block_d)), block_d
 
 
-def target_programs(device) -> int:
-    return PROGRAMS_PER_SM * num_sms(device)
+def target_programs(device, per_sm=PROGRAMS_PER_SM) -> int:
+    return per_sm * num_sms(device)
 
 
 def batch_groups(b, programs, device) -> tuple[int, int]:
-    """(rows per program, number of batch groups): group batch rows (shared cos/sin) as long as
-    `programs` x groups still gives PROGRAMS_PER_SM programs per multiprocessor."""
-    groups = max(1, min(b, triton.cdiv(target_programs(device), programs)))
-    rows = max(triton.cdiv(b, groups), triton.cdiv(b, _GRID_AXIS_LIMIT))
+    """(rows per program, number of batch groups) of the forward/backward kernels: batch rows
+    (sharing cos/sin) are grouped, in multiples of ROWS, as long as `programs` x groups still
+    gives PROGRAMS_PER_SM programs per multiprocessor."""
+    groups = max(1, min(triton.cdiv(b, ROWS), triton.cdiv(target_programs(device), programs)))
+    rows = triton.cdiv(triton.cdiv(b, groups), ROWS) * ROWS
+    rows = max(rows, triton.cdiv(b, _GRID_AXIS_LIMIT))
     return rows, triton.cdiv(b, rows)
 
 
-def sequence_chunks(b, n, heads, block_n, device) -> tuple[int, int, int, int]:
-    """(rows, groups, chunk, num_chunks) of the softmax_seq sums kernel: up to MAX_ROWS batch
-    rows per program (shared cos/sin), then the sequence split into chunks of whole token
-    blocks until there are enough programs."""
-    groups = triton.cdiv(b, MAX_ROWS)
-    rows = triton.cdiv(b, groups)
+def sequence_chunks(b, n, heads, block_n, device) -> tuple[int, int, int]:
+    """(groups, chunk, num_chunks) of the softmax_seq sums kernel: programs of ROWS batch rows
+    and a chunk of whole token blocks, chunks added until there are enough programs."""
+    groups = triton.cdiv(b, ROWS)
     n_blocks = triton.cdiv(n, block_n)
-    chunks = max(1, min(n_blocks, triton.cdiv(target_programs(device), heads * groups)))
+    target = target_programs(device, SUMS_PROGRAMS_PER_SM)
+    chunks = max(1, min(n_blocks, triton.cdiv(target, heads * groups)))
     chunk = triton.cdiv(n_blocks, chunks) * block_n
-    return rows, groups, chunk, triton.cdiv(n, chunk)
+    return groups, chunk, triton.cdiv(n, chunk)
 
 
 def _offset_args(offsets, offset, fallback):
@@ -176,7 +184,7 @@ def _forward(x, theta, offsets, offset, kind):
     if y.numel() == 0:
         return y, x.new_empty((2, b * heads * d) if seq else (0,), dtype=torch.float32)
     stats = _sequence_stats(x) if seq else x.new_empty((0,), dtype=torch.float32)
-    block_n, block_d = tile_sizes(d)
+    block_n, block_d = tile_sizes(d, TILE if offsets is None else SMALL_TILE)
     n_blocks = triton.cdiv(n, block_n)
     rows, groups = batch_groups(b, n_blocks * heads, x.device)
     off_ptr, off_int, per_batch = _offset_args(offsets, offset, theta)
@@ -200,6 +208,7 @@ def _forward(x, theta, offsets, offset, kind):
         theta.stride(1),
         ACT=kind,
         PER_BATCH=per_batch,
+        ROWS=ROWS,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         num_warps=NUM_WARPS,
@@ -222,6 +231,55 @@ def _reduce_dtheta(partials: torch.Tensor, theta_shape) -> torch.Tensor:
     return g.contiguous()
 
 
+class _BackwardArgs:
+    """Kernel arguments shared by the backward kernels."""
+
+    def __init__(self, dy, x, theta, offsets, offset):
+        b, n, heads, d2 = dy.shape
+        self.b, self.n, self.heads, self.d = b, n, heads, d2 // 2
+        self.off_ptr, off_int, self.per_batch = _offset_args(offsets, offset, theta)
+        self.sizes = (b, n, heads, self.d, theta.shape[1], off_int)
+        self.x = x if x is not None else dy  # never read: act none without dtheta
+        self.x_strides = _strides(x) if x is not None else (0, 0, 0, 0)
+        self.theta_strides = (theta.stride(0) if theta.shape[0] > 1 else 0, theta.stride(1))
+        self.stats_part = b * heads * self.d
+
+
+def _sequence_sums(a: _BackwardArgs, dy, theta, stats, need_dtheta):
+    """softmax_seq backward, first pass: (sum over the sequence of y * dx̄ as (B, H, D) float32,
+    dtheta partials or None)."""
+    block_n, block_d = tile_sizes(a.d, SMALL_TILE)
+    groups, chunk, num_chunks = sequence_chunks(a.b, a.n, a.heads, block_n, dy.device)
+    chunk_sums = dy.new_empty((a.b, num_chunks, a.heads, a.d), dtype=torch.float32)
+    partials = None
+    if need_dtheta:
+        partials = dy.new_empty((num_chunks * groups, a.heads, a.d), dtype=torch.float32)
+    launch(K.lrpe_cosine_bwd_seq_sums_kernel)[(num_chunks, a.heads, groups)](
+        a.x,
+        theta,
+        a.off_ptr,
+        stats,
+        dy,
+        chunk_sums,
+        partials if need_dtheta else stats,
+        *a.sizes,
+        ROWS,
+        chunk,
+        num_chunks,
+        a.stats_part,
+        *a.x_strides,
+        *_strides(dy),
+        *a.theta_strides,
+        PER_BATCH=a.per_batch,
+        NEED_DTHETA=need_dtheta,
+        ROWS=ROWS,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=NUM_WARPS,
+    )
+    return chunk_sums.sum(1), partials
+
+
 def _backward(dy, x, theta, offsets, offset, stats, kind, need_dx, need_dtheta):
     b, n, heads, d2 = dy.shape
     d = d2 // 2
@@ -231,80 +289,47 @@ def _backward(dy, x, theta, offsets, offset, stats, kind, need_dx, need_dtheta):
         dx = torch.empty_like(x) if x is not None else dy.new_empty((b, n, heads, d))
     else:
         dx = dy.new_empty((0,))
-    dtheta = theta.new_zeros(theta.shape) if need_dtheta else theta.new_empty((0,))
     if b * n * heads * d == 0:
         if need_dx:
             dx.zero_()
-        return dx, dtheta
-    block_n, block_d = tile_sizes(d)
-    n_blocks = triton.cdiv(n, block_n)
-    off_ptr, off_int, per_batch = _offset_args(offsets, offset, theta)
-    x_arg = x if x is not None else dy  # never read: act none without dtheta
-    x_strides = _strides(x) if x is not None else (0, 0, 0, 0)
-    theta_strides = (theta.stride(0) if theta.shape[0] > 1 else 0, theta.stride(1))
-    common = (b, n, heads, d, theta.shape[1], off_int)
-    sums = stats  # dummy unless softmax_seq
-    partials = None
+        return dx, (theta.new_zeros(theta.shape) if need_dtheta else theta.new_empty((0,)))
+    a = _BackwardArgs(dy, x, theta, offsets, offset)
+    sums, partials = stats, None  # stats: a dummy pointer unless softmax_seq
     if kind == "softmax_seq":
-        rows, groups, chunk, num_chunks = sequence_chunks(b, n, heads, block_n, dy.device)
-        chunk_sums = dy.new_empty((b, num_chunks, heads, d), dtype=torch.float32)
-        if need_dtheta:
-            partials = dy.new_empty((num_chunks * groups, heads, d), dtype=torch.float32)
-        launch(K.lrpe_cosine_bwd_seq_sums_kernel)[(num_chunks, heads, groups)](
-            x,
-            theta,
-            off_ptr,
-            stats,
-            dy,
-            chunk_sums,
-            partials if need_dtheta else stats,
-            *common,
-            rows,
-            chunk,
-            num_chunks,
-            b * heads * d,
-            *x_strides,
-            *_strides(dy),
-            *theta_strides,
-            PER_BATCH=per_batch,
-            NEED_DTHETA=need_dtheta,
-            BLOCK_N=block_n,
-            BLOCK_D=block_d,
-            BLOCK_G=MAX_ROWS,
-            num_warps=NUM_WARPS,
-        )
-        sums = chunk_sums.sum(1)
-    if need_dx or (need_dtheta and kind != "softmax_seq"):
+        sums, partials = _sequence_sums(a, dy, theta, stats, need_dtheta)
+    fuse_dtheta = need_dtheta and kind != "softmax_seq"
+    if need_dx or fuse_dtheta:
+        block_n, block_d = tile_sizes(d, SMALL_TILE if a.per_batch else TILE)
+        n_blocks = triton.cdiv(n, block_n)
         rows, groups = batch_groups(b, n_blocks * heads, dy.device)
-        fuse_dtheta = need_dtheta and kind != "softmax_seq"
         if fuse_dtheta:
             partials = dy.new_empty((n_blocks * groups, heads, d), dtype=torch.float32)
         launch(K.lrpe_cosine_bwd_kernel)[(n_blocks, heads, groups)](
-            x_arg,
+            a.x,
             theta,
-            off_ptr,
+            a.off_ptr,
             stats,
             sums,
             dy,
             dx if need_dx else dy,
             partials if fuse_dtheta else stats,
-            *common,
+            *a.sizes,
             rows,
-            b * heads * d,
-            *x_strides,
+            a.stats_part,
+            *a.x_strides,
             *_strides(dy),
             *(_strides(dx) if need_dx else (0, 0, 0, 0)),
-            *theta_strides,
+            *a.theta_strides,
             ACT=kind,
-            PER_BATCH=per_batch,
+            PER_BATCH=a.per_batch,
             NEED_DX=need_dx,
             NEED_DTHETA=fuse_dtheta,
+            ROWS=ROWS,
             BLOCK_N=block_n,
             BLOCK_D=block_d,
             num_warps=NUM_WARPS,
         )
-    if need_dtheta:
-        dtheta = _reduce_dtheta(partials, theta.shape)
+    dtheta = _reduce_dtheta(partials, theta.shape) if need_dtheta else theta.new_empty((0,))
     return dx, dtheta
 
 
