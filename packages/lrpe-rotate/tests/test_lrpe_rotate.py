@@ -237,6 +237,32 @@ def test_theta_dtypes(theta_dtype, device):
     assert_close(y, ref, name="forward with theta in " + str(theta_dtype))
 
 
+def test_theta_gradient_only(device):
+    """A learnable theta with a frozen x (e.g. rotating cached keys)."""
+    x = make((2, 9, 2, 8), torch.bfloat16, device)
+    theta = make_theta("single", 2, 8, device).requires_grad_()
+    lrpe_rotate(x, theta, 40, "softmax", -1).backward(make(x.shape, x.dtype, device, seed=2))
+    th64 = theta.detach().double().requires_grad_()
+    y64 = lrpe_rotate_reference(x.double(), th64, 40, "softmax", -1)
+    y64.backward(make(x.shape, x.dtype, device, seed=2).double())
+    assert x.grad is None
+    assert_close(theta.grad, th64.grad, name="dtheta with a frozen x")
+
+
+@pytest.mark.parametrize(
+    ("act", "dim", "theta_grad"),
+    [("none", None, False), ("silu", None, True), ("softmax", 1, True)],
+)
+def test_pytorch_reference_fallback(act, dim, theta_grad, device, monkeypatch):
+    """Tensors the kernels do not take (CPU without the interpreter) run the reference, through
+    the same ops and autograd (act none with a fixed theta saves no x there either)."""
+    import kernelkit.lrpe_rotate.op as rot_op
+
+    monkeypatch.setattr(rot_op, "use_triton", lambda t: False)
+    x = make((2, 11, 2, 8), torch.float16, device)
+    check(x, make_theta("full", 2, 8, device), 3, act, dim, theta_grad=theta_grad)
+
+
 def test_empty_inputs(device):
     theta = make_theta("full", 2, 8, device).requires_grad_()
     for shape in [(0, 5, 2, 8), (2, 0, 2, 8)]:
