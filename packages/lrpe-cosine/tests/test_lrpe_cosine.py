@@ -278,6 +278,26 @@ def test_softmax_sequence_with_infinite_values(device):
     assert_close(y, ref, name="softmax over the sequence with -inf")
 
 
+@pytest.mark.parametrize(
+    ("case", "theta_grad"),
+    [
+        (("none", None), False),
+        (("none", None), True),
+        (("sigmoid", None), True),
+        (("softmax", 1), True),
+    ],
+    ids=["none-dx-only", "none", "sigmoid", "softmax1"],
+)
+def test_reference_fallback_path(case, theta_grad, monkeypatch):
+    """CPU tensors without the interpreter run the PyTorch reference inside the same ops."""
+    import kernelkit.lrpe_cosine.op as op
+
+    monkeypatch.setattr(op, "use_triton", lambda t: False)
+    a, dim = case
+    x = make((2, 9, 2, 8), torch.float32, "cpu")
+    check(x, make_theta(2, 8, "cpu"), torch.tensor([1, 50]), a, dim, theta_grad=theta_grad)
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors
 # ---------------------------------------------------------------------------------------------
