@@ -22,27 +22,20 @@ def main():
     dy = torch.randn_like(x)
     nb = x.numel() * x.element_size()
     print(f"copy bandwidth {copy_bandwidth_gbs():.0f} GB/s; x = {nb / 2**30:.2f} GiB")
-    variants = [(False, 16384, 4, 0)] + [
-        (True, t, w, bi) for t in (16384, 32768) for w in (8, 16) for bi in (16, 32, 64)
-    ]
-    for resident, tile, warps, block_i in variants:
-        act_op.RESIDENT, act_op.RESIDENT_TILE, act_op.RESIDENT_WARPS = resident, tile, warps
-        act_op.RESIDENT_BLOCK_I = block_i
-        label = (
-            f"resident TILE={tile} warps={warps} BLOCK_I={block_i}"
-            if resident
-            else "split TILE=16384 warps=4"
+    for tile, warps in ((8192, 4), (16384, 4), (32768, 8)):
+        act_op.SPLIT_TILE, act_op.SPLIT_WARPS = tile, warps
+        row(
+            f"softmax-2 fwd split TILE={tile} warps={warps}",
+            bench_ms(lambda: act(x, "softmax", -2)),
+            2 * nb,
         )
-        row(f"softmax-2 fwd {label}", bench_ms(lambda: act(x, "softmax", -2)), 2 * nb)
         y = act(x, "softmax", -2)
         row(
-            f"softmax-2 bwd {label}",
+            f"softmax-2 bwd split TILE={tile} warps={warps}",
             bench_ms(lambda y=y: y.backward(dy, retain_graph=True), grad_to_none=[x]),
             3 * nb,
         )
-    act_op.RESIDENT, act_op.RESIDENT_TILE, act_op.RESIDENT_WARPS = True, 32768, 16
-    act_op.RESIDENT_BLOCK_I = 32
-    act_op.SPLIT_TILE, act_op.SPLIT_WARPS, act_op.PROGRAMS_PER_SM = 16384, 4, 8
+    act_op.SPLIT_TILE, act_op.SPLIT_WARPS = 16384, 4
     # Per-call overhead at the smallest benchmark size (host-bound: the kernel takes ~5 us).
     xs = torch.randn(12, 12, 256, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     dys = torch.randn_like(xs)

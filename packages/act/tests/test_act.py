@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from kernelkit.act import act
-from kernelkit.act import op as act_op
 from kernelkit.act.reference import act_reference
 from kernelkit.shared.testing import assert_close
 
@@ -90,70 +89,20 @@ def test_softmax_dims(dtype, dim, device):
     check(make((2, 3, 37, 80), dtype, device), "softmax", dim)
 
 
-@pytest.fixture(params=[True, False], ids=["resident", "split"])
-def resident(request, monkeypatch):
-    """On a GPU, long softmax axes run the register-resident kernels unless switched off; the
-    split-L kernels (the interpreter's path) must stay correct too."""
-    monkeypatch.setattr(act_op, "RESIDENT", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_softmax_sequence_axis_multi_chunk(dtype, resident, device):
+def test_softmax_sequence_axis_multi_chunk(dtype, device):
     """(B, N, H, D) with dim=1: many chunks per column combined."""
     check(make((2, 300, 3, 40), dtype, device), "softmax", 1)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(3, 20000, 2, 64), (1, 70000, 3, 5), (2, 4096, 300)])
-def test_softmax_long_sequence_gpu(shape, resident, device):
-    """Tens of chunks per slab (resident: one chunk per program, all waiting on each other)."""
+def test_softmax_long_sequence_gpu(shape, device):
+    """Long axes at GPU scale: many chunks per column merged."""
     check(make(shape, torch.bfloat16, device), "softmax", 1)
 
 
-@pytest.mark.gpu
-def test_softmax_longer_than_resident_capacity_gpu(device):
-    """More chunks than SMs: the resident plan declines and the split kernels take over."""
-    x = make((1, 600000, 16), torch.float32, device)
-    view = act_op.SoftmaxView(x.shape, 1, [x.stride()])
-    assert act_op._resident_plan(view, act_op.num_sms(x.device), act_op.RESIDENT_TILE) is None
-    check(x, "softmax", 1)
-
-
-def test_resident_plan_bounds_chunks_by_programs():
-    view = act_op.SoftmaxView((12, 32768, 12, 128), 1, [(32768 * 1536, 1536, 128, 1)])
-    block_l, block_i, num_chunks, n_iblk, n_items, programs = act_op._resident_plan(
-        view, 132, 32768
-    )
-    assert num_chunks <= programs <= 132 and block_l * num_chunks >= 32768
-    assert n_items == 12 * n_iblk * num_chunks and n_iblk * block_i >= 12 * 128
-    assert act_op._resident_plan(view, 8, 32768) is None  # 8 SMs cannot hold a slab
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU these kernels run for real")
-def test_resident_kernels_are_compile_checked(monkeypatch):
-    """The resident kernels never run under the interpreter (its programs run one after
-    another, so a waiting program would never return). Record their launches instead, so the
-    session's sm_90 compile check (kernelkit.shared.compile_check) covers them."""
-    from kernelkit.shared.compile_check import record_launch
-
-    class Recorder:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: record_launch(self.kernel, args, kwargs)
-
-    monkeypatch.setattr(act_op, "launch", Recorder)
-    for dtype in (torch.float32, torch.bfloat16):
-        x = make((2, 300, 3, 40), dtype, "cpu")
-        view = act_op.SoftmaxView(x.shape, 1, [x.stride()] * 3)
-        act_op._resident_fwd(x, torch.empty_like(x), view, act_op._resident_plan(view, 8, 2048))
-        plan = act_op._resident_plan(view, 8, 1024)
-        act_op._resident_bwd(x, x, torch.empty_like(x), view, plan)
-
-
-def test_softmax_long_row(resident, device):
+def test_softmax_long_row(device):
     """A last-dim row longer than one program holds (split-L with one column per program)."""
     check(make((2, 9000), torch.float32, device), "softmax", -1)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -26,16 +25,6 @@ ROWS_TILE = 2048  # elements per (rows x L) tile of the single-pass row kernels
 SPLIT_TILE = 16384  # elements per (L x I) tile of the split-L kernels: more bytes in flight
 SPLIT_WARPS = 4  # warps of the split-L softmax kernels
 PROGRAMS_PER_SM = 8  # split-L: chunks are added until about this many programs per SM
-# Register-resident softmax over a long axis (two transfers): elements of each tensor one
-# program holds in registers, and its warps. One program per SM keeps the whole grid resident.
-RESIDENT_TILE = 32768
-RESIDENT_WARPS = 16
-# Column block of the resident kernels: narrow (64-byte bf16 row segments) so that a slab spans
-# few programs (few chunks to wait for and merge) and many slabs are in flight at once.
-RESIDENT_BLOCK_I = 32
-# KERNELKIT_ACT_RESIDENT=0 turns the resident kernels off (they need every SM of the device
-# schedulable at once: e.g. not under an MPS SM limit).
-RESIDENT = os.environ.get("KERNELKIT_ACT_RESIDENT", "1") != "0"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,82 +145,6 @@ def _rows_plan(view: SoftmaxView):
     return block_r, block_l, (4 if block_r * block_l <= 2048 else 8)
 
 
-def _use_resident(t: torch.Tensor) -> bool:
-    # Under the interpreter programs run one after another: a program waiting for a later one
-    # would never return.
-    return RESIDENT and t.device.type == "cuda" and not interpreting()
-
-
-def _resident_plan(view: SoftmaxView, sms: int, tile: int):
-    """(BLOCK_L, BLOCK_I, num_chunks, n_iblk, n_items, programs) for the resident kernels with
-    `tile` elements of each tensor per program, or None when a slab would need more chunks
-    (programs) than there are SMs."""
-    block_i = min(triton.next_power_of_2(view.I), RESIDENT_BLOCK_I)
-    while True:
-        block_l = min(max(1, tile // block_i), triton.next_power_of_2(view.L))
-        num_chunks = triton.cdiv(view.L, block_l)
-        if num_chunks <= sms:
-            break
-        if block_i <= 16:  # narrower column blocks would waste 32-byte sectors
-            return None
-        block_i //= 2
-    n_iblk = triton.cdiv(view.I, block_i)
-    n_items = view.O0 * view.O1 * n_iblk * num_chunks
-    return block_l, block_i, num_chunks, n_iblk, n_items, min(sms, n_items)
-
-
-def _resident_fwd(x, y, view: SoftmaxView, plan) -> None:
-    block_l, block_i, num_chunks, n_iblk, n_items, programs = plan
-    slabs = view.O0 * view.O1 * n_iblk
-    m = x.new_empty((slabs, num_chunks, block_i), dtype=torch.float32)
-    s = torch.empty_like(m)
-    count = torch.zeros(slabs, dtype=torch.int32, device=x.device)
-    launch(K.softmax_fwd_resident_kernel)[(programs,)](
-        x,
-        y,
-        m,
-        s,
-        count,
-        view.L,
-        view.I,
-        view.O1,
-        n_iblk,
-        num_chunks,
-        n_items,
-        *view.strides[0],
-        *view.strides[1],
-        BLOCK_L=block_l,
-        BLOCK_I=block_i,
-        num_warps=RESIDENT_WARPS,
-    )
-
-
-def _resident_bwd(y, dy, dx, view: SoftmaxView, plan) -> None:
-    block_l, block_i, num_chunks, n_iblk, n_items, programs = plan
-    slabs = view.O0 * view.O1 * n_iblk
-    p = y.new_empty((slabs, num_chunks, block_i), dtype=torch.float32)
-    count = torch.zeros(slabs, dtype=torch.int32, device=y.device)
-    launch(K.softmax_bwd_resident_kernel)[(programs,)](
-        y,
-        dy,
-        dx,
-        p,
-        count,
-        view.L,
-        view.I,
-        view.O1,
-        n_iblk,
-        num_chunks,
-        n_items,
-        *view.strides[0],
-        *view.strides[1],
-        *view.strides[2],
-        BLOCK_L=block_l,
-        BLOCK_I=block_i,
-        num_warps=RESIDENT_WARPS,
-    )
-
-
 def _use_rows(view: SoftmaxView) -> bool:
     return view.I == 1 and view.L <= ROWS_MAX_L
 
@@ -297,10 +210,6 @@ def _softmax_fwd(x: torch.Tensor, dim: int) -> torch.Tensor:
             num_warps=warps,
         )
         return y
-    plan = _use_resident(x) and _resident_plan(view, num_sms(x.device), RESIDENT_TILE)
-    if plan:
-        _resident_fwd(x, y, view, plan)
-        return y
     m, s, _, (block_l, block_i, chunk, num_chunks) = softmax_chunk_stats(x, dim)
     grid = (view.O0 * view.O1 * triton.cdiv(view.I, block_i), num_chunks)
     launch(K.softmax_fwd_apply_kernel)[grid](
@@ -348,11 +257,6 @@ def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
             BLOCK_L=block_l,
             num_warps=warps,
         )
-        return dx
-    # Each program holds y and dy: half the elements per tensor.
-    plan = _use_resident(y) and _resident_plan(view, num_sms(y.device), RESIDENT_TILE // 2)
-    if plan:
-        _resident_bwd(y, dy, dx, view, plan)
         return dx
     block_l, block_i, chunk, num_chunks = _split_plan(view, y.device)
     p = y.new_empty((view.O0 * view.O1, num_chunks, view.I), dtype=torch.float32)
