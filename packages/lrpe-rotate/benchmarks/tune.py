@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from kernelkit.lrpe_rotate import kernels as K
 from kernelkit.lrpe_rotate import lrpe_rotate
 from kernelkit.lrpe_rotate import op as rot_op
 from kernelkit.lrpe_rotate.reference import lrpe_rotate_reference
@@ -48,14 +49,22 @@ def main():
     x, theta, dy, nb = inputs()
     print(f"copy bandwidth {copy_bandwidth_gbs():.0f} GB/s; x = {nb / 2**30:.2f} GiB")
     cases = [("none", None), ("silu", None), ("softmax", -1)]
-    variants = [(2048, 4, 4)] if quick else [(2048, 4, 4), (2048, 4, 8), (4096, 8, 4), (8192, 8, 4)]
+    variants = (
+        [(2048, 4, 4)]
+        if quick
+        else [(2048, 4, 4), (2048, 4, 8), (2048, 8, 4), (4096, 8, 4), (8192, 8, 4)]
+    )
     for tile, warps, pps in variants:
         rot_op.TILE, rot_op.NUM_WARPS, rot_op.PROGRAMS_PER_SM = tile, warps, pps
         for a, dim in cases:
             f = functools.partial(lrpe_rotate, offset=0, act=a, dim=dim)
             measure(f"{a}{dim or ''} TILE={tile} warps={warps} pps={pps}", f, x, theta, dy, nb, a)
     rot_op.TILE, rot_op.NUM_WARPS, rot_op.PROGRAMS_PER_SM = variants[0]
-    seq_variants = [(2048, 4, 8)] if quick else [(2048, 4, 8), (4096, 8, 8), (8192, 8, 8)]
+    seq_variants = (
+        [(2048, 4, 8)]
+        if quick
+        else [(2048, 4, 8), (1024, 4, 8), (2048, 8, 8), (2048, 4, 16), (4096, 8, 8)]
+    )
     for tile, warps, pps in seq_variants:
         rot_op.SEQ_TILE, rot_op.SEQ_WARPS, rot_op.SEQ_PROGRAMS_PER_SM = tile, warps, pps
         f = functools.partial(lrpe_rotate, offset=0, act="softmax", dim=1)
@@ -70,6 +79,22 @@ def main():
     for a, dim in [*cases, ("softmax", 1)]:
         ref = torch_compile(functools.partial(lrpe_rotate_reference, offset=0, act=a, dim=dim))
         measure(f"torch.compile {a}{dim or ''}", ref, x, theta, dy, nb, a)
+    print_registers()
+
+
+def print_registers():
+    """Registers / spills of every compiled variant (occupancy is what bounds bytes in flight)."""
+    for name in ("rotate_fwd_kernel", "rotate_bwd_kernel", "seq_softmax_fwd_kernel",
+                 "seq_softmax_bwd_sums_kernel", "seq_softmax_bwd_apply_kernel"):  # fmt: skip
+        for cache in getattr(K, name).device_caches.values():
+            for kernel in cache[0].values():
+                names = kernel.src.fn.arg_names
+                consts = {names[k[0]]: v for k, v in kernel.src.constants.items()}
+                consts = {k: v for k, v in consts.items() if k.isupper()}
+                regs, spills = getattr(kernel, "n_regs", "?"), getattr(kernel, "n_spills", "?")
+                print(
+                    f"{name:30s} regs={regs} spills={spills} warps={kernel.metadata.num_warps} {consts}"
+                )
 
 
 if __name__ == "__main__":
