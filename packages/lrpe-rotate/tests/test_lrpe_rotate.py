@@ -426,15 +426,22 @@ def compiled_variants(kernel) -> int:
 @pytest.mark.gpu
 def test_no_recompilation_when_sizes_or_offset_change(device):
     theta = make_theta("full", 4, 128, device).requires_grad_()
-    kernels = [K.rotate_fwd_kernel, K.rotate_bwd_kernel]
+    kernels = [
+        K.rotate_fwd_kernel,
+        K.rotate_bwd_kernel,
+        K.seq_softmax_fwd_kernel,
+        K.seq_softmax_bwd_sums_kernel,
+        K.seq_softmax_bwd_apply_kernel,
+    ]
 
     def run(b, n, offset):
-        x = make((b, n, 4, 128), torch.bfloat16, device).requires_grad_()
-        lrpe_rotate(x, theta, offset, "silu").sum().backward()
+        for case in [("silu", None), ("softmax", 1)]:
+            x = make((b, n, 4, 128), torch.bfloat16, device).requires_grad_()
+            lrpe_rotate(x, theta, offset, *case).sum().backward()
 
     run(2, 64, 0)
     before = [compiled_variants(k) for k in kernels]
-    for b, n, offset in [(3, 100, 7), (1, 1, 1), (5, 4097, 100_000), (2, 33, 16)]:
+    for b, n, offset in [(3, 100, 7), (1, 1, 1), (5, 4097, 100_000), (2, 33, 16), (12, 9000, 3)]:
         run(b, n, offset)
     assert [compiled_variants(k) for k in kernels] == before
 

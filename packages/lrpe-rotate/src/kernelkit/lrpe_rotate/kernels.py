@@ -37,7 +37,10 @@ COS_6 = tl.constexpr(-1 / 720)
 COS_8 = tl.constexpr(1 / 40320)
 COS_10 = tl.constexpr(-1 / 3628800)
 
-RUNTIME_SIZES = ["B", "N", "offset", "per_group", "chunk"]
+# Never specialised (Triton would otherwise make values of 1 constants and key on divisibility
+# by 16): everything that changes with N, B or the offset.
+RUNTIME_SIZES = ["B", "N", "offset", "per_group"]
+SEQ_RUNTIME_SIZES = ["N", "offset", "chunk", "num_chunks", "num_stat_chunks"]
 
 # --------------------------------------------------------------------------------------------
 # Device helpers
@@ -153,7 +156,7 @@ def seq_stats(m_ptr, s_ptr, o, num_stat_chunks, j, HALF: tl.constexpr):
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=RUNTIME_SIZES[:4])
+@triton.jit(do_not_specialize=RUNTIME_SIZES)
 def rotate_fwd_kernel(
     x_ptr,
     y_ptr,
@@ -201,7 +204,7 @@ def rotate_fwd_kernel(
         )
 
 
-@triton.jit(do_not_specialize=RUNTIME_SIZES[:4])
+@triton.jit(do_not_specialize=RUNTIME_SIZES)
 def rotate_bwd_kernel(
     x_ptr,
     dy_ptr,
@@ -299,7 +302,7 @@ def seq_coords(pid, num_chunks, chunk, N):
     return b, t0, tl.minimum(t0 + chunk, N)
 
 
-@triton.jit(do_not_specialize=RUNTIME_SIZES[1:3] + RUNTIME_SIZES[4:])
+@triton.jit(do_not_specialize=SEQ_RUNTIME_SIZES)
 def seq_softmax_fwd_kernel(
     x_ptr,
     y_ptr,
@@ -381,7 +384,7 @@ def seq_tile(
     return xb1, xb2, cos * dy1 + sin * dy2, cos * dy2 - sin * dy1, pos
 
 
-@triton.jit(do_not_specialize=RUNTIME_SIZES[1:3] + RUNTIME_SIZES[4:])
+@triton.jit(do_not_specialize=SEQ_RUNTIME_SIZES)
 def seq_softmax_bwd_sums_kernel(
     x_ptr,
     dy_ptr,
@@ -454,7 +457,7 @@ def seq_softmax_bwd_sums_kernel(
     tl.store(p_ptr + out + HALF, p2, mask=j < HALF)
 
 
-@triton.jit(do_not_specialize=RUNTIME_SIZES[1:3] + RUNTIME_SIZES[4:])
+@triton.jit(do_not_specialize=SEQ_RUNTIME_SIZES)
 def seq_softmax_bwd_apply_kernel(
     x_ptr,
     dy_ptr,
