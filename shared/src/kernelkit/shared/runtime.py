@@ -24,7 +24,27 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from .compile_check import record_launch
 
-__all__ = ["KernelOp", "define_op", "interpreting", "launch", "use_triton"]
+__all__ = [
+    "KernelOp",
+    "cdiv",
+    "define_op",
+    "interpreting",
+    "launch",
+    "next_power_of_2",
+    "use_triton",
+]
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceil division for host code: `triton.cdiv` is a constexpr function whose wrapper costs
+    microseconds per call on the launch path."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n, for host code (`triton.next_power_of_2` is a constexpr
+    function too)."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 def interpreting() -> bool:
@@ -147,14 +167,18 @@ class KernelOp:
         """Same contract as `torch.library.register_autograd`; also builds the eager Function."""
         self.op.register_autograd(backward, setup_context=setup_context)
         fn = self.fn
+
+        # Classic forward(ctx, ...) form: the separate-setup_context form binds arguments with
+        # inspect.signature on every call (tens of microseconds).
+        def forward(ctx, *args):
+            output = fn(*args)
+            setup_context(ctx, args, output)
+            return output
+
         self._function = type(
             f"{fn.__name__}_function",
             (torch.autograd.Function,),
-            {
-                "forward": staticmethod(fn),
-                "setup_context": staticmethod(setup_context),
-                "backward": staticmethod(backward),
-            },
+            {"forward": staticmethod(forward), "backward": staticmethod(backward)},
         )
 
 

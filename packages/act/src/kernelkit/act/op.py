@@ -5,10 +5,16 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
 from kernelkit.shared.layout import collapse_dims, is_dense
-from kernelkit.shared.runtime import define_op, interpreting, launch, use_triton
+from kernelkit.shared.runtime import (
+    cdiv,
+    define_op,
+    interpreting,
+    launch,
+    next_power_of_2,
+    use_triton,
+)
 
 from . import kernels as K
 from .reference import act_reference
@@ -84,8 +90,11 @@ def _elementwise(kernel, out: torch.Tensor, *tensors: torch.Tensor, act: str) ->
     n = out.numel()
     if n == 0:
         return out
-    same = all(t.stride() == out.stride() for t in tensors)
-    flat = same and is_dense(out.shape, out.stride())
+    # Contiguous (the common case, checked in C) or dense with one shared stride order.
+    flat = out.is_contiguous() and all(t.is_contiguous() for t in tensors)
+    if not flat:
+        stride = out.stride()
+        flat = all(t.stride() == stride for t in tensors) and is_dense(out.shape, stride)
     if flat:
         sizes, strides = [1, 1, 1], [[0, 0, 0, 1]] * (len(tensors) + 1)
     else:
@@ -93,7 +102,7 @@ def _elementwise(kernel, out: torch.Tensor, *tensors: torch.Tensor, act: str) ->
         if len(shape) > 4:  # layouts no 4-D view describes: read a compact copy instead
             return _elementwise(kernel, out, *(t.contiguous() for t in tensors), act=act)
         sizes, strides = _strided4(shape, strides)
-    grid = (triton.cdiv(n, ELEMENTWISE_BLOCK),)
+    grid = (cdiv(n, ELEMENTWISE_BLOCK),)
     launch(kernel)[grid](
         *tensors,
         out,
@@ -130,17 +139,17 @@ class SoftmaxView:
 
 def _split_plan(view: SoftmaxView, device: torch.device):
     """(BLOCK_L, BLOCK_I, chunk, num_chunks) for the split-L softmax kernels."""
-    block_i = min(triton.next_power_of_2(view.I), 128)
+    block_i = min(next_power_of_2(view.I), 128)
     block_l = max(1, SPLIT_TILE // block_i)
-    programs = view.O0 * view.O1 * triton.cdiv(view.I, block_i)
+    programs = view.O0 * view.O1 * cdiv(view.I, block_i)
     target = PROGRAMS_PER_SM * num_sms(device)
-    chunks = max(1, min(triton.cdiv(target, programs), triton.cdiv(view.L, block_l)))
-    chunk = triton.cdiv(triton.cdiv(view.L, chunks), block_l) * block_l
-    return block_l, block_i, chunk, triton.cdiv(view.L, chunk)
+    chunks = max(1, min(cdiv(target, programs), cdiv(view.L, block_l)))
+    chunk = cdiv(cdiv(view.L, chunks), block_l) * block_l
+    return block_l, block_i, chunk, cdiv(view.L, chunk)
 
 
 def _rows_plan(view: SoftmaxView):
-    block_l = triton.next_power_of_2(view.L)
+    block_l = next_power_of_2(view.L)
     block_r = max(1, ROWS_TILE // block_l)
     return block_r, block_l, (4 if block_r * block_l <= 2048 else 8)
 
@@ -149,21 +158,22 @@ def _use_rows(view: SoftmaxView) -> bool:
     return view.I == 1 and view.L <= ROWS_MAX_L
 
 
-def softmax_chunk_stats(x: torch.Tensor, dim: int, *, plan=None):
+def softmax_chunk_stats(x: torch.Tensor, dim: int, *, plan=None, view=None):
     """Per-chunk float32 (max, sum) of a softmax over `dim` of x, shape (O0*O1, C, I).
 
     Building block for ops that fuse a softmax over a long axis (the lrpe packages): they read
     x once here, then combine the chunk stats with `kernels.combine_chunk_stats` while they
-    write their output. Returns (m, s, view, plan).
+    write their output. Returns (m, s, view, plan). A `view` whose first strides are x's may be
+    passed in by a caller that already built one.
     """
-    view = SoftmaxView(x.shape, dim, [x.stride()])
+    view = view or SoftmaxView(x.shape, dim, [x.stride()])
     if not view.ok:
         raise ValueError("x: layout not supported by the split softmax (collapse failed)")
     plan = plan or _split_plan(view, x.device)
     block_l, block_i, chunk, num_chunks = plan
     m = x.new_empty((view.O0 * view.O1, num_chunks, view.I), dtype=torch.float32)
     s = torch.empty_like(m)
-    grid = (view.O0 * view.O1 * triton.cdiv(view.I, block_i), num_chunks)
+    grid = (view.O0 * view.O1 * cdiv(view.I, block_i), num_chunks)
     launch(K.softmax_chunk_stats_kernel)[grid](
         x,
         m,
@@ -193,7 +203,7 @@ def _softmax_fwd(x: torch.Tensor, dim: int) -> torch.Tensor:
         block_r, block_l, warps = _rows_plan(view)
         rows = view.O0 * view.O1
         xs, ys = view.strides
-        launch(K.softmax_fwd_rows_kernel)[(triton.cdiv(rows, block_r),)](
+        launch(K.softmax_fwd_rows_kernel)[(cdiv(rows, block_r),)](
             x,
             y,
             rows,
@@ -210,8 +220,8 @@ def _softmax_fwd(x: torch.Tensor, dim: int) -> torch.Tensor:
             num_warps=warps,
         )
         return y
-    m, s, _, (block_l, block_i, chunk, num_chunks) = softmax_chunk_stats(x, dim)
-    grid = (view.O0 * view.O1 * triton.cdiv(view.I, block_i), num_chunks)
+    m, s, _, (block_l, block_i, chunk, num_chunks) = softmax_chunk_stats(x, dim, view=view)
+    grid = (view.O0 * view.O1 * cdiv(view.I, block_i), num_chunks)
     launch(K.softmax_fwd_apply_kernel)[grid](
         x,
         y,
@@ -243,7 +253,7 @@ def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
     if _use_rows(view):
         block_r, block_l, warps = _rows_plan(view)
         rows = view.O0 * view.O1
-        launch(K.softmax_bwd_rows_kernel)[(triton.cdiv(rows, block_r),)](
+        launch(K.softmax_bwd_rows_kernel)[(cdiv(rows, block_r),)](
             y,
             dy,
             dx,
@@ -260,7 +270,7 @@ def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
         return dx
     block_l, block_i, chunk, num_chunks = _split_plan(view, y.device)
     p = y.new_empty((view.O0 * view.O1, num_chunks, view.I), dtype=torch.float32)
-    grid = (view.O0 * view.O1 * triton.cdiv(view.I, block_i), num_chunks)
+    grid = (view.O0 * view.O1 * cdiv(view.I, block_i), num_chunks)
     launch(K.softmax_bwd_chunk_sums_kernel)[grid](
         y,
         dy,
