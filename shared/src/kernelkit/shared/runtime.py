@@ -31,6 +31,7 @@ __all__ = [
     "interpreting",
     "launch",
     "next_power_of_2",
+    "num_sms",
     "use_triton",
 ]
 
@@ -45,6 +46,17 @@ def next_power_of_2(n: int) -> int:
     """Smallest power of two >= n, for host code (`triton.next_power_of_2` is a constexpr
     function too)."""
     return 1 << max(0, n - 1).bit_length()
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (cached); a small stand-in (4) for CPU tensors, whose
+    kernels run under the interpreter, so launch plans stay small there."""
+    return _sm_count(device.index or 0) if device.type == "cuda" else 4
 
 
 def interpreting() -> bool:

@@ -12,6 +12,13 @@ import triton.language as tl
 
 ELEMENTWISE_ACTS = ("none", "relu", "sigmoid", "silu")
 
+# Arguments that change with the sequence length (or batch) and are not the extent of a
+# contiguous axis: never specialised, so a new N reuses the compiled kernel. The extent of the
+# contiguous axis (n, I, a row's L) stays specialised: its divisibility by 16 is what lets
+# masked loads be 16 bytes wide.
+_SPLIT_SIZES = ["L", "O1", "chunk", "num_chunks"]
+_ROW_SIZES = ["rows", "O1"]
+
 # --------------------------------------------------------------------------------------------
 # Building blocks (device functions)
 # --------------------------------------------------------------------------------------------
@@ -207,7 +214,7 @@ def act_bwd_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_ROW_SIZES)
 def softmax_fwd_rows_kernel(
     x_ptr,
     y_ptr,
@@ -238,7 +245,7 @@ def softmax_fwd_rows_kernel(
     tl.store(y_ptr + y_off, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_ROW_SIZES)
 def softmax_bwd_rows_kernel(
     y_ptr,
     dy_ptr,
@@ -289,7 +296,7 @@ def _chunk_coords(L, I, O1, chunk, BLOCK_I: tl.constexpr):
     return o // O1, o % O1, o, l0, cols, cols < I
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SPLIT_SIZES)
 def softmax_chunk_stats_kernel(
     x_ptr,
     m_ptr,
@@ -325,7 +332,7 @@ def softmax_chunk_stats_kernel(
     tl.store(s_ptr + out, s, mask=c_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SPLIT_SIZES)
 def softmax_fwd_apply_kernel(
     x_ptr,
     y_ptr,
@@ -366,7 +373,7 @@ def softmax_fwd_apply_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SPLIT_SIZES)
 def softmax_bwd_chunk_sums_kernel(
     y_ptr,
     dy_ptr,
@@ -401,7 +408,7 @@ def softmax_bwd_chunk_sums_kernel(
     tl.store(p_ptr + out, acc, mask=c_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SPLIT_SIZES)
 def softmax_bwd_apply_kernel(
     y_ptr,
     dy_ptr,

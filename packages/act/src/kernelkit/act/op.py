@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from kernelkit.shared.layout import collapse_dims, is_dense
@@ -13,6 +11,7 @@ from kernelkit.shared.runtime import (
     interpreting,
     launch,
     next_power_of_2,
+    num_sms,
     use_triton,
 )
 
@@ -67,16 +66,6 @@ def validate(x, act: str, dim: int | None) -> int | None:
 # ---------------------------------------------------------------------------------------------
 # Launch plans
 # ---------------------------------------------------------------------------------------------
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def num_sms(device: torch.device) -> int:
-    """Multiprocessors of `device`; a small stand-in under the interpreter."""
-    return _sm_count(device.index or 0) if device.type == "cuda" else 4
 
 
 def _strided4(shape, strides):

@@ -6,8 +6,7 @@ import torch
 import triton
 
 from kernelkit.act import softmax_chunk_stats
-from kernelkit.act.op import num_sms
-from kernelkit.shared.runtime import define_op, launch, use_triton
+from kernelkit.shared.runtime import define_op, launch, num_sms, use_triton
 
 from . import kernels as K
 from .reference import lrpe_rotate_reference
