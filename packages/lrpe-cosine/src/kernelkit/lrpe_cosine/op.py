@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import torch
-import triton
 
 from kernelkit.act.kernels import ELEMENTWISE_ACTS
-from kernelkit.act.op import SoftmaxView, num_sms, softmax_chunk_stats
-from kernelkit.shared.runtime import define_op, interpreting, launch, use_triton
+from kernelkit.act.op import SoftmaxView, softmax_chunk_stats
+from kernelkit.shared.runtime import (
+    cdiv,
+    define_op,
+    interpreting,
+    launch,
+    next_power_of_2,
+    num_sms,
+    use_triton,
+)
 
 from . import kernels as K
 from .reference import lrpe_cosine_reference
@@ -17,8 +24,8 @@ ACTS = ("none", "relu", "sigmoid", "silu", "softmax")
 KINDS = (*ELEMENTWISE_ACTS, "softmax", "softmax_seq")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# Memory-bound tiles: [ROWS batch rows, BLOCK_N tokens, BLOCK_D >= D features] ~ TILE elements
-# per load, 32 per thread at 4 warps. cos/sin are [1, BLOCK_N, BLOCK_D]: ROWS times fewer
+# Memory-bound tiles: [BLOCK_N tokens, ROWS batch rows, BLOCK_D >= D features] ~ TILE elements
+# per load, 32 per thread at 4 warps. cos/sin are [BLOCK_N, 1, BLOCK_D]: ROWS times fewer
 # registers than the x tile, so the registers go to bytes in flight.
 ROWS = 4
 TILE = 4096
@@ -107,14 +114,10 @@ def validate(x, theta, offset, act: str, dim):
 # ---------------------------------------------------------------------------------------------
 
 
-def _next_pow2(n) -> int:
-    return triton.next_power_of_2(int(n))
-
-
 def tile_sizes(d, tile=TILE) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_D): a whole head (BLOCK_D >= D) by as many tokens as fit in `tile` with
     ROWS batch rows. Depends on D only: a new N, B or offset never compiles a new kernel."""
-    block_d = _next_pow2(d)
+    block_d = next_power_of_2(int(d))
     return max(1, tile // (ROWS * block_d)), block_d
 
 
@@ -126,21 +129,21 @@ def batch_groups(b, programs, device) -> tuple[int, int]:
     """(rows per program, number of batch groups) of the forward/backward kernels: batch rows
     (sharing cos/sin) are grouped, in multiples of ROWS, as long as `programs` x groups still
     gives PROGRAMS_PER_SM programs per multiprocessor."""
-    groups = max(1, min(triton.cdiv(b, ROWS), triton.cdiv(target_programs(device), programs)))
-    rows = triton.cdiv(triton.cdiv(b, groups), ROWS) * ROWS
-    rows = max(rows, triton.cdiv(b, _GRID_AXIS_LIMIT))
-    return rows, triton.cdiv(b, rows)
+    groups = max(1, min(cdiv(b, ROWS), cdiv(target_programs(device), programs)))
+    rows = cdiv(cdiv(b, groups), ROWS) * ROWS
+    rows = max(rows, cdiv(b, _GRID_AXIS_LIMIT))
+    return rows, cdiv(b, rows)
 
 
 def sequence_chunks(b, n, heads, block_n, device) -> tuple[int, int, int]:
     """(groups, chunk, num_chunks) of the softmax_seq sums kernel: programs of ROWS batch rows
     and a chunk of whole token blocks, chunks added until there are enough programs."""
-    groups = triton.cdiv(b, ROWS)
-    n_blocks = triton.cdiv(n, block_n)
+    groups = cdiv(b, ROWS)
+    n_blocks = cdiv(n, block_n)
     target = target_programs(device, SUMS_PROGRAMS_PER_SM)
-    chunks = max(1, min(n_blocks, triton.cdiv(target, heads * groups)))
-    chunk = triton.cdiv(n_blocks, chunks) * block_n
-    return groups, chunk, triton.cdiv(n, chunk)
+    chunks = max(1, min(n_blocks, cdiv(target, heads * groups)))
+    chunk = cdiv(n_blocks, chunks) * block_n
+    return groups, chunk, cdiv(n, chunk)
 
 
 def _offset_args(offsets, offset, fallback):
@@ -166,12 +169,14 @@ def _sequence_stats(x: torch.Tensor) -> torch.Tensor:
     # (two outer dims, inner D) always works. The (O, C, I) stats index o * I + i is
     # b * H * D + h * D + k in both.
     xv, dim = x, 1
-    if not SoftmaxView(x.shape, 1, [x.stride()]).ok:
+    view = SoftmaxView(x.shape, 1, [x.stride()])
+    if not view.ok:
         xv, dim = x.transpose(1, 2), 2
-    m, s, view, (_, _, _, num_chunks) = softmax_chunk_stats(xv, dim)
+        view = SoftmaxView(xv.shape, 2, [xv.stride()])
+    m, s, view, (_, _, _, num_chunks) = softmax_chunk_stats(xv, dim, view=view)
     total = view.O0 * view.O1 * view.I
     stats = x.new_empty((2, total), dtype=torch.float32)
-    launch(K.seq_stats_finalize_kernel)[(triton.cdiv(total, FINALIZE_BLOCK),)](
+    launch(K.seq_stats_finalize_kernel)[(cdiv(total, FINALIZE_BLOCK),)](
         m, s, stats, total, view.I, num_chunks, BLOCK=FINALIZE_BLOCK, num_warps=4
     )
     return stats
@@ -185,7 +190,7 @@ def _forward(x, theta, offsets, offset, kind):
         return y, x.new_empty((2, b * heads * d) if seq else (0,), dtype=torch.float32)
     stats = _sequence_stats(x) if seq else x.new_empty((0,), dtype=torch.float32)
     block_n, block_d = tile_sizes(d, TILE if offsets is None else SMALL_TILE)
-    n_blocks = triton.cdiv(n, block_n)
+    n_blocks = cdiv(n, block_n)
     rows, groups = batch_groups(b, n_blocks * heads, x.device)
     off_ptr, off_int, per_batch = _offset_args(offsets, offset, theta)
     launch(K.lrpe_cosine_fwd_kernel)[(n_blocks, heads, groups)](
@@ -300,7 +305,7 @@ def _backward(dy, x, theta, offsets, offset, stats, kind, need_dx, need_dtheta):
     fuse_dtheta = need_dtheta and kind != "softmax_seq"
     if need_dx or fuse_dtheta:
         block_n, block_d = tile_sizes(d, SMALL_TILE if a.per_batch else TILE)
-        n_blocks = triton.cdiv(n, block_n)
+        n_blocks = cdiv(n, block_n)
         rows, groups = batch_groups(b, n_blocks * heads, dy.device)
         if fuse_dtheta:
             partials = dy.new_empty((n_blocks * groups, heads, d), dtype=torch.float32)
