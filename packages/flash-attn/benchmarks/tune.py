@@ -85,8 +85,8 @@ def time_sdpa(q, k, v, do, causal, backend):
     return fwd, bwd, type(o.grad_fn).__name__
 
 
-def candidates(d):
-    default = fa_op.plan_for(d, False, torch.bfloat16)
+def candidates(d, causal):
+    default = fa_op.plan_for(d, causal, torch.bfloat16)
     out = [("fwd", Plan(Tile(*t), default.dkdv, default.dq)) for t in FWD[d]]
     out += [("dkdv", Plan(default.fwd, Tile(*t), default.dq)) for t in DKDV[d]]
     out += [("dq", Plan(default.fwd, default.dkdv, Tile(*t))) for t in DQ[d]]
@@ -104,6 +104,7 @@ def main():
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--shard", default="0/1")
     ap.add_argument("--leaderboard", action="store_true", help="also the (16, 16384, 64) shape")
+    ap.add_argument("--defaults-only", action="store_true", help="time only op.py's tiles")
     args = ap.parse_args()
     cases = [(int(c.split(":")[0]), c.split(":")[1] == "1") for c in args.cases.split(",")]
     shard, nshards = (int(x) for x in args.shard.split("/"))
@@ -112,7 +113,7 @@ def main():
         jobs = [
             (d, causal, plan)
             for d, causal in cases
-            for _, plan in candidates(d)[1] + [("default", candidates(d)[0])]
+            for _, plan in candidates(d, causal)[1] + [("default", candidates(d, causal)[0])]
         ]
         for i, (d, causal, plan) in enumerate(jobs):
             if i % nshards != shard:
@@ -143,9 +144,9 @@ def main():
                 f"{tag:26s} {name:16s} fwd {fwd:7.3f} {ff / fwd / 1e9:6.0f}   "
                 f"bwd {bwd:7.3f} {2.5 * ff / bwd / 1e9:6.0f}   [{kernel}]"
             )
-        default, cands = candidates(d)
+        default, cands = candidates(d, causal)
         best = {"fwd": (1e9, None), "dkdv": (1e9, None), "dq": (1e9, None)}
-        for kind, plan in [("default", default), *cands]:
+        for kind, plan in [("default", default), *([] if args.defaults_only else cands)]:
             direction = "fwd" if kind in ("fwd", "default") else "bwd"
             try:
                 ms = time_plan(q, k, v, do, causal, plan, direction)
@@ -160,6 +161,13 @@ def main():
             if kind == "default":
                 ms_b = time_plan(q, k, v, do, causal, plan, "bwd")
                 print(f"{tag:26s} default bwd {ms_b:7.3f} {2.5 * ff / ms_b / 1e9:6.0f}")
+                for name in ("sdpa_flash", "sdpa_cudnn"):
+                    pf, pb = peers.get(name, (None, None))
+                    if pf:
+                        print(
+                            f"{tag:26s} default vs {name}: fwd x{pf / ms:4.2f} bwd x{pb / ms_b:4.2f}"
+                            f" fwd+bwd x{(pf + pb) / (ms + ms_b):4.2f}"
+                        )
             elif ms < best[kind][0]:
                 best[kind] = (ms, tile)
         summary.append((tag, ff, peers, best))
@@ -167,7 +175,7 @@ def main():
         torch.cuda.empty_cache()
 
     print("\nsummary: best tile per kernel; x = ratio of our time to beat (peer ms / our ms)")
-    for tag, ff, peers, best in summary:
+    for tag, ff, peers, best in [] if args.defaults_only else summary:
         fl, cu = peers.get("sdpa_flash", (None, None)), peers.get("sdpa_cudnn", (None, None))
         ms_f = best["fwd"][0]
         line = f"{tag:26s} fwd {tile_str(best['fwd'][1]) if best['fwd'][1] else '-':18s} {ff / ms_f / 1e9:5.0f} TF"

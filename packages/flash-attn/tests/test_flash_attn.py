@@ -281,6 +281,15 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_bwd, (*args, None, True, 0.25))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_opcheck_with_gpu_tiles(dtype, device, monkeypatch):
+    """Dynamic-shape tracing (opcheck's aot_dispatch_dynamic) through the GPU tile tables, which
+    the interpreter otherwise bypasses: the head dim and block flags must be concrete."""
+    monkeypatch.setattr(fa_op, "interpreting", lambda: False)
+    q, k, v = (t.requires_grad_() for t in qkv(1, 19, 21, 2, 1, 32, dtype, device))
+    torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_fwd, (q, k, v, True, 0.25))
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_torch_compile_fullgraph(causal, device):
     backend = "inductor" if device.type == "cuda" else "aot_eager"

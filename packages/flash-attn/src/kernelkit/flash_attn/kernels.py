@@ -182,6 +182,8 @@ def attn_fwd_kernel(
     EVEN_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
+    # Scalars may arrive as float64 (torch.compile passes Python floats so): keep math float32.
+    qk_scale = tl.cast(qk_scale, tl.float32)
     pid_m, bh = _program_ids(tl.cdiv(Nq, BLOCK_M), CAUSAL)
     b = (bh // H).to(tl.int64)
     h = bh % H
@@ -384,6 +386,8 @@ def attn_bwd_dkdv_kernel(
     """dk, dv of one key block of one kv head. With GQA the program loops over the GROUP query
     heads that read this kv head, so their contributions add up in a fixed order (deterministic,
     no atomics)."""
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
     pid_n, bhk = _program_ids(tl.cdiv(Nk, BLOCK_N), False)
     b = (bhk // Hkv).to(tl.int64)
     hk = bhk % Hkv
@@ -541,6 +545,8 @@ def attn_bwd_dq_kernel(
     DOT_PREC: tl.constexpr,
 ):
     """dq of one query block: a pass over the key blocks of its own (no atomics)."""
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
     pid_m, bh = _program_ids(tl.cdiv(Nq, BLOCK_M), CAUSAL)
     b = (bh // H).to(tl.int64)
     h = bh % H

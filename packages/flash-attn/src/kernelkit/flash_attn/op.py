@@ -6,9 +6,15 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
 
-from kernelkit.shared.runtime import define_op, interpreting, launch, use_triton
+from kernelkit.shared.runtime import (
+    cdiv,
+    define_op,
+    interpreting,
+    launch,
+    next_power_of_2,
+    use_triton,
+)
 
 from . import kernels as K
 from .reference import attention_reference
@@ -86,35 +92,39 @@ class Tile:
     stages: int
 
 
-# Tiles by BLOCK_D for half-precision inputs on Hopper. Candidates were first screened by
-# compiling for sm_90a (registers, spills, shared memory: NOTES.md), then timed on an H100 with
-# benchmarks/tune.py. The dk/dv kernel holds k, v and two float32 accumulators per key block,
-# so its query step stays narrow (16-32 rows) to avoid register spills.
+# Tiles by BLOCK_D for half-precision inputs on Hopper. Candidates were screened by compiling
+# for sm_90a (registers, spills, shared memory), then timed with benchmarks/tune.py on an H200
+# at N = 8k (NOTES.md). d = 16, 32 and 256 were not timed: their tiles are the d = 64 ones
+# scaled by the register budget.
 FWD_TILES = {
     16: Tile(128, 64, 4, 3),
     32: Tile(128, 64, 4, 3),
-    64: Tile(128, 64, 4, 3),
-    128: Tile(128, 64, 8, 3),
+    64: Tile(128, 64, 8, 3),
+    128: Tile(128, 128, 8, 3),
     256: Tile(128, 32, 8, 2),
 }
 # dk/dv: BLOCK_N keys held by the program, BLOCK_M query rows per step.
 DKDV_TILES = {
     16: Tile(64, 128, 8, 2),
     32: Tile(64, 128, 8, 2),
-    64: Tile(32, 128, 8, 2),
-    128: Tile(16, 128, 8, 3),
+    64: Tile(32, 64, 4, 3),
+    128: Tile(32, 128, 8, 3),
     256: Tile(16, 32, 8, 2),
 }
 # dq: BLOCK_M query rows held by the program, BLOCK_N keys per step.
 DQ_TILES = {
-    16: Tile(128, 64, 8, 2),
-    32: Tile(128, 64, 8, 2),
-    64: Tile(128, 64, 8, 2),
-    128: Tile(128, 64, 8, 2),
+    16: Tile(128, 64, 8, 3),
+    32: Tile(128, 64, 8, 3),
+    64: Tile(128, 64, 8, 3),
+    128: Tile(128, 64, 8, 3),
     256: Tile(64, 16, 4, 2),
 }
-# Optional per-(BLOCK_D, causal) overrides of the forward table (from tuning).
-FWD_TILES_CAUSAL: dict[int, Tile] = {}
+# Causal overrides (the diagonal's masked steps and the uneven work per program favour other
+# shapes): (fwd, dk/dv, dq) entries, None = the table above.
+CAUSAL_TILES: dict[int, tuple[Tile | None, Tile | None, Tile | None]] = {
+    64: (None, Tile(64, 128, 8, 2), Tile(64, 64, 4, 3)),
+    128: (None, Tile(64, 128, 8, 2), None),
+}
 # float32 inputs (three tf32 products per dot) need about three times the operand registers:
 # small tiles, (fwd, dk/dv, dq) by BLOCK_D.
 FP32_TILES = {
@@ -140,7 +150,7 @@ class Plan:
 
 
 def block_d_for(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+    return max(16, next_power_of_2(d))
 
 
 def plan_for(d: int, causal: bool, dtype: torch.dtype) -> Plan:
@@ -150,8 +160,8 @@ def plan_for(d: int, causal: bool, dtype: torch.dtype) -> Plan:
     bd = block_d_for(d)
     if dtype == torch.float32:
         return Plan(*FP32_TILES[bd])
-    fwd = (FWD_TILES_CAUSAL.get(bd) if causal else None) or FWD_TILES[bd]
-    return Plan(fwd, DKDV_TILES[bd], DQ_TILES[bd])
+    fwd, dkdv, dq = CAUSAL_TILES.get(bd, (None, None, None)) if causal else (None, None, None)
+    return Plan(fwd or FWD_TILES[bd], dkdv or DKDV_TILES[bd], dq or DQ_TILES[bd])
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -174,13 +184,14 @@ def forward(q, k, v, causal: bool, scale: float, plan: Plan | None = None):
     q, k, v = _unit_d(q), _unit_d(k), _unit_d(v)
     b, nq, h, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
+    d = int(d)  # compile-time in the kernels: specialise on it under dynamic shapes
     o = torch.empty((b, nq, h, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
     if b == 0:
         return o, lse
     plan = plan or plan_for(d, causal, q.dtype)
     t = plan.fwd
-    grid = (triton.cdiv(nq, t.block_m) * b * h,)
+    grid = (cdiv(nq, t.block_m) * b * h,)
     launch(K.attn_fwd_kernel)[grid](
         q,
         k,
@@ -201,8 +212,8 @@ def forward(q, k, v, causal: bool, scale: float, plan: Plan | None = None):
         BLOCK_M=t.block_m,
         BLOCK_N=t.block_n,
         CAUSAL=causal,
-        EVEN_M=nq % t.block_m == 0,
-        EVEN_N=nk % t.block_n == 0,
+        EVEN_M=bool(nq % t.block_m == 0),
+        EVEN_N=bool(nk % t.block_n == 0),
         DOT_PREC=dot_precision(q.dtype),
         num_warps=t.warps,
         num_stages=t.stages,
@@ -215,6 +226,7 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan |
     do, q, k, v, o = (_unit_d(t) for t in (do, q, k, v, o))
     b, nq, h, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
+    d = int(d)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -226,7 +238,7 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan |
     lse = lse.contiguous()
     delta = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
     pre_m = INTERPRETER_FWD.block_m if interpreting() else PREPROCESS_BLOCK_M
-    launch(K.attn_bwd_preprocess_kernel)[(triton.cdiv(nq, pre_m) * b * h,)](
+    launch(K.attn_bwd_preprocess_kernel)[(cdiv(nq, pre_m) * b * h,)](
         o,
         do,
         delta if dlse is None else dlse.contiguous(),
@@ -242,7 +254,7 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan |
         num_warps=4,
     )
     t = plan.dkdv
-    launch(K.attn_bwd_dkdv_kernel)[(triton.cdiv(nk, t.block_n) * b * hkv,)](
+    launch(K.attn_bwd_dkdv_kernel)[(cdiv(nk, t.block_n) * b * hkv,)](
         q,
         k,
         v,
@@ -269,14 +281,14 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan |
         BLOCK_M=t.block_m,
         BLOCK_N=t.block_n,
         CAUSAL=causal,
-        EVEN_M=nq % t.block_m == 0,
-        EVEN_N=nk % t.block_n == 0,
+        EVEN_M=bool(nq % t.block_m == 0),
+        EVEN_N=bool(nk % t.block_n == 0),
         DOT_PREC=prec,
         num_warps=t.warps,
         num_stages=t.stages,
     )
     t = plan.dq
-    launch(K.attn_bwd_dq_kernel)[(triton.cdiv(nq, t.block_m) * b * h,)](
+    launch(K.attn_bwd_dq_kernel)[(cdiv(nq, t.block_m) * b * h,)](
         q,
         k,
         v,
@@ -300,8 +312,8 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan |
         BLOCK_M=t.block_m,
         BLOCK_N=t.block_n,
         CAUSAL=causal,
-        EVEN_M=nq % t.block_m == 0,
-        EVEN_N=nk % t.block_n == 0,
+        EVEN_M=bool(nq % t.block_m == 0),
+        EVEN_N=bool(nk % t.block_n == 0),
         DOT_PREC=prec,
         num_warps=t.warps,
         num_stages=t.stages,
