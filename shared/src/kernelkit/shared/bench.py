@@ -39,7 +39,11 @@ def bench_ms(
     """Median device time of `fn` in ms (do_bench: L2 flushed, grads reset between repetitions)."""
     import triton.testing
 
-    return float(triton.testing.do_bench(fn, grad_to_none=grad_to_none, return_mode="median"))
+    return float(
+        triton.testing.do_bench(
+            fn, warmup=10, rep=40, grad_to_none=grad_to_none, return_mode="median"
+        )
+    )
 
 
 def peak_memory_mb(fn: Callable[[], object], setup: Callable[[], None] | None = None) -> float:
@@ -111,7 +115,7 @@ def record(
     def setup():
         reset_grads()
 
-    rounds = max(5, min(50, int(100.0 / max(ms, 1e-3))))
+    rounds = max(3, min(20, int(30.0 / max(ms, 1e-3))))
     benchmark.pedantic(timed, setup=setup, rounds=rounds, warmup_rounds=1, iterations=1)
 
 
