@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-import triton
 
 from kernelkit.act import softmax_chunk_stats
-from kernelkit.shared.runtime import define_op, launch, num_sms, use_triton
+from kernelkit.shared.runtime import cdiv, define_op, launch, next_power_of_2, num_sms, use_triton
 
 from . import kernels as K
 from .reference import lrpe_rotate_reference
@@ -124,7 +123,7 @@ def _act_and_dim(kind: str) -> tuple[str, int | None]:
 def _tile_plan(kind: str, half: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_E, num_warps): a power-of-two half-tile of about TILE elements."""
     tile, warps = (SEQ_TILE, SEQ_WARPS) if kind == SEQ else (TILE, NUM_WARPS)
-    block_e = triton.next_power_of_2(half)
+    block_e = next_power_of_2(half)
     return max(MIN_BLOCK_N, min(MAX_BLOCK_N, tile // block_e)), block_e, warps
 
 
@@ -134,18 +133,18 @@ def _batch_groups(batch, n_tiles, heads, device, per_batch) -> tuple[int, int]:
     if per_batch:
         return 1, batch
     target = PROGRAMS_PER_SM * num_sms(device)
-    groups = min(batch, max(1, triton.cdiv(target, n_tiles * heads)))
-    per_group = triton.cdiv(batch, groups)
-    return per_group, triton.cdiv(batch, per_group)
+    groups = min(batch, max(1, cdiv(target, n_tiles * heads)))
+    per_group = cdiv(batch, groups)
+    return per_group, cdiv(batch, per_group)
 
 
 def _seq_chunks(batch, n, heads, block_n, device) -> tuple[int, int]:
     """(tokens per chunk, chunks) for the softmax-over-N kernels: a multiple of BLOCK_N."""
-    n_blocks = triton.cdiv(n, block_n)
+    n_blocks = cdiv(n, block_n)
     target = SEQ_PROGRAMS_PER_SM * num_sms(device)
-    chunks = min(n_blocks, max(1, triton.cdiv(target, batch * heads)))
-    chunk = triton.cdiv(n_blocks, chunks) * block_n
-    return chunk, triton.cdiv(n, chunk)
+    chunks = min(n_blocks, max(1, cdiv(target, batch * heads)))
+    chunk = cdiv(n_blocks, chunks) * block_n
+    return chunk, cdiv(n, chunk)
 
 
 def _theta_args(theta: torch.Tensor, half: int) -> tuple[int, int, int]:
@@ -229,7 +228,7 @@ def rotate_fwd(
             num_warps=warps,
         )
         return y
-    n_tiles = triton.cdiv(n, block_n)
+    n_tiles = cdiv(n, block_n)
     per_group, groups = _batch_groups(batch, n_tiles, heads, x.device, per_batch)
     launch(K.rotate_fwd_kernel)[(n_tiles * groups, heads)](
         x,
@@ -346,7 +345,7 @@ def rotate_bwd(
             **common,
         )
     else:
-        n_tiles = triton.cdiv(n, block_n)
+        n_tiles = cdiv(n, block_n)
         per_group, groups = _batch_groups(batch, n_tiles, heads, dy.device, per_batch)
         partial = dy.new_empty(
             (n_tiles * groups if need_dtheta else 1, heads, half), dtype=torch.float32
