@@ -46,7 +46,6 @@ def _sync(session: nox.Session, dist: str) -> None:
         dist,
         "--group",
         "test",
-        "--inexact",
         env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
         external=True,
     )

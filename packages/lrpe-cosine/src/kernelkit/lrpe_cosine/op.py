@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernelkit.act.kernels import ELEMENTWISE_ACTS
-from kernelkit.act.op import SoftmaxView, softmax_chunk_stats
+from kernelkit.act.op import ACTS, FLOAT_DTYPES, SoftmaxView, softmax_chunk_stats
 from kernelkit.shared.runtime import (
     cdiv,
     define_op,
@@ -19,10 +19,8 @@ from kernelkit.shared.runtime import (
 from . import kernels as K
 from .reference import lrpe_cosine_reference
 
-ACTS = ("none", "relu", "sigmoid", "silu", "softmax")
 # What the kernels are told: the element-wise acts, softmax over D, softmax over the sequence.
 KINDS = (*ELEMENTWISE_ACTS, "softmax", "softmax_seq")
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # Memory-bound tiles: [BLOCK_N tokens, ROWS batch rows, BLOCK_D >= D features] ~ TILE elements
 # per load, 32 per thread at 4 warps. cos/sin are [BLOCK_N, 1, BLOCK_D]: ROWS times fewer

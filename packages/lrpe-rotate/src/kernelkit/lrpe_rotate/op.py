@@ -5,13 +5,11 @@ from __future__ import annotations
 import torch
 
 from kernelkit.act import softmax_chunk_stats
+from kernelkit.act.op import ACTS, FLOAT_DTYPES
 from kernelkit.shared.runtime import cdiv, define_op, launch, next_power_of_2, num_sms, use_triton
 
 from . import kernels as K
 from .reference import lrpe_rotate_reference
-
-ACTS = ("none", "relu", "sigmoid", "silu", "softmax")
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # Internal kinds: the element-wise acts keep their names, "softmax" is over D, SEQ over N.
 SEQ = "softmax_seq"
