@@ -6,14 +6,12 @@ x = (12, 12, N, 128) bf16 in (B, H, N, D) layout, so dim=-2 is the sequence axis
 (CI smoke mode, --benchmark-disable) every test runs once on a tiny shape.
 """
 
-import functools
-
 import pytest
 import torch
 
 from kernelkit.act import act
 from kernelkit.act.reference import act_reference
-from kernelkit.shared.bench import record, torch_compile
+from kernelkit.shared.bench import provider_fn, record
 
 GPU = torch.cuda.is_available()
 B, H, D = (12, 12, 128) if GPU else (1, 2, 16)
@@ -30,17 +28,8 @@ CASES = [
 PROVIDERS = ["triton", "torch", "torch_compile"]
 
 
-@functools.cache
-def compiled(a, dim):
-    return torch_compile(functools.partial(act_reference, act=a, dim=dim))
-
-
 def fn_for(provider, a, dim):
-    if provider == "triton":
-        return functools.partial(act, act=a, dim=dim)
-    if provider == "torch":
-        return functools.partial(act_reference, act=a, dim=dim)
-    return compiled(a, dim)
+    return provider_fn(provider, act, act_reference, act=a, dim=dim)
 
 
 def tag_for(a, dim):

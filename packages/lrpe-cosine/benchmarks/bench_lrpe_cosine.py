@@ -7,14 +7,12 @@ seed-style tables. Without a GPU (CI smoke mode, --benchmark-disable) every test
 tiny shape.
 """
 
-import functools
-
 import pytest
 import torch
 
 from kernelkit.lrpe_cosine import lrpe_cosine
 from kernelkit.lrpe_cosine.reference import lrpe_cosine_reference
-from kernelkit.shared.bench import record, torch_compile
+from kernelkit.shared.bench import provider_fn, record
 
 GPU = torch.cuda.is_available()
 B, H, D = (12, 12, 128) if GPU else (1, 2, 16)
@@ -24,17 +22,8 @@ CASES = [("none", None), ("silu", None), ("softmax", -1), ("softmax", 1)]
 PROVIDERS = ["triton", "torch", "torch_compile"]
 
 
-@functools.cache
-def compiled(a, dim):
-    return torch_compile(functools.partial(lrpe_cosine_reference, act=a, dim=dim))
-
-
 def fn_for(provider, a, dim):
-    if provider == "triton":
-        return functools.partial(lrpe_cosine, act=a, dim=dim)
-    if provider == "torch":
-        return functools.partial(lrpe_cosine_reference, act=a, dim=dim)
-    return compiled(a, dim)
+    return provider_fn(provider, lrpe_cosine, lrpe_cosine_reference, act=a, dim=dim)
 
 
 def tag_for(a, dim):

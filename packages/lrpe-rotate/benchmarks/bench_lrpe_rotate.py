@@ -9,14 +9,12 @@ it on a GPU and renders the seed-style tables. Without a GPU (CI smoke mode,
 --benchmark-disable) every test runs once on a tiny shape.
 """
 
-import functools
-
 import pytest
 import torch
 
 from kernelkit.lrpe_rotate import lrpe_rotate
 from kernelkit.lrpe_rotate.reference import lrpe_rotate_reference
-from kernelkit.shared.bench import record, torch_compile
+from kernelkit.shared.bench import provider_fn, record
 
 GPU = torch.cuda.is_available()
 B, H, D = (12, 12, 128) if GPU else (1, 2, 16)
@@ -26,17 +24,8 @@ CASES = [("none", None), ("silu", None), ("softmax", -1), ("softmax", 1)]
 PROVIDERS = ["triton", "torch", "torch_compile"]
 
 
-@functools.cache
-def compiled(a, dim):
-    return torch_compile(functools.partial(lrpe_rotate_reference, offset=0, act=a, dim=dim))
-
-
 def fn_for(provider, a, dim):
-    if provider == "triton":
-        return functools.partial(lrpe_rotate, offset=0, act=a, dim=dim)
-    if provider == "torch":
-        return functools.partial(lrpe_rotate_reference, offset=0, act=a, dim=dim)
-    return compiled(a, dim)
+    return provider_fn(provider, lrpe_rotate, lrpe_rotate_reference, act=a, dim=dim)
 
 
 def tag_for(a, dim):

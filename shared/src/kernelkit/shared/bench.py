@@ -17,7 +17,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["bench_ms", "copy_bandwidth_gbs", "peak_memory_mb", "record", "torch_compile"]
+__all__ = [
+    "bench_ms",
+    "copy_bandwidth_gbs",
+    "peak_memory_mb",
+    "provider_fn",
+    "record",
+    "torch_compile",
+]
 
 
 def _sync() -> None:
@@ -137,3 +144,22 @@ def torch_compile(fn: Callable) -> Callable:
         )
     backend = "inductor" if torch.cuda.is_available() else "aot_eager"
     return torch.compile(fn, dynamic=False, backend=backend)
+
+
+_compiled: dict = {}
+
+
+def provider_fn(provider: str, ours: Callable, reference: Callable, **kwargs) -> Callable:
+    """The callable a suite times for `provider` ("triton": our op; "torch": the PyTorch
+    reference, eager; "torch_compile": the reference through `torch_compile`, one compiled
+    wrapper per (reference, kwargs)), with `kwargs` bound."""
+    if provider == "triton":
+        return functools.partial(ours, **kwargs)
+    if provider == "torch":
+        return functools.partial(reference, **kwargs)
+    if provider == "torch_compile":
+        key = (reference, tuple(sorted(kwargs.items())))
+        if key not in _compiled:
+            _compiled[key] = torch_compile(functools.partial(reference, **kwargs))
+        return _compiled[key]
+    raise ValueError(f"provider: unknown provider {provider!r}")
