@@ -50,7 +50,14 @@ def run_suite(package: str, json_path: Path, extra: list[str]) -> int:
         *extra,
     ]
     print("+", " ".join(cmd), flush=True)
-    return subprocess.call(cmd, cwd=ROOT, env=source_env())
+    # On SIGINT (e.g. `timeout -s INT`) pytest stops after the current benchmark and still writes
+    # the JSON of what it measured; this process waits for it and renders the partial run.
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=source_env())
+    while True:
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            print("interrupted: waiting for pytest to write the partial results", flush=True)
 
 
 def render(package: str, runs: list[dict], results: Path) -> Path:

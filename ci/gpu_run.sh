@@ -22,7 +22,7 @@ for pkg in "$@"; do
     echo "$pkg tests: rc=$rc $(tail -1 "$out/$pkg-tests.log")"
   fi
   if [ -z "${TESTS_ONLY:-}" ]; then
-    timeout "${BENCH_TIMEOUT:-400}" python ci/bench.py "$pkg" > "$out/$pkg-bench.log" 2>&1
+    timeout -s INT -k 60 "${BENCH_TIMEOUT:-400}" python ci/bench.py "$pkg" > "$out/$pkg-bench.log" 2>&1
     rc=$?; [ $rc -ne 0 ] && status=$rc
     echo "$pkg bench: rc=$rc"
     cp packages/"$pkg"/benchmarks/results/*.{json,md,png} "$out/" 2>/dev/null
