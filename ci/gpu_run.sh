@@ -6,6 +6,7 @@
 #   ci/gpu_run.sh act lrpe-rotate          # tests + benchmarks
 #   TESTS_ONLY=1 ci/gpu_run.sh flash-attn  # tests only
 #   BENCH_ONLY=1 ci/gpu_run.sh act         # benchmarks only
+#   PYTEST_ARGS="-n 8" ci/gpu_run.sh act   # extra pytest arguments (pytest-xdist where installed)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -17,7 +18,7 @@ status=0
 for pkg in "$@"; do
   if [ -z "${BENCH_ONLY:-}" ]; then
     timeout "${TEST_TIMEOUT:-300}" python -m pytest -p kernelkit.shared.pytest_plugin \
-      "packages/$pkg/tests" -q -p no:cacheprovider --timeout=120 > "$out/$pkg-tests.log" 2>&1
+      "packages/$pkg/tests" -q -p no:cacheprovider --timeout=120 ${PYTEST_ARGS:-} > "$out/$pkg-tests.log" 2>&1
     rc=$?; [ $rc -ne 0 ] && status=$rc
     echo "$pkg tests: rc=$rc $(tail -1 "$out/$pkg-tests.log")"
   fi

@@ -34,13 +34,15 @@ FWD = {
 }  # fmt: skip
 DKDV = {  # (query rows per step, keys per program)
     64: [(32, 128, 8, 2), (16, 128, 8, 3), (32, 64, 8, 3), (32, 128, 8, 3), (32, 64, 4, 3),
-         (16, 64, 4, 3), (64, 128, 8, 2)],
+         (16, 64, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 4, 2), (64, 64, 4, 3),
+         (64, 64, 8, 3)],
     128: [(16, 128, 8, 3), (32, 64, 8, 3), (32, 128, 8, 2), (32, 128, 8, 3), (16, 64, 4, 3),
           (16, 128, 8, 2), (64, 128, 8, 2)],
 }  # fmt: skip
 DQ = {  # (query rows per program, keys per step)
     64: [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 3),
-         (128, 128, 8, 2)],
+         (128, 128, 8, 2), (64, 64, 4, 4), (64, 64, 8, 3), (64, 128, 4, 3), (64, 32, 4, 3),
+         (32, 64, 4, 3)],
     128: [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3),
           (128, 32, 8, 4)],
 }  # fmt: skip
@@ -85,12 +87,12 @@ def time_sdpa(q, k, v, do, causal, backend):
     return fwd, bwd, type(o.grad_fn).__name__
 
 
-def candidates(d, causal):
+def candidates(d, causal, kernels=("fwd", "dkdv", "dq")):
     default = fa_op.plan_for(d, causal, torch.bfloat16)
     out = [("fwd", Plan(Tile(*t), default.dkdv, default.dq)) for t in FWD[d]]
     out += [("dkdv", Plan(default.fwd, Tile(*t), default.dq)) for t in DKDV[d]]
     out += [("dq", Plan(default.fwd, default.dkdv, Tile(*t))) for t in DQ[d]]
-    return default, out
+    return default, [(kind, plan) for kind, plan in out if kind in kernels]
 
 
 def tile_str(t):
@@ -105,7 +107,9 @@ def main():
     ap.add_argument("--shard", default="0/1")
     ap.add_argument("--leaderboard", action="store_true", help="also the (16, 16384, 64) shape")
     ap.add_argument("--defaults-only", action="store_true", help="time only op.py's tiles")
+    ap.add_argument("--kernels", default="fwd,dkdv,dq", help="which kernels' tiles to sweep")
     args = ap.parse_args()
+    kernels = tuple(args.kernels.split(","))
     cases = [(int(c.split(":")[0]), c.split(":")[1] == "1") for c in args.cases.split(",")]
     shard, nshards = (int(x) for x in args.shard.split("/"))
 
@@ -113,7 +117,8 @@ def main():
         jobs = [
             (d, causal, plan)
             for d, causal in cases
-            for _, plan in candidates(d, causal)[1] + [("default", candidates(d, causal)[0])]
+            for _, plan in candidates(d, causal, kernels)[1]
+            + [("default", candidates(d, causal)[0])]
         ]
         for i, (d, causal, plan) in enumerate(jobs):
             if i % nshards != shard:
@@ -144,7 +149,7 @@ def main():
                 f"{tag:26s} {name:16s} fwd {fwd:7.3f} {ff / fwd / 1e9:6.0f}   "
                 f"bwd {bwd:7.3f} {2.5 * ff / bwd / 1e9:6.0f}   [{kernel}]"
             )
-        default, cands = candidates(d, causal)
+        default, cands = candidates(d, causal, kernels)
         best = {"fwd": (1e9, None), "dkdv": (1e9, None), "dq": (1e9, None)}
         for kind, plan in [("default", default), *([] if args.defaults_only else cands)]:
             direction = "fwd" if kind in ("fwd", "default") else "bwd"
@@ -170,6 +175,12 @@ def main():
                         )
             elif ms < best[kind][0]:
                 best[kind] = (ms, tile)
+        if best["dkdv"][1] and best["dq"][1]:  # the kernels are independent: both winners
+            plan = Plan(default.fwd, best["dkdv"][1], best["dq"][1])
+            ms_b = time_plan(q, k, v, do, causal, plan, "bwd")
+            pf, pb = peers.get("sdpa_flash", (None, None))
+            vs = f"  x{pb / ms_b:4.2f} flash" if pb else ""
+            print(f"{tag:26s} both winners bwd {ms_b:7.3f} {2.5 * ff / ms_b / 1e9:6.0f}{vs}")
         summary.append((tag, ff, peers, best))
         del q, k, v, do
         torch.cuda.empty_cache()
