@@ -291,39 +291,26 @@ def _dkdv_steps(
     do_base,
     lse_base,
     delta_base,
-    dq_base,
     stride_qn,
     stride_don,
-    stride_dqn,
     cols,
     lo,
     hi,
     Nq,
     shift,
     qk_scale,
-    sm_scale,
     MASK: tl.constexpr,
     CHECK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
 ):
     """Accumulate dk, dv of one key block over the query blocks [lo, hi), in the transposed
     (key x query) orientation. Query rows past Nq load q = do = 0 and LSE = +inf, so their p is 0
-    and they add nothing; MASK applies the causal mask. ATOMIC_DQ: also add this key block's
-    share of dq (ds k, scaled) to the float32 buffer at dq_base with atomics (the order of the
-    additions varies from run to run: not deterministic)."""
+    and they add nothing; MASK applies the causal mask."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    if ATOMIC_DQ:
-        dq_ptrs = (
-            dq_base
-            + tl.cast(lo, tl.int64) * stride_dqn
-            + offs_m[:, None] * stride_dqn
-            + offs_d[None, :]
-        )
     q_ptrs = (
         q_base + tl.cast(lo, tl.int64) * stride_qn + offs_m[:, None] * stride_qn + offs_d[None, :]
     )
@@ -345,20 +332,8 @@ def _dkdv_steps(
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
         delta = _load_vec(delta_base + rows, rows, Nq, 0.0, CHECK_M)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PREC)
-        if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PREC) * sm_scale
-            if CHECK_M:
-                keep = rows[:, None] < Nq
-                if offs_d.shape[0] != HEAD_DIM:
-                    keep = keep & (offs_d[None, :] < HEAD_DIM)
-                tl.atomic_add(dq_ptrs, dq, mask=keep, sem="relaxed")
-            elif offs_d.shape[0] != HEAD_DIM:
-                tl.atomic_add(dq_ptrs, dq, mask=offs_d[None, :] < HEAD_DIM, sem="relaxed")
-            else:
-                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
-            dq_ptrs += BLOCK_M * stride_dqn
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
         q_ptrs += BLOCK_M * stride_qn
         do_ptrs += BLOCK_M * stride_don
     return dk, dv
@@ -374,7 +349,6 @@ def attn_bwd_dkdv_kernel(
     DELTA,
     DK,
     DV,
-    DQ,
     stride_qb,
     stride_qn,
     stride_qh,
@@ -393,9 +367,6 @@ def attn_bwd_dkdv_kernel(
     stride_dvb,
     stride_dvn,
     stride_dvh,
-    stride_dqb,
-    stride_dqn,
-    stride_dqh,
     H,
     Hkv,
     GROUP,
@@ -411,11 +382,10 @@ def attn_bwd_dkdv_kernel(
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
 ):
     """dk, dv of one key block of one kv head. With GQA the program loops over the GROUP query
     heads that read this kv head, so their contributions add up in a fixed order (deterministic,
-    no atomics). ATOMIC_DQ: also dq, by float32 atomics into DQ (then no dq kernel runs)."""
+    no atomics)."""
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
     pid_n, bhk = _program_ids(tl.cdiv(Nk, BLOCK_N), False)
@@ -460,17 +430,16 @@ def attn_bwd_dkdv_kernel(
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
         vec_base = (b * H + h) * Nq
-        dq_base = DQ + b * stride_dqb + h * stride_dqh
         if CAUSAL:
             dk, dv = _dkdv_steps(
-                dk, dv, k, v, q_base, do_base, LSE + vec_base, DELTA + vec_base, dq_base,
-                stride_qn, stride_don, stride_dqn, cols, m_lo, m_full, Nq, shift, qk_scale,
-                sm_scale, True, not EVEN_M, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, ATOMIC_DQ,
+                dk, dv, k, v, q_base, do_base, LSE + vec_base, DELTA + vec_base, stride_qn,
+                stride_don, cols, m_lo, m_full, Nq, shift, qk_scale, True, not EVEN_M,
+                HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC,
             )  # fmt: skip
         dk, dv = _dkdv_steps(
-            dk, dv, k, v, q_base, do_base, LSE + vec_base, DELTA + vec_base, dq_base,
-            stride_qn, stride_don, stride_dqn, cols, m_full, Nq, Nq, shift, qk_scale,
-            sm_scale, False, not EVEN_M, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, ATOMIC_DQ,
+            dk, dv, k, v, q_base, do_base, LSE + vec_base, DELTA + vec_base, stride_qn,
+            stride_don, cols, m_full, Nq, Nq, shift, qk_scale, False, not EVEN_M,
+            HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC,
         )  # fmt: skip
 
     dk *= sm_scale
