@@ -4,7 +4,6 @@ Suite 1 (`flash_attn`): bf16, d in {64, 128}, causal and not, N in 1k..32k, B = 
 H = 2048 / d; forward, backward and forward+backward in TFLOP/s (forward FLOPs 4 B H N^2 d,
 halved for causal; backward 2.5x, forward+backward 3.5x of that), one column per provider:
   triton          this package (q, k, v in (B, N, H, D))
-  triton_nondet   this package with deterministic=False (dq by atomics; backward tables only)
   sdpa_flash      PyTorch SDPA pinned to each backend with torch.nn.attention.sdpa_kernel
   sdpa_cudnn      (inputs in SDPA's (B, H, N, D) layout; extra_info["kernel"] names the autograd
   sdpa_efficient   node that ran; a backend the GPU lacks is skipped)
@@ -42,15 +41,7 @@ NS = [1024 * 2**i for i in range(6)] if GPU else [33]
 LEADERBOARD = (16, 16384, 64) if GPU else (2, 33, 16)
 DIRECTIONS = ["fwd", "bwd", "fwd_bwd"]
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
-PROVIDERS = [
-    "triton",
-    "triton_nondet",
-    "sdpa_flash",
-    "sdpa_cudnn",
-    "sdpa_efficient",
-    "torch",
-    "torch_compile",
-]
+PROVIDERS = ["triton", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "torch", "torch_compile"]
 SDPA = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
     "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -93,8 +84,6 @@ def attention_fn(provider, causal):
     """(fn(q, k, v) -> o, layout) of one provider."""
     if provider == "triton":
         return functools.partial(flash_attn, causal=causal), "bnhd"
-    if provider == "triton_nondet":
-        return functools.partial(flash_attn, causal=causal, deterministic=False), "bnhd"
     if provider in SDPA:
         return sdpa(SDPA[provider], causal), "bhnd"
     if provider == "torch":
@@ -122,8 +111,6 @@ def _raise_oom():
 
 
 def run_case(benchmark, *, op, tag, x, shape, causal, provider, direction, flops):
-    if provider == "triton_nondet" and direction == "fwd":
-        pytest.skip("the forward does not depend on `deterministic`")
     fn, layout = attention_fn(provider, causal)
     info = {"layout": layout}
     b, n = shape[0], shape[1]

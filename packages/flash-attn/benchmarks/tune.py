@@ -46,12 +46,6 @@ DQ = {  # (query rows per program, keys per step)
     128: [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3),
           (128, 32, 8, 4)],
 }  # fmt: skip
-ATOMIC = {  # dk/dv kernel that also adds dq by atomics (deterministic=False)
-    64: [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 2), (32, 128, 8, 3), (16, 128, 8, 2),
-         (64, 64, 4, 3), (32, 64, 4, 3), (64, 64, 8, 2), (128, 64, 8, 2)],
-    128: [(64, 128, 8, 2), (32, 128, 8, 3), (32, 128, 8, 2), (16, 128, 8, 3), (16, 128, 8, 2),
-          (64, 64, 8, 2), (32, 64, 4, 3), (64, 64, 4, 2)],
-}  # fmt: skip
 SDPA = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
     "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -72,14 +66,12 @@ def inputs(b, h, n, d, seed=0):
     return r(), r(), r(), r()
 
 
-def time_plan(q, k, v, do, causal, plan, direction, deterministic=True):
+def time_plan(q, k, v, do, causal, plan, direction):
     scale = 1.0 / math.sqrt(q.shape[-1])
     o, lse = fa_op.forward(q, k, v, causal, scale, plan)
     if direction == "fwd":
         return bench_ms(lambda: fa_op.forward(q, k, v, causal, scale, plan))
-    return bench_ms(
-        lambda: fa_op.backward(do, q, k, v, o, lse, None, causal, scale, plan, deterministic)
-    )
+    return bench_ms(lambda: fa_op.backward(do, q, k, v, o, lse, None, causal, scale, plan))
 
 
 def time_sdpa(q, k, v, do, causal, backend):
@@ -100,7 +92,6 @@ def candidates(d, causal, kernels=("fwd", "dkdv", "dq")):
     out = [("fwd", Plan(Tile(*t), default.dkdv, default.dq)) for t in FWD[d]]
     out += [("dkdv", Plan(default.fwd, Tile(*t), default.dq)) for t in DKDV[d]]
     out += [("dq", Plan(default.fwd, default.dkdv, Tile(*t))) for t in DQ[d]]
-    out += [("atomic", Plan(default.fwd, default.dkdv, default.dq, Tile(*t))) for t in ATOMIC[d]]
     return default, [(kind, plan) for kind, plan in out if kind in kernels]
 
 
@@ -136,7 +127,6 @@ def main():
             scale = 1.0 / math.sqrt(d)
             o, lse = fa_op.forward(q, k, v, causal, scale, plan)
             fa_op.backward(do, q, k, v, o, lse, None, causal, scale, plan)
-            fa_op.backward(do, q, k, v, o, lse, None, causal, scale, plan, False)
         torch.cuda.synchronize()
         return
 
@@ -160,17 +150,15 @@ def main():
                 f"bwd {bwd:7.3f} {2.5 * ff / bwd / 1e9:6.0f}   [{kernel}]"
             )
         default, cands = candidates(d, causal, kernels)
-        best = {"fwd": (1e9, None), "dkdv": (1e9, None), "dq": (1e9, None), "atomic": (1e9, None)}
+        best = {"fwd": (1e9, None), "dkdv": (1e9, None), "dq": (1e9, None)}
         for kind, plan in [("default", default), *([] if args.defaults_only else cands)]:
             direction = "fwd" if kind in ("fwd", "default") else "bwd"
             try:
-                ms = time_plan(q, k, v, do, causal, plan, direction, kind != "atomic")
+                ms = time_plan(q, k, v, do, causal, plan, direction)
             except Exception as e:  # out of resources for a tile: report and go on
                 print(f"{tag:26s} {kind:7s} failed: {type(e).__name__}: {str(e)[:80]}")
                 continue
-            tile = {"dkdv": plan.dkdv, "dq": plan.dq, "atomic": plan.dkdv_atomic}.get(
-                kind, plan.fwd
-            )
+            tile = {"fwd": plan.fwd, "dkdv": plan.dkdv, "dq": plan.dq}.get(kind, plan.fwd)
             flops = ff if direction == "fwd" else 2.5 * ff
             print(
                 f"{tag:26s} {kind:7s} {tile_str(tile):18s} {direction} {ms:7.3f} {flops / ms / 1e9:6.0f}"
@@ -178,10 +166,6 @@ def main():
             if kind == "default":
                 ms_b = time_plan(q, k, v, do, causal, plan, "bwd")
                 print(f"{tag:26s} default bwd {ms_b:7.3f} {2.5 * ff / ms_b / 1e9:6.0f}")
-                ms_a = time_plan(q, k, v, do, causal, plan, "bwd", False)
-                pb = peers.get("sdpa_flash", (None, None))[1]
-                vs = f"  x{pb / ms_a:4.2f} flash" if pb else ""
-                print(f"{tag:26s} default bwd deterministic=False {ms_a:7.3f}{vs}")
                 for name in ("sdpa_flash", "sdpa_cudnn"):
                     pf, pb = peers.get(name, (None, None))
                     if pf:
@@ -211,7 +195,7 @@ def main():
         if cu[0]:
             line += f"  x{cu[0] / ms_f:4.2f} cudnn"
         print(line)
-        for kind in ("dkdv", "dq", "atomic"):
+        for kind in ("dkdv", "dq"):
             ms_k, t = best[kind]
             print(f"{'':26s} {kind:4s}-sweep best {tile_str(t) if t else '-':18s} bwd {ms_k:7.3f}")
         ms_b = min(best["dkdv"][0], best["dq"][0])
@@ -231,14 +215,9 @@ def main():
         def ours():
             flash_attn(qs, ks, vs, causal=True).backward(do)
 
-        def ours_nondeterministic():
-            flash_attn(qs, ks, vs, causal=True, deterministic=False).backward(do)
-
         print(
             f"leaderboard (16, 16384, 64) causal fwd+bwd: ours {bench_ms(ours, grad_to_none=[qs, ks, vs]):.3f} ms"
         )
-        ms = bench_ms(ours_nondeterministic, grad_to_none=[qs, ks, vs])
-        print(f"  ours, deterministic=False: {ms:.3f} ms")
         for name, backend in SDPA.items():
             qt, kt, vt = (t.unsqueeze(1).clone().requires_grad_() for t in (q, k, v))
             dot = do.unsqueeze(1)

@@ -50,14 +50,14 @@ def _run(fn, q, k, v, do, dlse, **kw):
     return o, lse, (dq, dk, dv)
 
 
-def check(q, k, v, causal=False, softmax_scale=None, with_dlse=True, deterministic=True):
+def check(q, k, v, causal=False, softmax_scale=None, with_dlse=True):
     """flash_attn vs the float64 reference (and, for half precision, the reference evaluated in
     q.dtype: the error may be at most 2x that one's): o, LSE, dq, dk, dv."""
     kw = dict(causal=causal, softmax_scale=softmax_scale)
     do = make(q.shape[:-1] + (v.shape[-1],), q.dtype, q.device, seed=7)
     lse_shape = (q.shape[0], q.shape[1]) if q.dim() == 3 else (q.shape[0], q.shape[2], q.shape[1])
     dlse = make(lse_shape, torch.float32, q.device, seed=8) if with_dlse else None
-    o, lse, grads = _run(flash_attn, q, k, v, do, dlse, deterministic=deterministic, **kw)
+    o, lse, grads = _run(flash_attn, q, k, v, do, dlse, **kw)
     o64, lse64, grads64 = _run(
         attention_reference, q.double(), k.double(), v.double(), do, dlse, **kw
     )
@@ -240,41 +240,6 @@ def test_deterministic(device):
         assert torch.equal(a, b)
 
 
-# (B, Nq, Nk, H, Hkv, D): ragged ends, Nq != Nk, GQA, padded D, 3-D.
-ATOMIC_SHAPES = [
-    (2, 17, 17, 2, 2, 64),
-    (1, 40, 17, 4, 2, 32),
-    (1, 17, 40, 3, 1, 80),
-    (1, 64, 48, 1, 1, 16),
-]
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize(
-    "shape", ATOMIC_SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}-hkv{}-d{}".format(*s)
-)
-def test_nondeterministic_backward(shape, causal, device):
-    """deterministic=False: dq by atomics inside the dk/dv kernel, same accuracy rule."""
-    check(*qkv(*shape, torch.bfloat16, device), causal=causal, deterministic=False)
-
-
-def test_nondeterministic_backward_three_dim_float32(device):
-    q, k, v = (t.squeeze(2) for t in qkv(2, 33, 21, 1, 1, 32, torch.float32, device))
-    check(q, k, v, causal=True, deterministic=False)
-
-
-def test_nondeterministic_matches_deterministic(device):
-    """Both backwards compute the same sums in other orders: dk, dv are bit-identical (same
-    kernel, same order) and dq agrees to float32 rounding before the cast."""
-    q, k, v = qkv(1, 45, 45, 4, 2, 32, torch.float32, device)
-    do = make(q.shape, q.dtype, device, seed=5)
-    det = _run(flash_attn, q, k, v, do, None, causal=True)
-    fast = _run(flash_attn, q, k, v, do, None, causal=True, deterministic=False)
-    assert torch.equal(det[0], fast[0])
-    assert torch.equal(det[2][1], fast[2][1]) and torch.equal(det[2][2], fast[2][2])
-    torch.testing.assert_close(fast[2][0], det[2][0], rtol=1e-5, atol=1e-6)
-
-
 # ------------------------------------------------------------------------------------------
 # The course assignment's interface
 # ------------------------------------------------------------------------------------------
@@ -307,18 +272,13 @@ def test_flash_attention_function_adapter(is_causal, device):
 
 def test_opcheck(device):
     q, k, v = (t.requires_grad_() for t in qkv(1, 19, 21, 2, 1, 32, torch.float32, device))
-    torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_fwd, (q, k, v, True, 0.25, True))
-    o, lse = fa_op.attn_fwd(q.detach(), k.detach(), v.detach(), True, 0.25, True)
+    torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_fwd, (q, k, v, True, 0.25))
+    o, lse = fa_op.attn_fwd(q.detach(), k.detach(), v.detach(), True, 0.25)
     do = make(o.shape, o.dtype, device, seed=3)
     dlse = make(lse.shape, lse.dtype, device, seed=4)
     args = (do, q.detach(), k.detach(), v.detach(), o, lse)
-    bwd = torch.ops.kernelkit_flash_attn.attn_bwd
-    torch.library.opcheck(bwd, (*args, dlse, True, 0.25, True))
-    torch.library.opcheck(bwd, (*args, None, True, 0.25, True))
-    # deterministic=False: opcheck's repeated runs must agree only up to the atomics' order,
-    # so the fake-tensor and autograd registration checks run, not the bitwise replay.
-    tests = ("test_schema", "test_autograd_registration", "test_faketensor")
-    torch.library.opcheck(bwd, (*args, dlse, False, 0.25, False), test_utils=tests)
+    torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_bwd, (*args, dlse, True, 0.25))
+    torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_bwd, (*args, None, True, 0.25))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -327,18 +287,15 @@ def test_opcheck_with_gpu_tiles(dtype, device, monkeypatch):
     the interpreter otherwise bypasses: the head dim and block flags must be concrete."""
     monkeypatch.setattr(fa_op, "interpreting", lambda: False)
     q, k, v = (t.requires_grad_() for t in qkv(1, 19, 21, 2, 1, 32, dtype, device))
-    torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_fwd, (q, k, v, True, 0.25, True))
+    torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_fwd, (q, k, v, True, 0.25))
 
 
-@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic_dq"])
 @pytest.mark.parametrize("causal", [True], ids=["causal"])  # the flag is a constant to the graph
-def test_torch_compile_fullgraph(causal, deterministic, device):
-    """On a GPU with inductor: deterministic=False also checks that the dq buffer the kernel
-    fills by TMA reductions is seen as written (not folded to its zeros)."""
+def test_torch_compile_fullgraph(causal, device):
     backend = "inductor" if device.type == "cuda" else "aot_eager"
 
     def f(q, k, v):
-        o, lse = flash_attn(q, k, v, causal=causal, return_lse=True, deterministic=deterministic)
+        o, lse = flash_attn(q, k, v, causal=causal, return_lse=True)
         return o * 2.0, lse
 
     compiled = torch.compile(f, fullgraph=True, backend=backend)
@@ -411,8 +368,6 @@ def test_argument_errors(device):
         flash_attn(q, q, q, softmax_scale="0.1")
     with pytest.raises(ValueError, match="q: expected"):
         FlashAttentionFunction.apply(q, q, q, False)
-    with pytest.raises(ValueError, match="deterministic: expected a bool"):
-        flash_attn(q, q, q, deterministic=None)
 
 
 @pytest.mark.gpu
@@ -450,13 +405,6 @@ def test_gpu_shapes(shape, causal, device):
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_dtypes(dtype, d, device):
     check(*qkv(2, 1024, 1024, 4, 2, d, dtype, device), causal=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}-hkv{}-d{}".format(*s))
-def test_gpu_nondeterministic(shape, causal, device):
-    check(*qkv(*shape, torch.bfloat16, device), causal=causal, deterministic=False)
 
 
 @pytest.mark.gpu

@@ -21,9 +21,7 @@ class FlashAttentionFunction(torch.autograd.Function):
             raise ValueError(f"q: expected (B, N, D), got shape {tuple(q.shape)}")
         validate(q, k, v, bool(is_causal), None)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        o, lse = attn_fwd(
-            q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2), bool(is_causal), scale, True
-        )
+        o, lse = attn_fwd(q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2), bool(is_causal), scale)
         o, L = o.squeeze(2), lse.squeeze(1)
         ctx.save_for_backward(L, q, k, v, o)
         ctx.is_causal, ctx.scale = bool(is_causal), scale
@@ -42,6 +40,5 @@ class FlashAttentionFunction(torch.autograd.Function):
             None,
             ctx.is_causal,
             ctx.scale,
-            True,
         )
         return dq.squeeze(2), dk.squeeze(2), dv.squeeze(2), None

@@ -291,8 +291,6 @@ def _dkdv_steps(
     do_base,
     lse_base,
     delta_base,
-    dq_acc,
-    dq_row,
     stride_qn,
     stride_don,
     cols,
@@ -301,25 +299,16 @@ def _dkdv_steps(
     Nq,
     shift,
     qk_scale,
-    sm_scale,
     MASK: tl.constexpr,
     CHECK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
-    DQ_TMA: tl.constexpr,
-    DQ_ROW: tl.constexpr,
 ):
     """Accumulate dk, dv of one key block over the query blocks [lo, hi), in the transposed
     (key x query) orientation. Query rows past Nq load q = do = 0 and LSE = +inf, so their p is 0
-    and they add nothing; MASK applies the causal mask.
-
-    ATOMIC_DQ: also add this key block's share of dq (ds k, scaled) into the float32 buffer
-    dq_acc, (B * H, Nq, DQ_ROW) with this query head at row dq_row: one bulk tensor reduction
-    per step when DQ_TMA (dq_acc is its descriptor), element atomics otherwise (dq_acc points
-    at this head's slab). The order of the additions varies from run to run: not deterministic."""
+    and they add nothing; MASK applies the causal mask."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     q_ptrs = (
@@ -343,16 +332,8 @@ def _dkdv_steps(
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
         delta = _load_vec(delta_base + rows, rows, Nq, 0.0, CHECK_M)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PREC)
-        if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PREC) * sm_scale
-            if DQ_TMA:  # rows past Nq and columns past HEAD_DIM fall outside the descriptor
-                dq_acc.atomic_add([dq_row, start_m, 0], dq[None, :, :])
-            else:
-                keep = (rows[:, None] < Nq) & (offs_d[None, :] < HEAD_DIM)
-                dq_ptrs = dq_acc + rows[:, None] * DQ_ROW + offs_d[None, :]
-                tl.atomic_add(dq_ptrs, dq, mask=keep, sem="relaxed")
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
         q_ptrs += BLOCK_M * stride_qn
         do_ptrs += BLOCK_M * stride_don
     return dk, dv
@@ -368,7 +349,6 @@ def attn_bwd_dkdv_kernel(
     DELTA,
     DK,
     DV,
-    DQ,
     stride_qb,
     stride_qn,
     stride_qh,
@@ -402,14 +382,10 @@ def attn_bwd_dkdv_kernel(
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
-    DQ_TMA: tl.constexpr,
-    DQ_ROW: tl.constexpr,
 ):
     """dk, dv of one key block of one kv head. With GQA the program loops over the GROUP query
     heads that read this kv head, so their contributions add up in a fixed order (deterministic,
-    no atomics). ATOMIC_DQ: also dq, added into the float32 buffer DQ, (B * H, Nq, DQ_ROW)
-    contiguous (then no dq kernel runs; see _dkdv_steps)."""
+    no atomics)."""
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
     pid_n, bhk = _program_ids(tl.cdiv(Nk, BLOCK_N), False)
@@ -449,34 +425,21 @@ def attn_bwd_dkdv_kernel(
     else:
         m_lo = 0
         m_full = 0
-    if DQ_TMA:
-        # torch.compile's mutation analysis does not know TMA reductions: a store it can see,
-        # never executed (Nq >= 1), marks DQ as written.
-        tl.store(DQ, 0.0, mask=Nq < 0)
-        n_bh = tl.num_programs(0) // tl.cdiv(Nk, BLOCK_N) * GROUP  # B * H
-        dq_desc = tl.make_tensor_descriptor(
-            DQ, [n_bh, Nq, HEAD_DIM], [Nq.to(tl.int64) * DQ_ROW, DQ_ROW, 1], [1, BLOCK_M, BLOCK_D]
-        )
     for g in range(GROUP):
         h = (hk * GROUP + g).to(tl.int64)
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
-        bh = b * H + h
-        vec_base = bh * Nq
-        if DQ_TMA:
-            dq_head = dq_desc
-        else:
-            dq_head = DQ + vec_base * DQ_ROW
+        vec_base = (b * H + h) * Nq
         if CAUSAL:
             dk, dv = _dkdv_steps(
-                dk, dv, k, v, q_base, do_base, LSE + vec_base, DELTA + vec_base, dq_head, bh.to(tl.int32),
-                stride_qn, stride_don, cols, m_lo, m_full, Nq, shift, qk_scale, sm_scale, True,
-                not EVEN_M, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, ATOMIC_DQ, DQ_TMA, DQ_ROW,
+                dk, dv, k, v, q_base, do_base, LSE + vec_base, DELTA + vec_base, stride_qn,
+                stride_don, cols, m_lo, m_full, Nq, shift, qk_scale, True, not EVEN_M,
+                HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC,
             )  # fmt: skip
         dk, dv = _dkdv_steps(
-            dk, dv, k, v, q_base, do_base, LSE + vec_base, DELTA + vec_base, dq_head, bh.to(tl.int32),
-            stride_qn, stride_don, cols, m_full, Nq, Nq, shift, qk_scale, sm_scale, False,
-            not EVEN_M, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, ATOMIC_DQ, DQ_TMA, DQ_ROW,
+            dk, dv, k, v, q_base, do_base, LSE + vec_base, DELTA + vec_base, stride_qn,
+            stride_don, cols, m_full, Nq, Nq, shift, qk_scale, False, not EVEN_M,
+            HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC,
         )  # fmt: skip
 
     dk *= sm_scale

@@ -6,7 +6,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from kernelkit.shared.runtime import (
     cdiv,
@@ -126,8 +125,6 @@ CAUSAL_TILES: dict[int, tuple[Tile | None, Tile | None, Tile | None]] = {
     64: (None, Tile(64, 128, 8, 2), Tile(64, 64, 4, 3)),
     128: (None, Tile(64, 128, 8, 2), None),
 }
-# dk/dv with atomic dq (deterministic=False); missing entries use the dk/dv tile.
-ATOMIC_TILES: dict[int, Tile] = {}
 # float32 inputs (three tf32 products per dot) need about three times the operand registers:
 # small tiles, (fwd, dk/dv, dq) by BLOCK_D.
 FP32_TILES = {
@@ -150,8 +147,6 @@ class Plan:
     fwd: Tile
     dkdv: Tile
     dq: Tile
-    # The dk/dv kernel when it also adds dq by atomics (deterministic=False); None: dkdv's tile.
-    dkdv_atomic: Tile | None = None
 
 
 def block_d_for(d: int) -> int:
@@ -166,25 +161,13 @@ def plan_for(d: int, causal: bool, dtype: torch.dtype) -> Plan:
     if dtype == torch.float32:
         return Plan(*FP32_TILES[bd])
     fwd, dkdv, dq = CAUSAL_TILES.get(bd, (None, None, None)) if causal else (None, None, None)
-    return Plan(
-        fwd or FWD_TILES[bd], dkdv or DKDV_TILES[bd], dq or DQ_TILES[bd], ATOMIC_TILES.get(bd)
-    )
+    return Plan(fwd or FWD_TILES[bd], dkdv or DKDV_TILES[bd], dq or DQ_TILES[bd])
 
 
 def dot_precision(dtype: torch.dtype) -> str:
     """float32 inputs: three tf32 products per dot (about float32 accuracy, at a third of the
     tf32 rate); half precision ignores the setting."""
     return "tf32x3" if dtype == torch.float32 else "tf32"
-
-
-def _has_tma(device: torch.device) -> bool:
-    """Hopper or newer: the tensor memory accelerator (bulk tensor copies and reductions)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Global scratch for descriptors a kernel creates on the device (triton.set_allocator)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _unit_d(t: torch.Tensor) -> torch.Tensor:
@@ -238,33 +221,15 @@ def forward(q, k, v, causal: bool, scale: float, plan: Plan | None = None):
     return o, lse
 
 
-def backward(
-    do,
-    q,
-    k,
-    v,
-    o,
-    lse,
-    dlse,
-    causal: bool,
-    scale: float,
-    plan: Plan | None = None,
-    deterministic: bool = True,
-):
-    """(dq, dk, dv) from the saved q, k, v, o, lse; dlse (or None) is the LSE's gradient.
-
-    deterministic: dk/dv and dq in two kernels, each output written once by one program (7
-    block products per query-block x key-block pair). Otherwise the dk/dv kernel also adds dq
-    into a float32 buffer (5 products; on Hopper by TMA bulk reductions, one per tile pair; the
-    summation order, so the last bits of dq, vary from run to run).
-    """
+def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan | None = None):
+    """(dq, dk, dv) from the saved q, k, v, o, lse; dlse (or None) is the LSE's gradient."""
     do, q, k, v, o = (_unit_d(t) for t in (do, q, k, v, o))
     b, nq, h, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
     d = int(d)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if b == 0:
         return dq, dk, dv
     plan = plan or plan_for(d, causal, q.dtype)
@@ -288,16 +253,7 @@ def backward(
         BLOCK_M=pre_m,
         num_warps=4,
     )
-    t = plan.dkdv if deterministic else (plan.dkdv_atomic or plan.dkdv)
-    if deterministic:
-        dq_acc, dq_row, dq_tma = dq, d, False  # DQ unused by the kernel
-    else:
-        # (B * H, Nq, D rounded up to 4 floats): 16-byte rows, as TMA requires.
-        dq_row = -(-d // 4) * 4
-        dq_acc = torch.zeros((b * h, nq, dq_row), dtype=torch.float32, device=q.device)
-        dq_tma = _has_tma(q.device)
-        if dq_tma:
-            triton.set_allocator(_tma_scratch)  # the kernel builds its descriptor on device
+    t = plan.dkdv
     launch(K.attn_bwd_dkdv_kernel)[(cdiv(nk, t.block_n) * b * hkv,)](
         q,
         k,
@@ -307,7 +263,6 @@ def backward(
         delta,
         dk,
         dv,
-        dq_acc,
         *_strides3(q),
         *_strides3(k),
         *_strides3(v),
@@ -329,15 +284,9 @@ def backward(
         EVEN_M=bool(nq % t.block_m == 0),
         EVEN_N=bool(nk % t.block_n == 0),
         DOT_PREC=prec,
-        ATOMIC_DQ=not deterministic,
-        DQ_TMA=dq_tma,
-        DQ_ROW=dq_row,
         num_warps=t.warps,
         num_stages=t.stages,
     )
-    if not deterministic:
-        dq.copy_(dq_acc[..., :d].unflatten(0, (b, h)).transpose(1, 2))
-        return dq, dk, dv
     t = plan.dq
     launch(K.attn_bwd_dq_kernel)[(cdiv(nq, t.block_m) * b * h,)](
         q,
@@ -379,14 +328,8 @@ def backward(
 
 @define_op("kernelkit_flash_attn::attn_fwd")
 def attn_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    scale: float,
-    deterministic: bool,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse). `deterministic` only chooses the backward (autograd reads it from here)."""
     if not use_triton(q):
         o, lse = attention_reference(q, k, v, causal, scale, return_lse=True)
         return o, lse.float()
@@ -404,7 +347,6 @@ def attn_bwd(
     dlse: torch.Tensor | None,
     causal: bool,
     scale: float,
-    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if not use_triton(q):
         with torch.enable_grad():
@@ -416,13 +358,13 @@ def attn_bwd(
                 grads.append(dlse.to(lse_r.dtype))
             dq, dk, dv = torch.autograd.grad(outs, (qr, kr, vr), grads)
         return dq, dk, dv
-    return backward(do, q, k, v, o, lse, dlse, causal, scale, deterministic=deterministic)
+    return backward(do, q, k, v, o, lse, dlse, causal, scale)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, causal, scale, deterministic = inputs
+    q, k, v, causal, scale = inputs
     o, lse = output
-    ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic
+    ctx.causal, ctx.scale = causal, scale
     ctx.save_for_backward(q, k, v, o, lse)
     # An unused output's gradient arrives as None instead of a tensor of zeros.
     ctx.set_materialize_grads(False)
@@ -432,8 +374,8 @@ def _backward(ctx, do, dlse):
     q, k, v, o, lse = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv = attn_bwd(do, q, k, v, o, lse, dlse, ctx.causal, ctx.scale, ctx.deterministic)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = attn_bwd(do, q, k, v, o, lse, dlse, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup)
@@ -446,7 +388,6 @@ def flash_attn(
     causal: bool = False,
     softmax_scale: float | None = None,
     return_lse: bool = False,
-    deterministic: bool = True,
 ):
     """Exact softmax attention, FlashAttention-2 style (the N x N scores never reach memory).
 
@@ -455,18 +396,14 @@ def flash_attn(
     causal: query i sees keys j <= i + Nk - Nq; a row that sees no key outputs zeros.
     Returns o like q, and with return_lse=True also the natural-log LSE (B, H, Nq) float32
     ((B, Nq) for 3-D inputs; -inf on rows that see no key).
-    deterministic=False: a faster backward that adds dq up with float32 atomics (as
-    FlashAttention-2 does), so repeated runs may differ in the last bits of dq.
     """
     scale = validate(q, k, v, causal, softmax_scale)
-    if not isinstance(deterministic, bool):
-        raise ValueError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
     three_d = q.dim() == 3
     if three_d:
         q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
     if scale < 0:  # the kernels assume scale >= 0 (max of the raw scores); negate q instead
         q, scale = -q, -scale
-    o, lse = attn_fwd(q, k, v, causal, scale, deterministic)
+    o, lse = attn_fwd(q, k, v, causal, scale)
     if three_d:
         o, lse = o.squeeze(2), lse.squeeze(1)
     return (o, lse) if return_lse else o
