@@ -22,7 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernelkit.flash_attn import op as fa_op
 from kernelkit.flash_attn.op import Plan, Tile
-from kernelkit.shared.bench import bench_ms
+from kernelkit.shared.bench import bench_ms, copy_bandwidth_gbs, matmul_tflops
 
 # Candidates per head dim: tiles that compile for sm_90a without (or with few) register
 # spills (NOTES.md lists registers, spills and shared memory of each).
@@ -133,6 +133,10 @@ def main():
     n = args.n
     summary = []
     print(f"GPU {torch.cuda.get_device_name()}  N={n}  bf16  (ms, TFLOP/s)")
+    print(
+        f"ceilings: bf16 8192^3 torch.mm {matmul_tflops():.0f} TFLOP/s, "
+        f"device copy {copy_bandwidth_gbs():.0f} GB/s"
+    )
     for d, causal in cases:
         b, h = max(1, 16384 // n), 2048 // d
         q, k, v, do = inputs(b, h, n, d)

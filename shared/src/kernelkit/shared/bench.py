@@ -20,6 +20,7 @@ import torch
 __all__ = [
     "bench_ms",
     "copy_bandwidth_gbs",
+    "matmul_tflops",
     "peak_memory_mb",
     "provider_fn",
     "record",
@@ -38,6 +39,15 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     dst = torch.empty_like(src)
     ms = bench_ms(lambda: dst.copy_(src))
     return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+@functools.cache
+def matmul_tflops(n: int = 8192, dtype: torch.dtype = torch.bfloat16) -> float:
+    """Dense n x n x n matrix-product rate of torch.mm in TFLOP/s on random data, measured once:
+    the ceiling for compute-bound kernels (attention) as the copy bandwidth is for the rest."""
+    a, b = (torch.randn(n, n, dtype=dtype, device="cuda") for _ in range(2))
+    ms = bench_ms(lambda: torch.mm(a, b))
+    return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
 def bench_ms(
