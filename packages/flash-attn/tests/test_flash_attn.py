@@ -157,6 +157,21 @@ def test_strided_inputs(layout, device):
     check(q, k, v, causal=True)
 
 
+@pytest.mark.parametrize("case", ["aligned", "head-dim-20", "q-offset-by-one"])
+def test_tma_and_pointer_loads(case, device):
+    """The loops read K/V (forward, dq) and Q/dO (dk/dv) through TMA descriptors when every row
+    starts 16-byte aligned, else through pointer loads; either path, and a mix, is exact."""
+    d = 20 if case == "head-dim-20" else 32
+    q, k, v = qkv(1, 37, 41, 2, 1, d, torch.bfloat16, device)
+    if case == "q-offset-by-one":  # q starts 2 bytes past an aligned address
+        buf = torch.empty(q.numel() + 1, dtype=q.dtype, device=device)
+        q = buf[1:].view(q.shape).copy_(q)
+    tma = fa_op.use_tma(torch.empty(1, 8, dtype=q.dtype, device=device))  # this device has TMA
+    assert fa_op.use_tma(k, v) == (tma and case != "head-dim-20")
+    assert fa_op.use_tma(q) == (tma and case == "aligned")
+    check(q, k, v, causal=True)
+
+
 @pytest.mark.parametrize("scale", [0.3, 0.0, -0.5])
 def test_softmax_scale(scale, device):
     check(*qkv(1, 19, 23, 2, 2, 32, torch.float32, device), causal=True, softmax_scale=scale)

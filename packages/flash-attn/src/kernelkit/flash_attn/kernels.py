@@ -63,6 +63,35 @@ def _load_vec(ptrs, rows, n_rows, other, CHECK_ROWS: tl.constexpr):
 
 
 @triton.jit
+def _head_source(base, n_rows, stride, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_D: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+    """What the loops read one head's (n_rows x HEAD_DIM) rows from: a TMA descriptor of
+    (BLOCK_ROWS x BLOCK_D) boxes when TMA (out-of-bounds rows and columns read as zeros), else the
+    base pointer itself."""
+    src = base
+    if TMA:
+        src = tl.make_tensor_descriptor(
+            base, [n_rows, HEAD_DIM], [stride, 1], [BLOCK_ROWS, BLOCK_D]
+        )
+    return src
+
+
+@triton.jit
+def _load_block(src, start, stride, offs_rows, n_rows, offs_d, CHECK_ROWS: tl.constexpr,
+                HEAD_DIM: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+    """Rows [start, start + BLOCK_ROWS) of a `_head_source`. The TMA path moves the tile with the
+    copy engine: no per-element address registers, which otherwise make the loops spill."""
+    if TMA:
+        x = src.load([start, 0])
+    else:
+        ptrs = (
+            src + tl.cast(start, tl.int64) * stride + offs_rows[:, None] * stride + offs_d[None, :]
+        )
+        x = _load_rows(ptrs, start + offs_rows, n_rows, offs_d, CHECK_ROWS, HEAD_DIM)
+    return x
+
+
+@triton.jit
 def _lse_log2(lse):
     """Natural-log LSE -> log2 units; an empty row (-inf) becomes +inf so its p = exp2(s - lse) = 0."""
     return tl.where(lse == -float("inf"), float("inf"), lse * LOG2E)
@@ -90,8 +119,8 @@ def _fwd_steps(
     l_i,
     m_i,
     q,
-    k_base,
-    v_base,
+    k_src,
+    v_src,
     stride_kn,
     stride_vn,
     rows,
@@ -107,20 +136,15 @@ def _fwd_steps(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Online-softmax accumulation of key blocks [lo, hi). MASK: apply the causal and
     end-of-sequence masks (the scores of hidden keys are -inf)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k_ptrs = (
-        k_base + tl.cast(lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
-    )
-    v_ptrs = (
-        v_base + tl.cast(lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
-    )
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k = _load_rows(k_ptrs, cols, Nk, offs_d, CHECK_N, HEAD_DIM)
+        k = _load_block(k_src, start_n, stride_kn, offs_n, Nk, offs_d, CHECK_N, HEAD_DIM, TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         if MASK:
             if CAUSAL:
@@ -141,11 +165,9 @@ def _fwd_steps(
             alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = _load_rows(v_ptrs, cols, Nk, offs_d, CHECK_N, HEAD_DIM)
+        v = _load_block(v_src, start_n, stride_vn, offs_n, Nk, offs_d, CHECK_N, HEAD_DIM, TMA)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
         m_i = m_ij
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
     return acc, l_i, m_i
 
 
@@ -181,6 +203,7 @@ def attn_fwd_kernel(
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     # Scalars may arrive as float64 (torch.compile passes Python floats so): keep math float32.
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -197,8 +220,10 @@ def attn_fwd_kernel(
     q_ptrs = Q + b * stride_qb + h * stride_qh + start_m.to(tl.int64) * stride_qn
     q_ptrs = q_ptrs + offs_m[:, None] * stride_qn + offs_d[None, :]
     q = _load_rows(q_ptrs, rows, Nq, offs_d, not EVEN_M, HEAD_DIM)
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    k_src = _head_source(K + b * stride_kb + hk * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM,
+                         BLOCK_D, TMA)  # fmt: skip
+    v_src = _head_source(V + b * stride_vb + hk * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM,
+                         BLOCK_D, TMA)  # fmt: skip
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -212,13 +237,13 @@ def attn_fwd_kernel(
         full_hi = Nk // BLOCK_N * BLOCK_N
         hi = Nk
     acc, l_i, m_i = _fwd_steps(
-        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, rows, 0, full_hi, Nk, shift,
-        qk_scale, False, CAUSAL, False, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC,
+        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, 0, full_hi, Nk, shift,
+        qk_scale, False, CAUSAL, False, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
     )  # fmt: skip
     if CAUSAL or not EVEN_N:
         acc, l_i, m_i = _fwd_steps(
-            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, rows, full_hi, hi, Nk,
-            shift, qk_scale, True, CAUSAL, not EVEN_N, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC,
+            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, full_hi, hi, Nk,
+            shift, qk_scale, True, CAUSAL, not EVEN_N, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
         )  # fmt: skip
 
     # A row that sees no key (causal, Nq > Nk) has l = 0: output zeros and LSE = -inf.
@@ -287,8 +312,8 @@ def _dkdv_steps(
     dv,
     k,
     v,
-    q_base,
-    do_base,
+    q_src,
+    do_src,
     lse_base,
     delta_base,
     stride_qn,
@@ -305,37 +330,27 @@ def _dkdv_steps(
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Accumulate dk, dv of one key block over the query blocks [lo, hi), in the transposed
     (key x query) orientation. Query rows past Nq load q = do = 0 and LSE = +inf, so their p is 0
     and they add nothing; MASK applies the causal mask."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q_ptrs = (
-        q_base + tl.cast(lo, tl.int64) * stride_qn + offs_m[:, None] * stride_qn + offs_d[None, :]
-    )
-    do_ptrs = (
-        do_base
-        + tl.cast(lo, tl.int64) * stride_don
-        + offs_m[:, None] * stride_don
-        + offs_d[None, :]
-    )
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
-        q = _load_rows(q_ptrs, rows, Nq, offs_d, CHECK_M, HEAD_DIM)
+        q = _load_block(q_src, start_m, stride_qn, offs_m, Nq, offs_d, CHECK_M, HEAD_DIM, TMA)
         lse2 = _lse_log2(_load_vec(lse_base + rows, rows, Nq, float("inf"), CHECK_M))
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
         p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
         if MASK:
             p_t = tl.where(cols[:, None] <= rows[None, :] + shift, p_t, 0.0)
-        do = _load_rows(do_ptrs, rows, Nq, offs_d, CHECK_M, HEAD_DIM)
+        do = _load_block(do_src, start_m, stride_don, offs_m, Nq, offs_d, CHECK_M, HEAD_DIM, TMA)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
         delta = _load_vec(delta_base + rows, rows, Nq, 0.0, CHECK_M)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
-        q_ptrs += BLOCK_M * stride_qn
-        do_ptrs += BLOCK_M * stride_don
     return dk, dv
 
 
@@ -382,6 +397,7 @@ def attn_bwd_dkdv_kernel(
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """dk, dv of one key block of one kv head. With GQA the program loops over the GROUP query
     heads that read this kv head, so their contributions add up in a fixed order (deterministic,
@@ -427,19 +443,21 @@ def attn_bwd_dkdv_kernel(
         m_full = 0
     for g in range(GROUP):
         h = (hk * GROUP + g).to(tl.int64)
-        q_base = Q + b * stride_qb + h * stride_qh
-        do_base = DO + b * stride_dob + h * stride_doh
+        q_src = _head_source(Q + b * stride_qb + h * stride_qh, Nq, stride_qn, BLOCK_M, HEAD_DIM,
+                             BLOCK_D, TMA)  # fmt: skip
+        do_src = _head_source(DO + b * stride_dob + h * stride_doh, Nq, stride_don, BLOCK_M,
+                              HEAD_DIM, BLOCK_D, TMA)  # fmt: skip
         vec_base = (b * H + h) * Nq
         if CAUSAL:
             dk, dv = _dkdv_steps(
-                dk, dv, k, v, q_base, do_base, LSE + vec_base, DELTA + vec_base, stride_qn,
+                dk, dv, k, v, q_src, do_src, LSE + vec_base, DELTA + vec_base, stride_qn,
                 stride_don, cols, m_lo, m_full, Nq, shift, qk_scale, True, not EVEN_M,
-                HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC,
+                HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA,
             )  # fmt: skip
         dk, dv = _dkdv_steps(
-            dk, dv, k, v, q_base, do_base, LSE + vec_base, DELTA + vec_base, stride_qn,
+            dk, dv, k, v, q_src, do_src, LSE + vec_base, DELTA + vec_base, stride_qn,
             stride_don, cols, m_full, Nq, Nq, shift, qk_scale, False, not EVEN_M,
-            HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC,
+            HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA,
         )  # fmt: skip
 
     dk *= sm_scale
@@ -462,8 +480,8 @@ def _dq_steps(
     do,
     lse2,
     delta,
-    k_base,
-    v_base,
+    k_src,
+    v_src,
     stride_kn,
     stride_vn,
     rows,
@@ -478,21 +496,16 @@ def _dq_steps(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Accumulate dq of one query block over the key blocks [lo, hi). Keys past Nk load
     k = v = 0 and so add nothing to dq; MASK applies the causal mask."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k_ptrs = (
-        k_base + tl.cast(lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
-    )
-    v_ptrs = (
-        v_base + tl.cast(lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
-    )
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k = _load_rows(k_ptrs, cols, Nk, offs_d, CHECK_N, HEAD_DIM)
-        v = _load_rows(v_ptrs, cols, Nk, offs_d, CHECK_N, HEAD_DIM)
+        k = _load_block(k_src, start_n, stride_kn, offs_n, Nk, offs_d, CHECK_N, HEAD_DIM, TMA)
+        v = _load_block(v_src, start_n, stride_vn, offs_n, Nk, offs_d, CHECK_N, HEAD_DIM, TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASK:
@@ -500,8 +513,6 @@ def _dq_steps(
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
     return dq
 
 
@@ -543,6 +554,7 @@ def attn_bwd_dq_kernel(
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """dq of one query block: a pass over the key blocks of its own (no atomics)."""
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -577,26 +589,28 @@ def attn_bwd_dq_kernel(
     vec = bh.to(tl.int64) * Nq + rows
     lse2 = _lse_log2(_load_vec(LSE + vec, rows, Nq, float("inf"), not EVEN_M))
     delta = _load_vec(DELTA + vec, rows, Nq, 0.0, not EVEN_M)
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    k_src = _head_source(K + b * stride_kb + hk * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM,
+                         BLOCK_D, TMA)  # fmt: skip
+    v_src = _head_source(V + b * stride_vb + hk * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM,
+                         BLOCK_D, TMA)  # fmt: skip
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     shift = Nk - Nq
     if CAUSAL:
         full_hi = tl.maximum(start_m + shift + 1, 0) // BLOCK_N * BLOCK_N
         dq = _dq_steps(
-            dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, 0, full_hi, Nk,
-            shift, qk_scale, False, False, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC,
+            dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, 0, full_hi, Nk,
+            shift, qk_scale, False, False, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
         )  # fmt: skip
         hi = tl.minimum(start_m + BLOCK_M + shift, Nk)
         dq = _dq_steps(
-            dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, full_hi, hi, Nk,
-            shift, qk_scale, True, not EVEN_N, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC,
+            dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, full_hi, hi, Nk,
+            shift, qk_scale, True, not EVEN_N, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
         )  # fmt: skip
     else:
         dq = _dq_steps(
-            dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, 0, Nk, Nk,
-            shift, qk_scale, False, not EVEN_N, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC,
+            dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, 0, Nk, Nk,
+            shift, qk_scale, False, not EVEN_N, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
         )  # fmt: skip
 
     dq *= sm_scale

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from kernelkit.shared.runtime import (
     cdiv,
@@ -170,6 +172,40 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
+def use_tma(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels' loops read these (B, N, H, D) tensors through TMA descriptors: on
+    Hopper or newer (and under the interpreter, which runs the same code) when every row starts
+    16-byte aligned, as the copy engine requires. Storages from torch's allocators are aligned,
+    so the storage offset and the strides decide (also for fake tensors while tracing)."""
+    device = tensors[0].device
+    if not (_hopper(device.index or 0) if device.type == "cuda" else interpreting()):
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if (t.storage_offset() * size) % 16:
+            return False
+        if any((st * size) % 16 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
+            return False
+    return True
+
+
+@functools.cache
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global memory for the descriptors the kernels build on the device (triton.set_allocator;
+    torch.compile's launcher installs its own)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _prepare_tma(flag: bool, t: torch.Tensor) -> bool:
+    if flag and t.device.type == "cuda":
+        triton.set_allocator(_tma_scratch)  # per thread: autograd runs backward in its own
+    return flag
+
+
 def _unit_d(t: torch.Tensor) -> torch.Tensor:
     """The kernels read D with unit stride; any other layout of the last dim is copied."""
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -215,6 +251,7 @@ def forward(q, k, v, causal: bool, scale: float, plan: Plan | None = None):
         EVEN_M=bool(nq % t.block_m == 0),
         EVEN_N=bool(nk % t.block_n == 0),
         DOT_PREC=dot_precision(q.dtype),
+        TMA=_prepare_tma(use_tma(k, v), q),
         num_warps=t.warps,
         num_stages=t.stages,
     )
@@ -284,6 +321,7 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan |
         EVEN_M=bool(nq % t.block_m == 0),
         EVEN_N=bool(nk % t.block_n == 0),
         DOT_PREC=prec,
+        TMA=_prepare_tma(use_tma(q, do), q),
         num_warps=t.warps,
         num_stages=t.stages,
     )
@@ -315,6 +353,7 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan |
         EVEN_M=bool(nq % t.block_m == 0),
         EVEN_N=bool(nk % t.block_n == 0),
         DOT_PREC=prec,
+        TMA=_prepare_tma(use_tma(k, v), q),
         num_warps=t.warps,
         num_stages=t.stages,
     )
