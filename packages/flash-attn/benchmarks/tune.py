@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,16 @@ DQ = {  # (query rows per program, keys per step)
          (32, 64, 4, 3), (128, 64, 8, 4)],
     128: [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3),
           (128, 32, 8, 4), (128, 128, 8, 2), (128, 64, 8, 4)],
+}  # fmt: skip
+# --ab: whole plans timed side by side, round-robin (tiles as (BM, BN, warps, stages, tma)).
+AB_PLANS = {
+    (64, False): {"tma, d64 fwd 128x64 w4": ((128, 64, 4, 3, True), None, None),
+                  "pointer fwd": ((128, 64, 8, 3, False), None, None)},
+    (64, True): {"tma, dkdv 64x64 w4, dq 128x64 s4": (None, (64, 64, 4, 3, True), (128, 64, 8, 4, True)),
+                 "same, pointer fwd": ((128, 64, 8, 3, False), (64, 64, 4, 3, True), (128, 64, 8, 4, True)),
+                 "tma, dkdv 32x128 w8 s2": (None, (32, 128, 8, 2, True), (128, 64, 8, 4, True))},
+    (128, False): {"tma, dq s4": (None, None, (128, 64, 8, 4, True))},
+    (128, True): {"tma, dkdv s3, dq s4": (None, (64, 128, 8, 3, True), (128, 64, 8, 4, True))},
 }  # fmt: skip
 SDPA = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
@@ -95,6 +106,46 @@ def candidates(d, causal, kernels=("fwd", "dkdv", "dq")):
     return default, [(kind, plan) for kind, plan in out if kind in kernels]
 
 
+def ab_plans(d, causal):
+    """{name: Plan}: op.py's plan with TMA loads, the same with pointer loads, and AB_PLANS."""
+    base = fa_op.plan_for(d, causal, torch.bfloat16)
+    plans = {
+        "defaults, tma": base,
+        "defaults, pointer": Plan(*(replace(t, tma=False) for t in (base.fwd, base.dkdv, base.dq))),
+    }
+    for name, tiles in AB_PLANS.get((d, causal), {}).items():
+        plans[name] = Plan(
+            *(Tile(*t) if t else b for t, b in zip(tiles, (base.fwd, base.dkdv, base.dq)))
+        )
+    return plans
+
+
+def run_ab(cases, n, rounds):
+    """Median over `rounds` round-robin passes of each plan's forward and backward ms."""
+    for d, causal in cases:
+        b, h = max(1, 16384 // n), 2048 // d
+        q, k, v, do = inputs(b, h, n, d)
+        ff = fwd_flops(b, h, n, d, causal)
+        tag = f"d{d} causal{int(causal)} B{b} H{h} N{n}"
+        pf, pb, _ = time_sdpa(q, k, v, do, causal, SDPA["sdpa_flash"])
+        plans = ab_plans(d, causal)
+        times = {name: ([], []) for name in plans}
+        for _ in range(rounds):
+            for name, plan in plans.items():
+                times[name][0].append(time_plan(q, k, v, do, causal, plan, "fwd"))
+                times[name][1].append(time_plan(q, k, v, do, causal, plan, "bwd"))
+        print(f"{tag}: sdpa_flash fwd {pf:.3f} bwd {pb:.3f}")
+        for name, (tf, tb) in times.items():
+            mf, mb = sorted(tf)[len(tf) // 2], sorted(tb)[len(tb) // 2]
+            print(
+                f"  {name:40s} fwd {mf:7.3f} ({ff / mf / 1e9:4.0f} TF, x{pf / mf:4.2f})"
+                f"  bwd {mb:7.3f} ({2.5 * ff / mb / 1e9:4.0f} TF, x{pb / mb:4.2f})"
+                f"  fwd+bwd x{(pf + pb) / (mf + mb):4.2f}   spread fwd {max(tf) / min(tf) - 1:4.1%} bwd {max(tb) / min(tb) - 1:4.1%}"
+            )
+        del q, k, v, do
+        torch.cuda.empty_cache()
+
+
 def tile_str(t):
     return f"{t.block_m}x{t.block_n} w{t.warps} s{t.stages}"
 
@@ -108,10 +159,19 @@ def main():
     ap.add_argument("--leaderboard", action="store_true", help="also the (16, 16384, 64) shape")
     ap.add_argument("--defaults-only", action="store_true", help="time only op.py's tiles")
     ap.add_argument("--kernels", default="fwd,dkdv,dq", help="which kernels' tiles to sweep")
+    ap.add_argument("--ab", type=int, default=0, help="time whole plans side by side, R rounds")
     args = ap.parse_args()
     kernels = tuple(args.kernels.split(","))
     cases = [(int(c.split(":")[0]), c.split(":")[1] == "1") for c in args.cases.split(",")]
     shard, nshards = (int(x) for x in args.shard.split("/"))
+
+    if args.ab and not args.compile_only:
+        print(
+            f"GPU {torch.cuda.get_device_name()}  ceilings: bf16 torch.mm {matmul_tflops():.0f} "
+            f"TFLOP/s, copy {copy_bandwidth_gbs():.0f} GB/s"
+        )
+        run_ab(cases, args.n, args.ab)
+        return
 
     if args.compile_only:  # same constexprs and stride divisibility as the timed shapes, tiny N
         jobs = [
@@ -119,6 +179,7 @@ def main():
             for d, causal in cases
             for _, plan in candidates(d, causal, kernels)[1]
             + [("default", candidates(d, causal)[0])]
+            + ([(name, p) for name, p in ab_plans(d, causal).items()] if args.ab else [])
         ]
         for i, (d, causal, plan) in enumerate(jobs):
             if i % nshards != shard:

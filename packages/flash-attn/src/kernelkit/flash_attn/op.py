@@ -86,12 +86,14 @@ def validate(q, k, v, causal, softmax_scale) -> float:
 
 @dataclass(frozen=True)
 class Tile:
-    """Tile of one kernel: BLOCK_M query rows x BLOCK_N keys, warps and pipeline stages."""
+    """Tile of one kernel: BLOCK_M query rows x BLOCK_N keys, warps and pipeline stages; tma:
+    read the loop's tiles through TMA descriptors where the inputs allow it (`use_tma`)."""
 
     block_m: int
     block_n: int
     warps: int
     stages: int
+    tma: bool = True
 
 
 # Tiles by BLOCK_D for half-precision inputs on Hopper. Candidates were screened by compiling
@@ -251,7 +253,7 @@ def forward(q, k, v, causal: bool, scale: float, plan: Plan | None = None):
         EVEN_M=bool(nq % t.block_m == 0),
         EVEN_N=bool(nk % t.block_n == 0),
         DOT_PREC=dot_precision(q.dtype),
-        TMA=_prepare_tma(use_tma(k, v), q),
+        TMA=_prepare_tma(t.tma and use_tma(k, v), q),
         num_warps=t.warps,
         num_stages=t.stages,
     )
@@ -321,7 +323,7 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan |
         EVEN_M=bool(nq % t.block_m == 0),
         EVEN_N=bool(nk % t.block_n == 0),
         DOT_PREC=prec,
-        TMA=_prepare_tma(use_tma(q, do), q),
+        TMA=_prepare_tma(t.tma and use_tma(q, do), q),
         num_warps=t.warps,
         num_stages=t.stages,
     )
@@ -353,7 +355,7 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan |
         EVEN_M=bool(nq % t.block_m == 0),
         EVEN_N=bool(nk % t.block_n == 0),
         DOT_PREC=prec,
-        TMA=_prepare_tma(use_tma(k, v), q),
+        TMA=_prepare_tma(t.tma and use_tma(k, v), q),
         num_warps=t.warps,
         num_stages=t.stages,
     )
