@@ -107,16 +107,16 @@ def candidates(d, causal, kernels=("fwd", "dkdv", "dq")):
 
 
 def ab_plans(d, causal):
-    """{name: Plan}: op.py's plan with TMA loads, the same with pointer loads, and AB_PLANS."""
+    """{name: Plan}: op.py's plan, the same tiles with all pointer / all TMA loads, AB_PLANS."""
     base = fa_op.plan_for(d, causal, torch.bfloat16)
+    tiles = (base.fwd, base.dkdv, base.dq)
     plans = {
-        "defaults, tma": base,
-        "defaults, pointer": Plan(*(replace(t, tma=False) for t in (base.fwd, base.dkdv, base.dq))),
+        "defaults": base,
+        "defaults, pointer loads": Plan(*(replace(t, tma=False) for t in tiles)),
+        "defaults, TMA loads": Plan(*(replace(t, tma=True) for t in tiles)),
     }
-    for name, tiles in AB_PLANS.get((d, causal), {}).items():
-        plans[name] = Plan(
-            *(Tile(*t) if t else b for t, b in zip(tiles, (base.fwd, base.dkdv, base.dq)))
-        )
+    for name, new in AB_PLANS.get((d, causal), {}).items():
+        plans[name] = Plan(*(Tile(*t) if t else b for t, b in zip(new, tiles)))
     return plans
 
 

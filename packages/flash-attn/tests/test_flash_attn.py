@@ -222,14 +222,20 @@ def test_no_grad_forward(device):
 @pytest.mark.parametrize(
     "plan",
     [
-        fa_op.Plan(fa_op.Tile(16, 32, 4, 1), fa_op.Tile(32, 16, 4, 1), fa_op.Tile(16, 32, 4, 1)),
-        fa_op.Plan(fa_op.Tile(32, 32, 4, 1), fa_op.Tile(32, 32, 4, 1), fa_op.Tile(32, 32, 4, 1)),
+        fa_op.Plan(
+            *(fa_op.Tile(*t, tma=True) for t in ((16, 32, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1)))
+        ),
+        fa_op.Plan(*(fa_op.Tile(32, 32, 4, 1, tma=False),) * 3),
+        fa_op.Plan(
+            *(fa_op.Tile(*t, tma=False) for t in ((32, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1)))
+        ),
     ],
-    ids=["kv-tiles-wider", "square-tiles"],
+    ids=["kv-tiles-wider-tma", "square-tiles-pointer", "interpreter-tiles-pointer"],
 )
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_other_tile_shapes(plan, causal, device):
-    """The block bookkeeping (diagonal ranges, ragged ends) for other tile aspect ratios."""
+    """The block bookkeeping (diagonal ranges, ragged ends) for other tile aspect ratios, with
+    TMA and with pointer loads."""
     q, k, v = qkv(1, 45, 37, 2, 1, 32, torch.float32, device)
     do = make(q.shape, q.dtype, device, seed=9)
     scale = 1 / math.sqrt(32)

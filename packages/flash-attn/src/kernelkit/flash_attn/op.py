@@ -87,19 +87,22 @@ def validate(q, k, v, causal, softmax_scale) -> float:
 @dataclass(frozen=True)
 class Tile:
     """Tile of one kernel: BLOCK_M query rows x BLOCK_N keys, warps and pipeline stages; tma:
-    read the loop's tiles through TMA descriptors where the inputs allow it (`use_tma`)."""
+    read the loop's tiles through TMA descriptors where the inputs allow it (`use_tma`), else
+    with pointer loads."""
 
     block_m: int
     block_n: int
     warps: int
     stages: int
-    tma: bool = True
+    tma: bool = False
 
 
 # Tiles by BLOCK_D for half-precision inputs on Hopper. Candidates were screened by compiling
 # for sm_90a (registers, spills, shared memory), then timed with benchmarks/tune.py on an H200
-# at N = 8k (NOTES.md). d = 16, 32 and 256 were not timed: their tiles are the d = 64 ones
-# scaled by the register budget.
+# at N = 8k and on an H100 at N = 4k/16k/32k (NOTES.md). TMA loads where they measured faster:
+# the d = 128 backward and the d = 64 causal backward (whose new tiles only fit without pointer
+# registers); the forward measured the same either way and keeps pointer loads. d = 16, 32 and
+# 256 were not timed: their tiles are the d = 64 ones scaled by the register budget.
 FWD_TILES = {
     16: Tile(128, 64, 4, 3),
     32: Tile(128, 64, 4, 3),
@@ -112,7 +115,7 @@ DKDV_TILES = {
     16: Tile(64, 128, 8, 2),
     32: Tile(64, 128, 8, 2),
     64: Tile(32, 64, 4, 3),
-    128: Tile(32, 128, 8, 3),
+    128: Tile(32, 128, 8, 3, tma=True),
     256: Tile(16, 32, 8, 2),
 }
 # dq: BLOCK_M query rows held by the program, BLOCK_N keys per step.
@@ -120,14 +123,14 @@ DQ_TILES = {
     16: Tile(128, 64, 8, 3),
     32: Tile(128, 64, 8, 3),
     64: Tile(128, 64, 8, 3),
-    128: Tile(128, 64, 8, 3),
+    128: Tile(128, 64, 8, 3, tma=True),
     256: Tile(64, 16, 4, 2),
 }
 # Causal overrides (the diagonal's masked steps and the uneven work per program favour other
 # shapes): (fwd, dk/dv, dq) entries, None = the table above.
 CAUSAL_TILES: dict[int, tuple[Tile | None, Tile | None, Tile | None]] = {
-    64: (None, Tile(64, 128, 8, 2), Tile(64, 64, 4, 3)),
-    128: (None, Tile(64, 128, 8, 2), None),
+    64: (None, Tile(32, 128, 8, 2, tma=True), Tile(128, 64, 8, 4, tma=True)),
+    128: (None, Tile(64, 128, 8, 3, tma=True), Tile(128, 64, 8, 4, tma=True)),
 }
 # float32 inputs (three tf32 products per dot) need about three times the operand registers:
 # small tiles, (fwd, dk/dv, dq) by BLOCK_D.
@@ -140,10 +143,11 @@ FP32_TILES = {
 }
 PREPROCESS_BLOCK_M = 64
 # Under the interpreter: small, unequal tiles so that tests at small N still walk several
-# blocks, the causal diagonal and the sequence ends in every kernel.
-INTERPRETER_FWD = Tile(32, 16, 4, 1)
-INTERPRETER_DKDV = Tile(16, 32, 4, 1)
-INTERPRETER_DQ = Tile(32, 16, 4, 1)
+# blocks, the causal diagonal and the sequence ends in every kernel; TMA loads (the pointer
+# path runs where inputs are misaligned and in test_other_tile_shapes).
+INTERPRETER_FWD = Tile(32, 16, 4, 1, tma=True)
+INTERPRETER_DKDV = Tile(16, 32, 4, 1, tma=True)
+INTERPRETER_DQ = Tile(32, 16, 4, 1, tma=True)
 
 
 @dataclass(frozen=True)
