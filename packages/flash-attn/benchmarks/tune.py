@@ -51,17 +51,12 @@ DQ = {  # (query rows per program, keys per step)
 AB_PLANS = {
     (64, False): {"tma, d64 fwd 128x64 w4": ((128, 64, 4, 3, True), None, None),
                   "pointer fwd": ((128, 64, 8, 3, False), None, None)},
-    (64, True): {"dkdv 32x128 w8 s3": (None, (32, 128, 8, 3, True), None),
-                 "dkdv 64x128 w8 s3": (None, (64, 128, 8, 3, True), None),
-                 "dkdv 32x64 w4 s3": (None, (32, 64, 4, 3, True), None),
-                 "dkdv 64x64 w4 s4": (None, (64, 64, 4, 4, True), None),
-                 "dkdv 16x128 w8 s2": (None, (16, 128, 8, 2, True), None),
-                 "dq 128x128 w8 s3": (None, None, (128, 128, 8, 3, True)),
-                 "dq 64x64 w4 s3": (None, None, (64, 64, 4, 3, True)),
-                 "dq 128x64 w8 s3": (None, None, (128, 64, 8, 3, True)),
-                 "fwd 128x128 w8 s3 TMA": ((128, 128, 8, 3, True), None, None),
-                 "fwd 128x64 w8 s4 TMA": ((128, 64, 8, 4, True), None, None),
-                 "fwd 128x64 w4 s3": ((128, 64, 4, 3, False), None, None)},
+    (64, True): {"0.1.0 tiles (dkdv 64x128 w8 s2, dq 64x64 w4 s3)": (None, (64, 128, 8, 2, False), (64, 64, 4, 3, False)),
+                 "0.1.0 tiles, TMA": (None, (64, 128, 8, 2, True), (64, 64, 4, 3, True)),
+                 "dkdv 32x128 TMA, dq 64x64 pointer": (None, None, (64, 64, 4, 3, False)),
+                 "dkdv 64x128 pointer, dq 128x64 s4 TMA": (None, (64, 128, 8, 2, False), None),
+                 "dkdv 64x64 w4 s3 TMA": (None, (64, 64, 4, 3, True), None),
+                 "dkdv 32x64 w4 s3 TMA": (None, (32, 64, 4, 3, True), None)},
     (128, False): {"tma, dq s4": (None, None, (128, 64, 8, 4, True))},
     (128, True): {"tma, dkdv s3, dq s4": (None, (64, 128, 8, 3, True), (128, 64, 8, 4, True))},
 }  # fmt: skip
@@ -128,10 +123,11 @@ def ab_plans(d, causal):
     return plans
 
 
-def run_ab(cases, n, rounds):
-    """Median over `rounds` round-robin passes of each plan's forward and backward ms."""
+def run_ab(cases, n, rounds, bh=None):
+    """Median over `rounds` round-robin passes of each plan's forward and backward ms; bh:
+    (B, H) instead of the suite's (16384 / N, 2048 / d), e.g. (16, 1) for the leaderboard."""
     for d, causal in cases:
-        b, h = max(1, 16384 // n), 2048 // d
+        b, h = bh or (max(1, 16384 // n), 2048 // d)
         q, k, v, do = inputs(b, h, n, d)
         ff = fwd_flops(b, h, n, d, causal)
         tag = f"d{d} causal{int(causal)} B{b} H{h} N{n}"
@@ -168,6 +164,7 @@ def main():
     ap.add_argument("--defaults-only", action="store_true", help="time only op.py's tiles")
     ap.add_argument("--kernels", default="fwd,dkdv,dq", help="which kernels' tiles to sweep")
     ap.add_argument("--ab", type=int, default=0, help="time whole plans side by side, R rounds")
+    ap.add_argument("--bh", help="B,H for --ab (default: the suite's 16384/N, 2048/d)")
     args = ap.parse_args()
     kernels = tuple(args.kernels.split(","))
     cases = [(int(c.split(":")[0]), c.split(":")[1] == "1") for c in args.cases.split(",")]
@@ -178,7 +175,7 @@ def main():
             f"GPU {torch.cuda.get_device_name()}  ceilings: bf16 torch.mm {matmul_tflops():.0f} "
             f"TFLOP/s, copy {copy_bandwidth_gbs():.0f} GB/s"
         )
-        run_ab(cases, args.n, args.ab)
+        run_ab(cases, args.n, args.ab, tuple(map(int, args.bh.split(","))) if args.bh else None)
         return
 
     if args.compile_only:  # same constexprs and stride divisibility as the timed shapes, tiny N
