@@ -129,7 +129,7 @@ DQ_TILES = {
 # Causal overrides (the diagonal's masked steps and the uneven work per program favour other
 # shapes): (fwd, dk/dv, dq) entries, None = the table above.
 CAUSAL_TILES: dict[int, tuple[Tile | None, Tile | None, Tile | None]] = {
-    64: (None, Tile(32, 128, 8, 2, tma=True), Tile(128, 64, 8, 4, tma=True)),
+    64: (None, Tile(64, 64, 4, 3, tma=True), Tile(128, 64, 8, 4, tma=True)),
     128: (None, Tile(64, 128, 8, 3, tma=True), Tile(128, 64, 8, 4, tma=True)),
 }
 # float32 inputs (three tf32 products per dot) need about three times the operand registers:
