@@ -4,5 +4,5 @@
 from .adapter import FlashAttentionFunction
 from .op import flash_attn
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["FlashAttentionFunction", "__version__", "flash_attn"]

@@ -9,6 +9,11 @@ Causal masking is bottom-right aligned: query i sees key j iff j <= i + SHIFT, S
 Every kernel splits its key (or query) loop into blocks no mask can touch, walked without a
 mask, and the few blocks on the causal diagonal or past the end of a sequence, walked with one.
 
+The tiles a loop streams are read through `_head_source` / `_load_block`: a TMA descriptor per
+(program, head) when the TMA flag is set (the host checks that rows are 16-byte aligned), else
+masked pointer loads. TMA keeps no per-element addresses in registers, which lets the larger
+tiles run without spilling.
+
 Offsets: per-(batch, head) bases and block starts are 64-bit; offsets inside a block are 32-bit.
 A program id enumerates (sequence block, batch * head) with the block index fastest, so the
 programs that share one head's K/V (or Q/dO) run together and hit L2.
