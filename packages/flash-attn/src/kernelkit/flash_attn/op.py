@@ -200,15 +200,22 @@ def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Global memory for the descriptors the kernels build on the device (triton.set_allocator;
-    torch.compile's launcher installs its own)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+@functools.cache
+def _tma_scratch(device: torch.device):
+    """Allocator (triton.set_allocator) of the global memory in which the kernels build their
+    descriptors on `device`; torch.compile's launcher installs its own."""
+
+    def alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.int8, device=device)
+
+    return alloc
 
 
 def _prepare_tma(flag: bool, t: torch.Tensor) -> bool:
+    """The TMA constexpr of a launch; installs the scratch allocator when it is on (a context
+    variable: set in every thread that launches, autograd's backward thread included)."""
     if flag and t.device.type == "cuda":
-        triton.set_allocator(_tma_scratch)  # per thread: autograd runs backward in its own
+        triton.set_allocator(_tma_scratch(t.device))
     return flag
 
 
