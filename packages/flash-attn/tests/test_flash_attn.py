@@ -211,6 +211,22 @@ def test_expanded_output_gradient(device):
         assert_close(a.grad, r.grad, name=name)
 
 
+def test_gradient_broadcast_over_the_sequence(device):
+    """A gradient with stride 0 along N (e.g. from o.mean(1)) and a unit last stride reaches the
+    kernels uncopied; its rows overlap, so it must not reach a TMA descriptor: the kernels that
+    read it take pointer loads. d = 128 bf16 uses TMA tiles (on Hopper and here)."""
+    q, k, v = qkv(1, 40, 40, 2, 2, 128, torch.bfloat16, device)
+    do = make((1, 1, 2, 128), torch.bfloat16, device, seed=3).expand(q.shape)
+    assert do.stride(1) == 0 and not fa_op.use_tma(do)
+    grads = _run(flash_attn, q, k, v, do, None, causal=True)[2]
+    grads64 = _run(attention_reference, q.double(), k.double(), v.double(), do, None, causal=True)[
+        2
+    ]
+    grads_l = _run(attention_reference, q, k, v, do, None, causal=True)[2]
+    for g, g64, gl, name in zip(grads, grads64, grads_l, ("dq", "dk", "dv")):
+        assert_close(g, g64, ref_lowp=gl, name=name)
+
+
 def test_no_grad_forward(device):
     q, k, v = qkv(1, 20, 20, 1, 1, 32, torch.bfloat16, device)
     with torch.no_grad():

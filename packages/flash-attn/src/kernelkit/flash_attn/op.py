@@ -181,17 +181,19 @@ def dot_precision(dtype: torch.dtype) -> str:
 def use_tma(*tensors: torch.Tensor) -> bool:
     """Whether the kernels' loops read these (B, N, H, D) tensors through TMA descriptors: on
     Hopper or newer (and under the interpreter, which runs the same code) when every row starts
-    16-byte aligned, as the copy engine requires. Storages from torch's allocators are aligned,
-    so the storage offset and the strides decide (also for fake tensors while tracing)."""
+    16-byte aligned, as the copy engine requires, and rows do not overlap (an expanded gradient
+    with stride 0 takes the pointer path). Storages from torch's allocators are aligned, so the
+    storage offset and the strides decide (also for fake tensors while tracing)."""
     device = tensors[0].device
     if not (_hopper(device.index or 0) if device.type == "cuda" else interpreting()):
         return False
     for t in tensors:
-        size = t.element_size()
+        size, d = t.element_size(), t.shape[-1]
         if (t.storage_offset() * size) % 16:
             return False
-        if any((st * size) % 16 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
-            return False
+        for st, n in zip(t.stride()[:-1], t.shape[:-1]):
+            if n > 1 and (st < d or (st * size) % 16):
+                return False
     return True
 
 
