@@ -213,11 +213,13 @@ def _tma_scratch(device: torch.device):
     return alloc
 
 
-def _prepare_tma(flag: bool, t: torch.Tensor) -> bool:
-    """The TMA constexpr of a launch; installs the scratch allocator when it is on (a context
-    variable: set in every thread that launches, autograd's backward thread included)."""
-    if flag and t.device.type == "cuda":
-        triton.set_allocator(_tma_scratch(t.device))
+def _tma_flag(tile: Tile, *tensors: torch.Tensor) -> bool:
+    """The TMA constexpr of a launch whose loop reads `tensors`; installs the scratch allocator
+    when it is on (a context variable: set in every thread that launches, autograd's backward
+    thread included)."""
+    flag = tile.tma and use_tma(*tensors)
+    if flag and tensors[0].device.type == "cuda":
+        triton.set_allocator(_tma_scratch(tensors[0].device))
     return flag
 
 
@@ -266,7 +268,7 @@ def forward(q, k, v, causal: bool, scale: float, plan: Plan | None = None):
         EVEN_M=bool(nq % t.block_m == 0),
         EVEN_N=bool(nk % t.block_n == 0),
         DOT_PREC=dot_precision(q.dtype),
-        TMA=_prepare_tma(t.tma and use_tma(k, v), q),
+        TMA=_tma_flag(t, k, v),
         num_warps=t.warps,
         num_stages=t.stages,
     )
@@ -336,7 +338,7 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan |
         EVEN_M=bool(nq % t.block_m == 0),
         EVEN_N=bool(nk % t.block_n == 0),
         DOT_PREC=prec,
-        TMA=_prepare_tma(t.tma and use_tma(q, do), q),
+        TMA=_tma_flag(t, q, do),
         num_warps=t.warps,
         num_stages=t.stages,
     )
@@ -368,7 +370,7 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan |
         EVEN_M=bool(nq % t.block_m == 0),
         EVEN_N=bool(nk % t.block_n == 0),
         DOT_PREC=prec,
-        TMA=_prepare_tma(t.tma and use_tma(k, v), q),
+        TMA=_tma_flag(t, k, v),
         num_warps=t.warps,
         num_stages=t.stages,
     )
