@@ -10,7 +10,7 @@ import torch
 
 from kernelkit.lrpe_rotate import kernels as K
 from kernelkit.lrpe_rotate import lrpe_rotate
-from kernelkit.lrpe_rotate.op import rotate_bwd, rotate_fwd, seq_softmax_stats
+from kernelkit.lrpe_rotate.op import bwd, fwd
 from kernelkit.lrpe_rotate.reference import lrpe_rotate_reference
 from kernelkit.shared.testing import assert_close
 
@@ -333,12 +333,12 @@ def _args(device, **over):
         ({"x": torch.ones(2, 4, 3, 8, dtype=torch.float64)}, "x: dtype"),
         ({"x": torch.ones(4, 8)}, "x: expected shape"),
         ({"x": torch.ones(2, 4, 3, 7)}, "x: the head dim D must be even"),
-        ({"theta": torch.ones(3, 5)}, "theta: E=5"),
+        ({"theta": torch.ones(3, 5)}, "theta: E = 5"),
         ({"theta": torch.ones(2, 4)}, "theta: has 2 rows"),
         ({"theta": torch.ones(12)}, "theta: expected shape"),
-        ({"theta": torch.ones(3, 4, dtype=torch.int64)}, "theta: dtype"),
-        ({"offset": 1.5}, "offset: expected a Python int"),
-        ({"offset": True}, "offset: expected a Python int"),
+        ({"theta": torch.ones(3, 4, dtype=torch.int64)}, "theta: must be a floating-point"),
+        ({"offset": 1.5}, "offset: expected an int"),
+        ({"offset": True}, "offset: expected an int"),
         ({"offset": torch.zeros(2)}, "offset: a tensor offset must have an integer dtype"),
         ({"offset": torch.zeros(3, dtype=torch.int64)}, r"offset: a tensor offset must have shape"),
         (
@@ -349,8 +349,8 @@ def _args(device, **over):
         ({"act": "relu", "dim": -1}, "dim: only softmax"),
         ({"act": "softmax"}, "dim: softmax needs"),
         ({"act": "softmax", "dim": 2}, "dim: softmax runs over D"),
-        ({"act": "softmax", "dim": 4}, "dim: softmax runs over D"),
-        ({"act": "softmax", "dim": 1.0}, "dim: softmax needs"),
+        ({"act": "softmax", "dim": 4}, "dim: 4 is out of range"),
+        ({"act": "softmax", "dim": 1.0}, "dim: expected an int"),
     ],
 )
 def test_errors(over, match, device):
@@ -362,7 +362,7 @@ def test_errors(over, match, device):
 
 
 def test_error_three_dim_needs_one_theta_row(device):
-    with pytest.raises(ValueError, match="theta: has 3 rows, expected 1 or 1"):
+    with pytest.raises(ValueError, match="theta: has 3 rows, expected x has no head axis"):
         lrpe_rotate(torch.ones(2, 4, 8, device=device), torch.ones(3, 4, device=device))
 
 
@@ -383,20 +383,22 @@ def test_error_mismatched_devices():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["silu", "softmax", "softmax_seq"])
-def test_opcheck(kind, device):
+@pytest.mark.parametrize(
+    ("kind", "where"), [("silu", "starts"), ("softmax", "int"), ("softmax_seq", "table")]
+)
+def test_opcheck(kind, where, device):
     x = make((2, 37, 2, 12), torch.float32, device)
     theta = make_theta("full", 2, 12, device)
-    m = s = None
-    if kind == "softmax_seq":
-        torch.library.opcheck(seq_softmax_stats.op, (x,))
-        m, s = seq_softmax_stats(x)
-    offsets = torch.tensor([5, 70_000], device=device)
-    args = (x.requires_grad_(), theta.requires_grad_(), offsets, 0, kind, m, s)
-    torch.library.opcheck(rotate_fwd.op, args)
+    starts = torch.tensor([5, 70_000], device=device) if where == "starts" else None
+    table = torch.randint(0, 99, (2, 37), device=device) if where == "table" else None
+    start = 9 if where == "int" else 0
+    args = (x.requires_grad_(), theta.requires_grad_(), start, starts, table, kind)
+    torch.library.opcheck(fwd.op, args)
+    _, stats = fwd(x.detach(), theta.detach(), start, starts, table, kind)
     dy = make(x.shape, x.dtype, device, seed=3)
-    bwd = (x.detach(), dy, theta.detach(), None, 9, kind, m, s, True)
-    torch.library.opcheck(rotate_bwd.op, bwd)
+    torch.library.opcheck(
+        bwd.op, (dy, x.detach(), theta.detach(), start, starts, table, stats, kind, True)
+    )
 
 
 @pytest.mark.parametrize(("act", "dim"), [("silu", None), ("softmax", -1), ("softmax", 1)])

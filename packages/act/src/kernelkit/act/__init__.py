@@ -1,9 +1,15 @@
 """kernelkit-act: relu / sigmoid / silu / softmax (any dim) in Triton, forward and backward.
 
-Device-level building blocks for other packages live in `kernelkit.act.kernels`.
+Host API for other kernelkit packages (stable within 0.1.x):
+  ACTS, ELEMENTWISE_ACTS, FLOAT_DTYPES   the act names and the float dtypes the kernels take;
+  softmax_chunk_stats(x, dim)            per-chunk (max, sum) of a softmax over a long axis,
+                                         shape (2, O, C, I), read once from x.
+Device-level building blocks (element-wise acts and their gradients, online-softmax stats,
+merging, normalising, combining chunk stats) live in `kernelkit.act.kernels`.
 """
 
-from .op import ACTS, act, softmax_chunk_stats
+from .kernels import ELEMENTWISE_ACTS
+from .op import ACTS, FLOAT_DTYPES, act, softmax_chunk_stats
 
 __version__ = "0.1.0"
-__all__ = ["ACTS", "__version__", "act", "softmax_chunk_stats"]
+__all__ = ["ACTS", "ELEMENTWISE_ACTS", "FLOAT_DTYPES", "__version__", "act", "softmax_chunk_stats"]

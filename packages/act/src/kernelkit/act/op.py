@@ -147,26 +147,27 @@ def _use_rows(view: SoftmaxView) -> bool:
     return view.I == 1 and view.L <= ROWS_MAX_L
 
 
-def softmax_chunk_stats(x: torch.Tensor, dim: int, *, plan=None, view=None):
-    """Per-chunk float32 (max, sum) of a softmax over `dim` of x, shape (O0*O1, C, I).
+def softmax_chunk_stats(x: torch.Tensor, dim: int, *, view=None, plan=None) -> torch.Tensor:
+    """Per-chunk float32 (max, sum) of a softmax over `dim` of x: shape (2, O, C, I), where O
+    is the product of the dims before `dim`, I of those after it, and C the number of chunks
+    the softmax axis is split into (stats[0] the maxima, stats[1] the sums of exp(x - max)).
 
     Building block for ops that fuse a softmax over a long axis (the lrpe packages): they read
-    x once here, then combine the chunk stats with `kernels.combine_chunk_stats` while they
-    write their output. Returns (m, s, view, plan). A `view` whose first strides are x's may be
-    passed in by a caller that already built one.
+    x once here, then combine the C chunks of the columns they need with
+    `kernels.combine_chunk_stats` while they write their output. The dims before `dim` must
+    collapse to at most two and those after it to one (always true for a (B, H, N, D) view).
+    `view` and `plan` are for callers in this module that already built them.
     """
     view = view or SoftmaxView(x.shape, dim, [x.stride()])
     if not view.ok:
         raise ValueError("x: layout not supported by the split softmax (collapse failed)")
-    plan = plan or _split_plan(view, x.device)
-    block_l, block_i, chunk, num_chunks = plan
-    m = x.new_empty((view.O0 * view.O1, num_chunks, view.I), dtype=torch.float32)
-    s = torch.empty_like(m)
+    block_l, block_i, chunk, num_chunks = plan or _split_plan(view, x.device)
+    stats = x.new_empty((2, view.O0 * view.O1, num_chunks, view.I), dtype=torch.float32)
     grid = (view.O0 * view.O1 * cdiv(view.I, block_i), num_chunks)
     launch(K.softmax_chunk_stats_kernel)[grid](
         x,
-        m,
-        s,
+        stats[0],
+        stats[1],
         view.L,
         view.I,
         view.O1,
@@ -177,7 +178,7 @@ def softmax_chunk_stats(x: torch.Tensor, dim: int, *, plan=None, view=None):
         BLOCK_I=block_i,
         num_warps=SPLIT_WARPS,
     )
-    return m, s, view, plan
+    return stats
 
 
 def _softmax_fwd(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -209,7 +210,9 @@ def _softmax_fwd(x: torch.Tensor, dim: int) -> torch.Tensor:
             num_warps=warps,
         )
         return y
-    m, s, _, (block_l, block_i, chunk, num_chunks) = softmax_chunk_stats(x, dim, view=view)
+    plan = _split_plan(view, x.device)
+    block_l, block_i, chunk, num_chunks = plan
+    m, s = softmax_chunk_stats(x, dim, view=view, plan=plan)
     grid = (view.O0 * view.O1 * cdiv(view.I, block_i), num_chunks)
     launch(K.softmax_fwd_apply_kernel)[grid](
         x,

@@ -1,7 +1,8 @@
-"""kernelkit-lrpe-rotate: LRPE rotation (RoPE-style, half-split pairing) of act(x) in Triton,
-forward and backward (x and learnable theta), any strides, int or per-batch offsets."""
+"""kernelkit-lrpe-rotate: LRPE rotation (RoPE-style) with a fused activation, in Triton."""
 
-from .op import ACTS, lrpe_rotate
+from kernelkit.act import ACTS
 
-__version__ = "0.1.0"
+from .op import lrpe_rotate
+
+__version__ = "0.2.0"
 __all__ = ["ACTS", "__version__", "lrpe_rotate"]

@@ -1,16 +1,22 @@
-"""Triton kernels of lrpe-rotate.
+"""Triton kernels of lrpe-rotate, each followed by the host function that plans and launches it.
 
 x is addressed as (B, N, H, D) through runtime strides (read in place, whatever the layout). A
 program holds the two halves of D of a block of tokens of one head as two [BLOCK_N, BLOCK_E]
-float32 tiles (pair j is (j, j + D/2)). Activations come from kernelkit-act's building blocks.
+float32 tiles (pair j is (j, j + D/2)). Activations come from kernelkit-act's building blocks;
+positions, theta forms, cos/sin and d(theta) partials from kernelkit-lrpe-core.
 
 KIND (constexpr): "none" / "relu" / "sigmoid" / "silu" (element-wise, before the rotation) or
 "softmax" (over D). Softmax over the sequence has its own kernels (stats over all of N first).
-PER_BATCH (constexpr): positions come from a per-batch offset tensor instead of the int `offset`.
-Sizes, offsets and per-program batch counts are runtime arguments and never specialised, so a
-new N, B or offset reuses the compiled kernel.
+Positions: `offset` (an int or a pointer to per-row starts) and `positions` (a per-token table
+or None), see kernelkit.lrpe_core.kernels. Sizes, offsets and per-program batch counts are
+runtime arguments and never specialised: a new N, B or offset reuses the compiled kernel.
 """
 
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
 
@@ -23,67 +29,82 @@ from kernelkit.act.kernels import (
     softmax_normalize,
     softmax_stats,
 )
-
-# cos/sin: quadrant reduction in float64, then Taylor polynomials on [-pi/4, pi/4] in float32.
-HALF_PI = tl.constexpr(1.5707963267948966)
-TWO_OVER_PI = tl.constexpr(0.6366197723675814)
-SIN_3 = tl.constexpr(-1 / 6)
-SIN_5 = tl.constexpr(1 / 120)
-SIN_7 = tl.constexpr(-1 / 5040)
-SIN_9 = tl.constexpr(1 / 362880)
-COS_2 = tl.constexpr(-1 / 2)
-COS_4 = tl.constexpr(1 / 24)
-COS_6 = tl.constexpr(-1 / 720)
-COS_8 = tl.constexpr(1 / 40320)
-COS_10 = tl.constexpr(-1 / 3628800)
+from kernelkit.lrpe_core.kernels import (
+    cos_sin,
+    slot_frequencies,
+    store_dtheta_partial,
+    token_positions,
+)
+from kernelkit.lrpe_core.op import SEQ, position_args, programs_target, theta_args
+from kernelkit.shared.runtime import cdiv, launch, next_power_of_2
 
 # Never specialised (Triton would otherwise make values of 1 constants and key on divisibility
 # by 16): everything that changes with N, B or the offset.
-RUNTIME_SIZES = ["B", "N", "offset", "per_group"]
-SEQ_RUNTIME_SIZES = ["N", "offset", "chunk", "num_chunks", "num_stat_chunks"]
+RUNTIME = ["B", "N", "offset", "rows_per_program", "stride_pb", "stride_pn"]
+SEQ_RUNTIME = ["N", "offset", "chunk", "num_chunks", "num_stat_chunks", "stride_pb", "stride_pn"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Launch parameters. A half-tile [BLOCK_N, BLOCK_E] holds about `tile` elements (BLOCK_N =
+    32 tokens at D = 128: two bf16 halves = 8 KB per batch row); cos/sin of the tile stay live
+    across the batch loop, so tiles are kept moderate. Batch rows are split into groups until
+    about `programs_per_sm` programs per SM. Softmax over N: a program walks a chunk of the
+    sequence of one (b, h); chunks until about `seq_programs_per_sm` programs per SM."""
+
+    tile: int = 2048
+    warps: int = 8  # H200 sweep: 8 warps x tile 2048 = 92% of copy bandwidth fwd (4: 86%)
+    programs_per_sm: int = 4
+    seq_tile: int = 2048
+    seq_warps: int = 4
+    seq_programs_per_sm: int = 8
+    min_block_n: int = 8
+    max_block_n: int = 128
+
+
+PLAN = Plan()
+
+
+def _tile(plan: Plan, kind: str, half: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_E, num_warps): a power-of-two half-tile of about `tile` elements."""
+    tile, warps = (plan.seq_tile, plan.seq_warps) if kind == SEQ else (plan.tile, plan.warps)
+    block_e = next_power_of_2(half)
+    return max(plan.min_block_n, min(plan.max_block_n, tile // block_e)), block_e, warps
+
+
+def _batch_groups(plan, batch, n_tiles, heads, device, per_row) -> tuple[int, int]:
+    """(rows per program, groups). With positions shared by all rows a program loops over
+    several batch rows reusing its cos/sin; rows are split into groups only until the GPU is full."""
+    if per_row:
+        return 1, batch
+    target = programs_target(device, plan.programs_per_sm)
+    groups = min(batch, max(1, cdiv(target, n_tiles * heads)))
+    per_group = cdiv(batch, groups)
+    return per_group, cdiv(batch, per_group)
+
+
+def _seq_chunks(plan, batch, n, heads, block_n, device) -> tuple[int, int]:
+    """(tokens per chunk, chunks) for the softmax-over-N kernels: a multiple of BLOCK_N."""
+    n_blocks = cdiv(n, block_n)
+    target = programs_target(device, plan.seq_programs_per_sm)
+    chunks = min(n_blocks, max(1, cdiv(target, batch * heads)))
+    chunk = cdiv(n_blocks, chunks) * block_n
+    return chunk, cdiv(n, chunk)
+
+
+def _per_row(pos) -> bool:
+    """Whether positions differ between batch rows (pointer offset or positions table)."""
+    start, starts, table = pos
+    return starts is not None or table is not None
+
+
+def _strides(name: str, t: torch.Tensor) -> dict:
+    return {f"stride_{name}{a}": s for a, s in zip("bnhd", t.stride())}
+
 
 # --------------------------------------------------------------------------------------------
 # Device helpers
 # --------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def load_theta(theta_ptr, h, th_sh, th_se, n_rot, j):
-    """Frequencies of head h as a float32 [1, BLOCK_E] row; pairs j >= n_rot get 0 (angle 0:
-    passed through unchanged). th_se == 0 broadcasts a single frequency over all pairs."""
-    th = tl.load(theta_ptr + h * th_sh + j * th_se, mask=j < n_rot, other=0.0)
-    return th.to(tl.float32)[None, :]
-
-
-@triton.jit
-def cos_sin(theta, pos):
-    """cos and sin of the float32 angle theta * pos ([1, E] x [N, 1]), within ~1.5 ulp.
-
-    The angle is rounded in float32 exactly as the reference computes it; at large positions it
-    is ~1e5 rad. Subtracting the nearest multiple of pi/2 in float64 is exact enough there (and
-    shared by cos and sin); the float32 polynomials on [-pi/4, pi/4] then cost ~12 FMAs, a
-    fraction of two libdevice calls, and give the same results under the interpreter.
-    """
-    a = (theta * pos).to(tl.float64)
-    k = tl.floor(a * tl.full([1, 1], TWO_OVER_PI, tl.float64) + 0.5)
-    r = (a - k * tl.full([1, 1], HALF_PI, tl.float64)).to(tl.float32)
-    quadrant = (k - 4.0 * tl.floor(k * 0.25)).to(tl.int32)  # k mod 4, in 0..3
-    r2 = r * r
-    s = r + r * r2 * (SIN_3 + r2 * (SIN_5 + r2 * (SIN_7 + r2 * SIN_9)))
-    c = 1.0 + r2 * (COS_2 + r2 * (COS_4 + r2 * (COS_6 + r2 * (COS_8 + r2 * COS_10))))
-    odd = (quadrant & 1) != 0
-    sin = tl.where(odd, c, s)
-    cos = tl.where(odd, s, c)
-    sin = tl.where((quadrant & 2) != 0, -sin, sin)
-    cos = tl.where(((quadrant + 1) & 2) != 0, -cos, cos)
-    return cos, sin
-
-
-@triton.jit
-def token_positions(t, b, offsets_ptr, offset, PER_BATCH: tl.constexpr):
-    """float32 positions (offset_b + t) as a [BLOCK_N, 1] column (integers, converted once)."""
-    start = tl.load(offsets_ptr + b).to(tl.int64) if PER_BATCH else offset
-    return (t.to(tl.int64) + start).to(tl.float32)[:, None]
 
 
 @triton.jit
@@ -124,145 +145,113 @@ def activated_halves(ptr, off, half_step, mask, KIND: tl.constexpr):
 
 
 @triton.jit
-def tile_coords(pid_t, N, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, HALF: tl.constexpr):
-    t = pid_t * BLOCK_N + tl.arange(0, BLOCK_N)
-    j = tl.arange(0, BLOCK_E)
-    mask = (t < N)[:, None] & (j < HALF)[None, :]
-    return t, j, mask
-
-
-@triton.jit
 def tile_offsets(t, j, s_n, s_d):
     return t.to(tl.int64)[:, None] * s_n + j[None, :] * s_d
 
 
 @triton.jit
-def seq_stats(m_ptr, s_ptr, o, num_stat_chunks, j, HALF: tl.constexpr):
-    """Global softmax-over-N (max, sum) of columns j and j + D/2 of outer index o (= b * H + h)
-    from the per-chunk stats of `kernelkit.act.op.softmax_chunk_stats`, shape (B*H, C, D)."""
-    base = o.to(tl.int64) * num_stat_chunks * (2 * HALF)
-    ok = j < HALF
-    m1, s1 = combine_chunk_stats(m_ptr + base, s_ptr + base, num_stat_chunks, 2 * HALF, j, ok)
-    m2, s2 = combine_chunk_stats(
-        m_ptr + base, s_ptr + base, num_stat_chunks, 2 * HALF, j + HALF, ok
-    )
-    return m1, s1, m2, s2
+def rotation(freqs, offset, positions, b, t, stride_pb, stride_pn):
+    """cos and sin [BLOCK_N, BLOCK_E] of the angles of tokens t of batch row b."""
+    pos = token_positions(offset, positions, b, t, stride_pb, stride_pn).to(tl.float32)
+    return cos_sin(pos[:, None] * freqs[None, :])
 
 
 # --------------------------------------------------------------------------------------------
 # Element-wise act and softmax over D. Grid (token blocks x batch groups, H); a program rotates
-# one token block of one head for `per_group` batch rows. With an int offset the angles do not
-# depend on the batch row: cos/sin are computed once and reused for every row.
+# one token block of one head for `rows_per_program` batch rows. With positions shared by all
+# rows, cos/sin are computed once and reused for every row.
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=RUNTIME_SIZES)
+@triton.jit(do_not_specialize=RUNTIME)
 def rotate_fwd_kernel(
-    x_ptr,
-    y_ptr,
-    theta_ptr,
-    offsets_ptr,
-    B,
-    N,
-    offset,
-    per_group,
-    xs_b,
-    xs_n,
-    xs_h,
-    xs_d,
-    ys_b,
-    ys_n,
-    ys_h,
-    ys_d,
-    th_sh,
-    th_se,
-    n_rot,
-    KIND: tl.constexpr,
-    PER_BATCH: tl.constexpr,
-    HALF: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-):
+    x, y, theta, offset, positions,
+    B, N, rows_per_program,
+    stride_xb, stride_xn, stride_xh, stride_xd,
+    stride_yb, stride_yn, stride_yh, stride_yd,
+    stride_th, stride_te, n_freq, stride_pb, stride_pn,
+    KIND: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
     n_tiles = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(0)
-    b0 = (pid // n_tiles).to(tl.int64) * per_group  # int64 rows: b * stride_b may pass 2**31
+    b0 = (pid // n_tiles).to(tl.int64) * rows_per_program  # b * stride_b may pass 2**31
     h = tl.program_id(1)
-    t, j, mask = tile_coords(pid % n_tiles, N, BLOCK_N, BLOCK_E, HALF)
-    theta = load_theta(theta_ptr, h, th_sh, th_se, n_rot, j)
-    if not PER_BATCH:
-        pos = token_positions(t, 0, offsets_ptr, offset, False)
-        cos, sin = cos_sin(theta, pos)
-    x_off = h.to(tl.int64) * xs_h + tile_offsets(t, j, xs_n, xs_d)
-    y_off = h.to(tl.int64) * ys_h + tile_offsets(t, j, ys_n, ys_d)
-    for b in range(b0, tl.minimum(b0 + per_group, B)):
-        if PER_BATCH:
-            pos = token_positions(t, b, offsets_ptr, offset, True)
-            cos, sin = cos_sin(theta, pos)
-        x1, x2 = activated_halves(x_ptr + b * xs_b, x_off, HALF * xs_d, mask, KIND)
-        store_halves(
-            y_ptr + b * ys_b, y_off, HALF * ys_d, x1 * cos - x2 * sin, x1 * sin + x2 * cos, mask
-        )
+    t = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    j = tl.arange(0, BLOCK_E)
+    mask = (t < N)[:, None] & (j < HALF)[None, :]
+    freqs = slot_frequencies(theta + h * stride_th, stride_te, j, n_freq)
+    per_row: tl.constexpr = positions is not None or offset.dtype.is_ptr()
+    if not per_row:
+        cos, sin = rotation(freqs, offset, positions, 0, t, stride_pb, stride_pn)
+    x_off = h.to(tl.int64) * stride_xh + tile_offsets(t, j, stride_xn, stride_xd)
+    y_off = h.to(tl.int64) * stride_yh + tile_offsets(t, j, stride_yn, stride_yd)
+    for b in range(b0, tl.minimum(b0 + rows_per_program, B)):
+        if per_row:
+            cos, sin = rotation(freqs, offset, positions, b, t, stride_pb, stride_pn)
+        x1, x2 = activated_halves(x + b * stride_xb, x_off, HALF * stride_xd, mask, KIND)
+        y1 = x1 * cos - x2 * sin
+        y2 = x1 * sin + x2 * cos
+        store_halves(y + b * stride_yb, y_off, HALF * stride_yd, y1, y2, mask)
 
 
-@triton.jit(do_not_specialize=RUNTIME_SIZES)
+def rotate_fwd(x, theta, pos, kind, plan: Plan = PLAN) -> torch.Tensor:
+    """y = rotate(act(x)) for an element-wise act or softmax over D; pos = (start, starts,
+    table) from kernelkit.lrpe_core.op.validate_positions."""
+    y = torch.empty_like(x)
+    batch, n, heads, d = x.shape
+    half = d // 2
+    block_n, block_e, warps = _tile(plan, kind, half)
+    n_tiles = cdiv(n, block_n)
+    per_group, groups = _batch_groups(plan, batch, n_tiles, heads, x.device, _per_row(pos))
+    launch(rotate_fwd_kernel)[(n_tiles * groups, heads)](
+        x=x, y=y, theta=theta, **position_args(*pos),
+        B=batch, N=n, rows_per_program=per_group,
+        **_strides("x", x), **_strides("y", y), **theta_args(theta, half),
+        KIND=kind, HALF=half, BLOCK_N=block_n, BLOCK_E=block_e, num_warps=warps,
+    )  # fmt: skip
+    return y
+
+
+@triton.jit(do_not_specialize=RUNTIME)
 def rotate_bwd_kernel(
-    x_ptr,
-    dy_ptr,
-    dx_ptr,
-    theta_ptr,
-    offsets_ptr,
-    dtheta_ptr,
-    B,
-    N,
-    offset,
-    per_group,
-    xs_b,
-    xs_n,
-    xs_h,
-    xs_d,
-    gs_b,
-    gs_n,
-    gs_h,
-    gs_d,
-    ds_b,
-    ds_n,
-    ds_h,
-    ds_d,
-    th_sh,
-    th_se,
-    n_rot,
-    KIND: tl.constexpr,
-    PER_BATCH: tl.constexpr,
-    NEED_DTHETA: tl.constexpr,
-    HALF: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-):
-    """dx = act'(x) applied to the inverse rotation of dy; with NEED_DTHETA, this program's share
-    of dtheta[h, j] = sum pos * (xbar1 * dxbar2 - xbar2 * dxbar1), written to a float32 partial
-    buffer (programs, H, D/2) that the host sums (deterministic, no atomics)."""
+    x, dy, dx, theta, offset, positions, dtheta_partials,
+    B, N, rows_per_program,
+    stride_xb, stride_xn, stride_xh, stride_xd,
+    stride_gb, stride_gn, stride_gh, stride_gd,
+    stride_db, stride_dn, stride_dh, stride_dd,
+    stride_th, stride_te, n_freq, stride_pb, stride_pn,
+    KIND: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    """dx = act'(x) applied to the inverse rotation of dy. With `dtheta_partials` (not None)
+    this program's share of dtheta[h, j] = sum pos * (xbar1 * dxbar2 - xbar2 * dxbar1), summed
+    element-wise over its rows and reduced once at the end; `x` is None when the backward needs
+    no x (act none without d(theta))."""
+    NEED_DTHETA: tl.constexpr = dtheta_partials is not None
     n_tiles = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(0)
-    b0 = (pid // n_tiles).to(tl.int64) * per_group  # int64 rows: b * stride_b may pass 2**31
+    b0 = (pid // n_tiles).to(tl.int64) * rows_per_program
     h = tl.program_id(1)
-    t, j, mask = tile_coords(pid % n_tiles, N, BLOCK_N, BLOCK_E, HALF)
-    theta = load_theta(theta_ptr, h, th_sh, th_se, n_rot, j)
-    if not PER_BATCH:
-        pos = token_positions(t, 0, offsets_ptr, offset, False)
-        cos, sin = cos_sin(theta, pos)
-    x_off = h.to(tl.int64) * xs_h + tile_offsets(t, j, xs_n, xs_d)
-    g_off = h.to(tl.int64) * gs_h + tile_offsets(t, j, gs_n, gs_d)
-    d_off = h.to(tl.int64) * ds_h + tile_offsets(t, j, ds_n, ds_d)
-    acc = tl.zeros([BLOCK_E], tl.float32)
-    for b in range(b0, tl.minimum(b0 + per_group, B)):
-        if PER_BATCH:
-            pos = token_positions(t, b, offsets_ptr, offset, True)
-            cos, sin = cos_sin(theta, pos)
-        dy1, dy2 = load_halves(dy_ptr + b * gs_b, g_off, HALF * gs_d, mask, 0.0)
+    t = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    j = tl.arange(0, BLOCK_E)
+    mask = (t < N)[:, None] & (j < HALF)[None, :]
+    freqs = slot_frequencies(theta + h * stride_th, stride_te, j, n_freq)
+    per_row: tl.constexpr = positions is not None or offset.dtype.is_ptr()
+    if not per_row:
+        cos, sin = rotation(freqs, offset, positions, 0, t, stride_pb, stride_pn)
+        pos = token_positions(offset, positions, 0, t, stride_pb, stride_pn).to(tl.float32)
+    x_off = h.to(tl.int64) * stride_xh + tile_offsets(t, j, stride_xn, stride_xd)
+    g_off = h.to(tl.int64) * stride_gh + tile_offsets(t, j, stride_gn, stride_gd)
+    d_off = h.to(tl.int64) * stride_dh + tile_offsets(t, j, stride_dn, stride_dd)
+    acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
+    for b in range(b0, tl.minimum(b0 + rows_per_program, B)):
+        if per_row:
+            cos, sin = rotation(freqs, offset, positions, b, t, stride_pb, stride_pn)
+            pos = token_positions(offset, positions, b, t, stride_pb, stride_pn).to(tl.float32)
+        dy1, dy2 = load_halves(dy + b * stride_gb, g_off, HALF * stride_gd, mask, 0.0)
         g1 = cos * dy1 + sin * dy2  # gradient w.r.t. act(x): the inverse rotation of dy
         g2 = cos * dy2 - sin * dy1
         if KIND == "softmax":
-            xb1, xb2 = activated_halves(x_ptr + b * xs_b, x_off, HALF * xs_d, mask, KIND)
+            xb1, xb2 = activated_halves(x + b * stride_xb, x_off, HALF * stride_xd, mask, KIND)
             dot = tl.sum(xb1 * g1, axis=1) + tl.sum(xb2 * g2, axis=1)
             dx1 = xb1 * (g1 - dot[:, None])
             dx2 = xb2 * (g2 - dot[:, None])
@@ -270,20 +259,41 @@ def rotate_bwd_kernel(
             dx1 = g1
             dx2 = g2
             if NEED_DTHETA:
-                xb1, xb2 = load_halves(x_ptr + b * xs_b, x_off, HALF * xs_d, mask, 0.0)
+                xb1, xb2 = load_halves(x + b * stride_xb, x_off, HALF * stride_xd, mask, 0.0)
         else:
-            x1, x2 = load_halves(x_ptr + b * xs_b, x_off, HALF * xs_d, mask, 0.0)
+            x1, x2 = load_halves(x + b * stride_xb, x_off, HALF * stride_xd, mask, 0.0)
             dx1 = apply_act_grad(x1, g1, KIND)
             dx2 = apply_act_grad(x2, g2, KIND)
             if NEED_DTHETA:
                 xb1 = apply_act(x1, KIND)
                 xb2 = apply_act(x2, KIND)
-        store_halves(dx_ptr + b * ds_b, d_off, HALF * ds_d, dx1, dx2, mask)
+        store_halves(dx + b * stride_db, d_off, HALF * stride_dd, dx1, dx2, mask)
         if NEED_DTHETA:  # lanes past N or D/2 have dy = 0, hence g = 0
-            acc += tl.sum(pos * (xb1 * g2 - xb2 * g1), axis=0)
+            acc += pos[:, None] * (xb1 * g2 - xb2 * g1)
     if NEED_DTHETA:
-        out = (pid.to(tl.int64) * tl.num_programs(1) + h) * HALF + j
-        tl.store(dtheta_ptr + out, acc, mask=j < HALF)
+        store_dtheta_partial(dtheta_partials, pid, tl.num_programs(1), h, j, HALF, tl.sum(acc, 0))
+
+
+def rotate_bwd(dy, x, theta, pos, kind, need_dtheta, plan: Plan = PLAN):
+    """(dx, float32 d(theta) partials (programs, H, D/2) or None) for an element-wise act or
+    softmax over D; x may be None for act none without d(theta)."""
+    dx = torch.empty_like(dy)
+    batch, n, heads, d = dy.shape
+    half = d // 2
+    block_n, block_e, warps = _tile(plan, kind, half)
+    n_tiles = cdiv(n, block_n)
+    per_group, groups = _batch_groups(plan, batch, n_tiles, heads, dy.device, _per_row(pos))
+    partials = None
+    if need_dtheta:
+        partials = dy.new_empty((n_tiles * groups, heads, half), dtype=torch.float32)
+    launch(rotate_bwd_kernel)[(n_tiles * groups, heads)](
+        x=x, dy=dy, dx=dx, theta=theta, **position_args(*pos), dtheta_partials=partials,
+        B=batch, N=n, rows_per_program=per_group,
+        **_strides("x", x if x is not None else dy), **_strides("g", dy), **_strides("d", dx),
+        **theta_args(theta, half),
+        KIND=kind, HALF=half, BLOCK_N=block_n, BLOCK_E=block_e, num_warps=warps,
+    )  # fmt: skip
+    return dx, partials
 
 
 # --------------------------------------------------------------------------------------------
@@ -296,247 +306,185 @@ def rotate_bwd_kernel(
 
 
 @triton.jit
+def seq_stats(m, s, o, num_stat_chunks, j, HALF: tl.constexpr):
+    """Global softmax-over-N (max, sum) of columns j and j + D/2 of outer index o (= b * H + h)
+    from the per-chunk stats of kernelkit-lrpe-core's `sequence_softmax_stats`."""
+    base = o.to(tl.int64) * num_stat_chunks * (2 * HALF)
+    ok = j < HALF
+    m1, s1 = combine_chunk_stats(m + base, s + base, num_stat_chunks, 2 * HALF, j, ok)
+    m2, s2 = combine_chunk_stats(m + base, s + base, num_stat_chunks, 2 * HALF, j + HALF, ok)
+    return m1, s1, m2, s2
+
+
+@triton.jit
 def seq_coords(pid, num_chunks, chunk, N):
     b = pid // num_chunks
     t0 = (pid % num_chunks) * chunk
     return b, t0, tl.minimum(t0 + chunk, N)
 
 
-@triton.jit(do_not_specialize=SEQ_RUNTIME_SIZES)
+@triton.jit(do_not_specialize=SEQ_RUNTIME)
 def seq_softmax_fwd_kernel(
-    x_ptr,
-    y_ptr,
-    theta_ptr,
-    offsets_ptr,
-    m_ptr,
-    s_ptr,
-    N,
-    offset,
-    chunk,
-    num_chunks,
-    num_stat_chunks,
-    xs_b,
-    xs_n,
-    xs_h,
-    xs_d,
-    ys_b,
-    ys_n,
-    ys_h,
-    ys_d,
-    th_sh,
-    th_se,
-    n_rot,
-    PER_BATCH: tl.constexpr,
-    HALF: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-):
+    x, y, theta, offset, positions, m, s,
+    N, chunk, num_chunks, num_stat_chunks,
+    stride_xb, stride_xn, stride_xh, stride_xd,
+    stride_yb, stride_yn, stride_yh, stride_yd,
+    stride_th, stride_te, n_freq, stride_pb, stride_pn,
+    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     h = tl.program_id(1)
     b, t_lo, t_hi = seq_coords(pid, num_chunks, chunk, N)
     j = tl.arange(0, BLOCK_E)
-    m1, s1, m2, s2 = seq_stats(m_ptr, s_ptr, b * tl.num_programs(1) + h, num_stat_chunks, j, HALF)
-    theta = load_theta(theta_ptr, h, th_sh, th_se, n_rot, j)
-    x_base = x_ptr + b.to(tl.int64) * xs_b + h.to(tl.int64) * xs_h
-    y_base = y_ptr + b.to(tl.int64) * ys_b + h.to(tl.int64) * ys_h
+    m1, s1, m2, s2 = seq_stats(m, s, b * tl.num_programs(1) + h, num_stat_chunks, j, HALF)
+    freqs = slot_frequencies(theta + h * stride_th, stride_te, j, n_freq)
+    x_base = x + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh
+    y_base = y + b.to(tl.int64) * stride_yb + h.to(tl.int64) * stride_yh
     for t_start in range(t_lo, t_hi, BLOCK_N):
         t = t_start + tl.arange(0, BLOCK_N)
         mask = (t < t_hi)[:, None] & (j < HALF)[None, :]
-        cos, sin = cos_sin(theta, token_positions(t, b, offsets_ptr, offset, PER_BATCH))
-        x_off = tile_offsets(t, j, xs_n, xs_d)
-        x1, x2 = load_halves(x_base, x_off, HALF * xs_d, mask, 0.0)
+        cos, sin = rotation(freqs, offset, positions, b, t, stride_pb, stride_pn)
+        x1, x2 = load_halves(x_base, tile_offsets(t, j, stride_xn, stride_xd), HALF * stride_xd,
+                             mask, 0.0)  # fmt: skip
         x1 = softmax_normalize(x1, m1, s1, 0)
         x2 = softmax_normalize(x2, m2, s2, 0)
-        y_off = tile_offsets(t, j, ys_n, ys_d)
-        store_halves(y_base, y_off, HALF * ys_d, x1 * cos - x2 * sin, x1 * sin + x2 * cos, mask)
+        y_off = tile_offsets(t, j, stride_yn, stride_yd)
+        store_halves(y_base, y_off, HALF * stride_yd, x1 * cos - x2 * sin, x1 * sin + x2 * cos,
+                     mask)  # fmt: skip
+
+
+def seq_softmax_fwd(x, theta, pos, stats, plan: Plan = PLAN) -> torch.Tensor:
+    """y = rotate(softmax over the sequence of x) with `stats` from sequence_softmax_stats."""
+    y = torch.empty_like(x)
+    batch, n, heads, d = x.shape
+    half = d // 2
+    block_n, block_e, warps = _tile(plan, SEQ, half)
+    chunk, chunks = _seq_chunks(plan, batch, n, heads, block_n, x.device)
+    launch(seq_softmax_fwd_kernel)[(chunks * batch, heads)](
+        x=x, y=y, theta=theta, **position_args(*pos), m=stats[0], s=stats[1],
+        N=n, chunk=chunk, num_chunks=chunks, num_stat_chunks=stats.shape[2],
+        **_strides("x", x), **_strides("y", y), **theta_args(theta, half),
+        HALF=half, BLOCK_N=block_n, BLOCK_E=block_e, num_warps=warps,
+    )  # fmt: skip
+    return y
 
 
 @triton.jit
-def seq_tile(
-    x_base,
-    dy_base,
-    t,
-    j,
-    mask,
-    m1,
-    s1,
-    m2,
-    s2,
-    theta,
-    b,
-    offsets_ptr,
-    offset,
-    xs_n,
-    xs_d,
-    gs_n,
-    gs_d,
-    PER_BATCH: tl.constexpr,
-    HALF: tl.constexpr,
-):
-    """softmax(x) halves, dxbar halves (inverse rotation of dy) and positions of one tile.
-    Invalid lanes: x = 0 gives a finite softmax value, dy = 0 gives dxbar = 0."""
-    pos = token_positions(t, b, offsets_ptr, offset, PER_BATCH)
-    cos, sin = cos_sin(theta, pos)
-    x1, x2 = load_halves(x_base, tile_offsets(t, j, xs_n, xs_d), HALF * xs_d, mask, 0.0)
-    dy1, dy2 = load_halves(dy_base, tile_offsets(t, j, gs_n, gs_d), HALF * gs_d, mask, 0.0)
+def seq_tile(x_base, dy_base, t, j, mask, stats, freqs, pos_args, strides, HALF: tl.constexpr):
+    """softmax(x) halves, dxbar halves (inverse rotation of dy) and float32 positions of one
+    tile. Invalid lanes: x = 0 gives a finite softmax value, dy = 0 gives dxbar = 0."""
+    m1, s1, m2, s2 = stats
+    offset, positions, b, stride_pb, stride_pn = pos_args
+    stride_xn, stride_xd, stride_gn, stride_gd = strides
+    pos = token_positions(offset, positions, b, t, stride_pb, stride_pn).to(tl.float32)
+    cos, sin = cos_sin(pos[:, None] * freqs[None, :])
+    x1, x2 = load_halves(x_base, tile_offsets(t, j, stride_xn, stride_xd), HALF * stride_xd,
+                         mask, 0.0)  # fmt: skip
+    dy1, dy2 = load_halves(dy_base, tile_offsets(t, j, stride_gn, stride_gd), HALF * stride_gd,
+                           mask, 0.0)  # fmt: skip
     xb1 = softmax_normalize(x1, m1, s1, 0)
     xb2 = softmax_normalize(x2, m2, s2, 0)
     return xb1, xb2, cos * dy1 + sin * dy2, cos * dy2 - sin * dy1, pos
 
 
-@triton.jit(do_not_specialize=SEQ_RUNTIME_SIZES)
+@triton.jit(do_not_specialize=SEQ_RUNTIME)
 def seq_softmax_bwd_sums_kernel(
-    x_ptr,
-    dy_ptr,
-    theta_ptr,
-    offsets_ptr,
-    m_ptr,
-    s_ptr,
-    p_ptr,
-    N,
-    offset,
-    chunk,
-    num_chunks,
-    num_stat_chunks,
-    xs_b,
-    xs_n,
-    xs_h,
-    xs_d,
-    gs_b,
-    gs_n,
-    gs_h,
-    gs_d,
-    th_sh,
-    th_se,
-    n_rot,
-    PER_BATCH: tl.constexpr,
-    HALF: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-):
-    """p[b*H + h, chunk, d] = sum over the chunk's tokens of softmax(x) * dxbar (float32)."""
+    x, dy, theta, offset, positions, m, s, sums,
+    N, chunk, num_chunks, num_stat_chunks,
+    stride_xb, stride_xn, stride_xh, stride_xd,
+    stride_gb, stride_gn, stride_gh, stride_gd,
+    stride_th, stride_te, n_freq, stride_pb, stride_pn,
+    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    """sums[b*H + h, chunk, d] = sum over the chunk's tokens of softmax(x) * dxbar (float32)."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     b, t_lo, t_hi = seq_coords(pid, num_chunks, chunk, N)
     j = tl.arange(0, BLOCK_E)
     o = b * tl.num_programs(1) + h
-    m1, s1, m2, s2 = seq_stats(m_ptr, s_ptr, o, num_stat_chunks, j, HALF)
-    theta = load_theta(theta_ptr, h, th_sh, th_se, n_rot, j)
-    x_base = x_ptr + b.to(tl.int64) * xs_b + h.to(tl.int64) * xs_h
-    dy_base = dy_ptr + b.to(tl.int64) * gs_b + h.to(tl.int64) * gs_h
-    p1 = tl.zeros([BLOCK_E], tl.float32)
-    p2 = tl.zeros([BLOCK_E], tl.float32)
+    stats = seq_stats(m, s, o, num_stat_chunks, j, HALF)
+    freqs = slot_frequencies(theta + h * stride_th, stride_te, j, n_freq)
+    x_base = x + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh
+    dy_base = dy + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
+    p1 = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
+    p2 = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
     for t_start in range(t_lo, t_hi, BLOCK_N):
         t = t_start + tl.arange(0, BLOCK_N)
         mask = (t < t_hi)[:, None] & (j < HALF)[None, :]
         xb1, xb2, g1, g2, _pos = seq_tile(
-            x_base,
-            dy_base,
-            t,
-            j,
-            mask,
-            m1,
-            s1,
-            m2,
-            s2,
-            theta,
-            b,
-            offsets_ptr,
-            offset,
-            xs_n,
-            xs_d,
-            gs_n,
-            gs_d,
-            PER_BATCH,
-            HALF,
-        )
-        p1 += tl.sum(xb1 * g1, axis=0)
-        p2 += tl.sum(xb2 * g2, axis=0)
+            x_base, dy_base, t, j, mask, stats, freqs,
+            (offset, positions, b, stride_pb, stride_pn),
+            (stride_xn, stride_xd, stride_gn, stride_gd), HALF,
+        )  # fmt: skip
+        p1 += xb1 * g1
+        p2 += xb2 * g2
     out = (o.to(tl.int64) * num_chunks + pid % num_chunks) * (2 * HALF) + j
-    tl.store(p_ptr + out, p1, mask=j < HALF)
-    tl.store(p_ptr + out + HALF, p2, mask=j < HALF)
+    tl.store(sums + out, tl.sum(p1, 0), mask=j < HALF)
+    tl.store(sums + out + HALF, tl.sum(p2, 0), mask=j < HALF)
 
 
-@triton.jit(do_not_specialize=SEQ_RUNTIME_SIZES)
+@triton.jit(do_not_specialize=SEQ_RUNTIME)
 def seq_softmax_bwd_apply_kernel(
-    x_ptr,
-    dy_ptr,
-    dx_ptr,
-    theta_ptr,
-    offsets_ptr,
-    m_ptr,
-    s_ptr,
-    p_ptr,
-    dtheta_ptr,
-    N,
-    offset,
-    chunk,
-    num_chunks,
-    num_stat_chunks,
-    xs_b,
-    xs_n,
-    xs_h,
-    xs_d,
-    gs_b,
-    gs_n,
-    gs_h,
-    gs_d,
-    ds_b,
-    ds_n,
-    ds_h,
-    ds_d,
-    th_sh,
-    th_se,
-    n_rot,
-    PER_BATCH: tl.constexpr,
-    NEED_DTHETA: tl.constexpr,
-    HALF: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-):
-    """dx = softmax(x) * (dxbar - sum_t softmax(x) * dxbar); dtheta partials as rotate_bwd."""
+    x, dy, dx, theta, offset, positions, m, s, sums, dtheta_partials,
+    N, chunk, num_chunks, num_stat_chunks,
+    stride_xb, stride_xn, stride_xh, stride_xd,
+    stride_gb, stride_gn, stride_gh, stride_gd,
+    stride_db, stride_dn, stride_dh, stride_dd,
+    stride_th, stride_te, n_freq, stride_pb, stride_pn,
+    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    """dx = softmax(x) * (dxbar - sum_t softmax(x) * dxbar); d(theta) partials as
+    rotate_bwd_kernel."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     b, t_lo, t_hi = seq_coords(pid, num_chunks, chunk, N)
     j = tl.arange(0, BLOCK_E)
     o = b * tl.num_programs(1) + h
-    m1, s1, m2, s2 = seq_stats(m_ptr, s_ptr, o, num_stat_chunks, j, HALF)
-    p_base = p_ptr + o.to(tl.int64) * num_chunks * (2 * HALF)
-    dot1 = combine_chunk_sums(p_base, num_chunks, 2 * HALF, j, j < HALF)[None, :]
-    dot2 = combine_chunk_sums(p_base, num_chunks, 2 * HALF, j + HALF, j < HALF)[None, :]
-    theta = load_theta(theta_ptr, h, th_sh, th_se, n_rot, j)
-    x_base = x_ptr + b.to(tl.int64) * xs_b + h.to(tl.int64) * xs_h
-    dy_base = dy_ptr + b.to(tl.int64) * gs_b + h.to(tl.int64) * gs_h
-    dx_base = dx_ptr + b.to(tl.int64) * ds_b + h.to(tl.int64) * ds_h
-    acc = tl.zeros([BLOCK_E], tl.float32)
+    stats = seq_stats(m, s, o, num_stat_chunks, j, HALF)
+    sums_base = sums + o.to(tl.int64) * num_chunks * (2 * HALF)
+    dot1 = combine_chunk_sums(sums_base, num_chunks, 2 * HALF, j, j < HALF)[None, :]
+    dot2 = combine_chunk_sums(sums_base, num_chunks, 2 * HALF, j + HALF, j < HALF)[None, :]
+    freqs = slot_frequencies(theta + h * stride_th, stride_te, j, n_freq)
+    x_base = x + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh
+    dy_base = dy + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
+    dx_base = dx + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
+    acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
     for t_start in range(t_lo, t_hi, BLOCK_N):
         t = t_start + tl.arange(0, BLOCK_N)
         mask = (t < t_hi)[:, None] & (j < HALF)[None, :]
         xb1, xb2, g1, g2, pos = seq_tile(
-            x_base,
-            dy_base,
-            t,
-            j,
-            mask,
-            m1,
-            s1,
-            m2,
-            s2,
-            theta,
-            b,
-            offsets_ptr,
-            offset,
-            xs_n,
-            xs_d,
-            gs_n,
-            gs_d,
-            PER_BATCH,
-            HALF,
-        )
-        d_off = tile_offsets(t, j, ds_n, ds_d)
-        store_halves(dx_base, d_off, HALF * ds_d, xb1 * (g1 - dot1), xb2 * (g2 - dot2), mask)
-        if NEED_DTHETA:
-            acc += tl.sum(pos * (xb1 * g2 - xb2 * g1), axis=0)
-    if NEED_DTHETA:
-        out = (pid.to(tl.int64) * tl.num_programs(1) + h) * HALF + j
-        tl.store(dtheta_ptr + out, acc, mask=j < HALF)
+            x_base, dy_base, t, j, mask, stats, freqs,
+            (offset, positions, b, stride_pb, stride_pn),
+            (stride_xn, stride_xd, stride_gn, stride_gd), HALF,
+        )  # fmt: skip
+        d_off = tile_offsets(t, j, stride_dn, stride_dd)
+        store_halves(dx_base, d_off, HALF * stride_dd, xb1 * (g1 - dot1), xb2 * (g2 - dot2), mask)
+        if dtheta_partials is not None:
+            acc += pos[:, None] * (xb1 * g2 - xb2 * g1)
+    if dtheta_partials is not None:
+        store_dtheta_partial(dtheta_partials, pid, tl.num_programs(1), h, j, HALF, tl.sum(acc, 0))
+
+
+def seq_softmax_bwd(dy, x, theta, pos, stats, need_dtheta, plan: Plan = PLAN):
+    """(dx, d(theta) partials or None) of rotate(softmax over the sequence of x)."""
+    dx = torch.empty_like(dy)
+    batch, n, heads, d = dy.shape
+    half = d // 2
+    block_n, block_e, warps = _tile(plan, SEQ, half)
+    chunk, chunks = _seq_chunks(plan, batch, n, heads, block_n, dy.device)
+    grid = (chunks * batch, heads)
+    sums = dy.new_empty((batch * heads, chunks, d), dtype=torch.float32)
+    partials = None
+    if need_dtheta:
+        partials = dy.new_empty((chunks * batch, heads, half), dtype=torch.float32)
+    common = dict(
+        theta=theta, **position_args(*pos), m=stats[0], s=stats[1], sums=sums,
+        N=n, chunk=chunk, num_chunks=chunks, num_stat_chunks=stats.shape[2],
+        **_strides("x", x), **_strides("g", dy), **theta_args(theta, half),
+        HALF=half, BLOCK_N=block_n, BLOCK_E=block_e, num_warps=warps,
+    )  # fmt: skip
+    launch(seq_softmax_bwd_sums_kernel)[grid](x=x, dy=dy, **common)
+    launch(seq_softmax_bwd_apply_kernel)[grid](
+        x=x, dy=dy, dx=dx, dtheta_partials=partials, **_strides("d", dx), **common
+    )
+    return dx, partials

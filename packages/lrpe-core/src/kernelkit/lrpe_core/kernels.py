@@ -1,0 +1,113 @@
+"""Device code shared by the LRPE kernels: where a token is, which frequency a slot has, the
+accurate cos/sin of their product, and the d(theta) partial each program writes.
+
+A slot is what one frequency turns: a rotated pair (j, j + D/2) in lrpe-rotate, a feature in the
+cosine packages. Angles are float32(frequency) * float32(integer position), exactly the
+reference's value (kernelkit.lrpe_core.reference.angles).
+
+Positions come in three forms, told apart at compile time by what the launch passes:
+  * `offset` an int:                  position = offset + t (one start for every batch row);
+  * `offset` a pointer to (B,) ints:  position = offset[b] + t;
+  * `positions` a pointer (not None): position = positions[b, t] (per-token table, any strides).
+and, for tokens on a grid (md-lrpe-cosine), a per-feature coordinate (`grid_positions`).
+Positions depend on the batch row exactly when `positions is not None or offset.dtype.is_ptr()`
+(a compile-time condition): kernels then compute cos/sin per row, else once per program.
+"""
+
+import triton
+import triton.language as tl
+
+# cos/sin: quadrant reduction in float64, Taylor polynomials on [-pi/4, pi/4] in float32.
+HALF_PI = tl.constexpr(1.5707963267948966)
+TWO_OVER_PI = tl.constexpr(0.6366197723675814)
+SIN_3 = tl.constexpr(-1 / 6)
+SIN_5 = tl.constexpr(1 / 120)
+SIN_7 = tl.constexpr(-1 / 5040)
+SIN_9 = tl.constexpr(1 / 362880)
+COS_2 = tl.constexpr(-1 / 2)
+COS_4 = tl.constexpr(1 / 24)
+COS_6 = tl.constexpr(-1 / 720)
+COS_8 = tl.constexpr(1 / 40320)
+COS_10 = tl.constexpr(-1 / 3628800)
+
+
+@triton.jit
+def cos_sin(angle):
+    """cos and sin of a float32 angle tile (any shape), within ~1.5 ulp.
+
+    LRPE angles reach ~1e5 rad at long positions. Subtracting the nearest multiple of pi/2 in
+    float64 is exact enough there and shared by cos and sin; the float32 polynomials then cost
+    ~12 FMAs, a fraction of two libdevice calls, and give the same bits under the interpreter.
+    """
+    a = angle.to(tl.float64)
+    k = tl.floor(a * tl.full([], TWO_OVER_PI, tl.float64) + 0.5)
+    r = (a - k * tl.full([], HALF_PI, tl.float64)).to(tl.float32)
+    quadrant = (k - 4.0 * tl.floor(k * 0.25)).to(tl.int32)  # k mod 4, in 0..3
+    r2 = r * r
+    s = r + r * r2 * (SIN_3 + r2 * (SIN_5 + r2 * (SIN_7 + r2 * SIN_9)))
+    c = 1.0 + r2 * (COS_2 + r2 * (COS_4 + r2 * (COS_6 + r2 * (COS_8 + r2 * COS_10))))
+    odd = (quadrant & 1) != 0
+    sin = tl.where(odd, c, s)
+    cos = tl.where(odd, s, c)
+    sin = tl.where((quadrant & 2) != 0, -sin, sin)
+    cos = tl.where(((quadrant + 1) & 2) != 0, -cos, cos)
+    return cos, sin
+
+
+@triton.jit
+def token_positions(offset, positions, b, t, stride_pb, stride_pn):
+    """int64 positions of tokens `t` of batch rows `b` (shaped by the caller to broadcast, e.g.
+    t [BLOCK_N, 1] with b [1, ROWS], or a scalar b); see the module docstring for the forms."""
+    if positions is not None:
+        p = tl.load(positions + b.to(tl.int64) * stride_pb + t.to(tl.int64) * stride_pn)
+        p = p.to(tl.int64)
+    elif offset.dtype.is_ptr():
+        p = t.to(tl.int64) + tl.load(offset + b).to(tl.int64)
+    else:
+        p = t.to(tl.int64) + offset
+    return p
+
+
+@triton.jit
+def grid_positions(t, feats, extra, E, size_a, size_b, size_c, AXES: tl.constexpr):
+    """int32 [BLOCK_N, BLOCK_D] grid coordinate of token t (cell t - extra of a row-major grid
+    of AXES <= 4 axes, last fastest) along the axis of each feature k, k // E. size_a, size_b,
+    size_c are the sizes of the last, second-last and third-last axes. Extra tokens t < extra
+    have coordinate 0 on every axis (angle 0)."""
+    cell = t - extra
+    cell = tl.where(cell < 0, 0, cell)
+    axis = (feats // E)[None, :]
+    pos = tl.zeros([t.shape[0], feats.shape[0]], tl.int32)
+    rest = cell
+    if AXES > 1:
+        pos = tl.where(axis == AXES - 1, (rest % size_a)[:, None], pos)
+        rest = rest // size_a
+    if AXES > 2:
+        pos = tl.where(axis == AXES - 2, (rest % size_b)[:, None], pos)
+        rest = rest // size_b
+    if AXES > 3:
+        pos = tl.where(axis == AXES - 3, (rest % size_c)[:, None], pos)
+        rest = rest // size_c
+    return tl.where(axis == 0, rest[:, None], pos)
+
+
+@triton.jit
+def slot_frequencies(theta_ptr, stride_e, slots, n_freq):
+    """float32 frequencies of `slots` of one theta row: theta[j] for j < n_freq, 0 beyond
+    (angle 0: the slot passes through). The host passes stride_e = 0 and n_freq = all slots for
+    a single shared frequency (E == 1); see kernelkit.lrpe_core.op.theta_args."""
+    return tl.load(theta_ptr + slots * stride_e, mask=slots < n_freq, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def wrapped_frequencies(theta_ptr, stride_e, feats, E, D):
+    """float32 frequencies theta[k mod E] of grid features k < D (0 beyond D)."""
+    return tl.load(theta_ptr + (feats % E) * stride_e, mask=feats < D, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_dtheta_partial(partials_ptr, part, H, h, slots, n_slots, acc):
+    """This program's float32 d(theta) partial of head h into partials[part, h, :n_slots]; the
+    host sums the partials in a fixed order (deterministic, no atomics)."""
+    out = (part.to(tl.int64) * H + h) * n_slots + slots
+    tl.store(partials_ptr + out, acc, mask=slots < n_slots)

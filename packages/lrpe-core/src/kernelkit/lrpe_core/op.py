@@ -1,0 +1,222 @@
+"""Host side shared by the LRPE packages: argument validation, the position and theta arguments
+of a launch, the softmax-over-the-sequence statistics and the d(theta) reduction.
+
+Every LRPE op validates with these functions (one set of error texts), hands its kernels
+positions as one `offset` argument (an int, or a (B,) tensor of starts) plus an optional
+per-token `positions` table, and folds the per-program d(theta) partials the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernelkit.act import ACTS, ELEMENTWISE_ACTS, FLOAT_DTYPES, softmax_chunk_stats
+from kernelkit.shared.runtime import num_sms
+
+from .reference import packed_positions
+
+__all__ = [
+    "KINDS",
+    "SEQ",
+    "act_and_dim",
+    "position_args",
+    "programs_target",
+    "reduce_dtheta",
+    "sequence_softmax_stats",
+    "theta_args",
+    "validate_act",
+    "validate_positions",
+    "validate_theta",
+    "validate_x",
+]
+
+SEQ = "softmax_seq"
+# What the kernels are told: the element-wise acts, softmax over D, softmax over the sequence.
+KINDS = (*ELEMENTWISE_ACTS, "softmax", SEQ)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool)
+
+
+def _is_int_tensor(t: torch.Tensor) -> bool:
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+
+def validate_x(x) -> None:
+    """x: a float32/float16/bfloat16 tensor (B, N, H, D) or (B, N, D)."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"x: dtype must be float32, float16 or bfloat16, got {x.dtype}")
+    if x.dim() not in (3, 4):
+        raise ValueError(f"x: expected shape (B, N, H, D) or (B, N, D), got {tuple(x.shape)}")
+
+
+def validate_theta(x: torch.Tensor, theta) -> int:
+    """theta: a floating-point (H, E) or (1, E) tensor on x's device; returns E (the caller
+    checks E against its own form)."""
+    heads = x.shape[2] if x.dim() == 4 else 1
+    if not isinstance(theta, torch.Tensor):
+        raise ValueError(f"theta: expected a torch.Tensor, got {type(theta).__name__}")
+    if not theta.is_floating_point():
+        raise ValueError(f"theta: must be a floating-point tensor, got {theta.dtype}")
+    if theta.dim() != 2:
+        raise ValueError(f"theta: expected shape (H, E) or (1, E), got {tuple(theta.shape)}")
+    rows, e = theta.shape
+    if rows != 1 and rows != heads:
+        what = "x has no head axis: theta needs 1 row" if x.dim() == 3 else f"1 or H = {heads}"
+        raise ValueError(f"theta: has {rows} rows, expected {what}")
+    if theta.device != x.device:
+        raise ValueError(f"theta: is on {theta.device} but x is on {x.device}")
+    return e
+
+
+def validate_positions(x: torch.Tensor, offset, positions=None, cu_seqlens=None):
+    """Check how token positions are given; returns (start, starts, table) for `position_args`:
+    an int start, a (B,) int64 tensor of per-row starts, or a (B|1, N) integer table (explicit
+    `positions`, or built from `cu_seqlens` for packed sequences restarting at 0)."""
+    b, n = x.shape[0], x.shape[1]
+    given = [name for name, v in (("positions", positions), ("cu_seqlens", cu_seqlens)) if v is not None]
+    if len(given) == 2:
+        raise ValueError("positions: give positions or cu_seqlens, not both")
+    if given and not (_is_int(offset) and offset == 0):
+        raise ValueError(f"offset: must be 0 when {given[0]} is given, got {offset!r}")
+    if positions is not None:
+        if not isinstance(positions, torch.Tensor) or not _is_int_tensor(positions):
+            raise ValueError("positions: expected an integer tensor (B, N)")
+        if positions.dim() != 2 or positions.shape[1] != n or positions.shape[0] not in (1, b):
+            raise ValueError(
+                f"positions: expected shape (B, N) = ({b}, {n}) or (1, N), "
+                f"got {tuple(positions.shape)}"
+            )
+        if positions.device != x.device:
+            raise ValueError(f"positions: is on {positions.device} but x is on {x.device}")
+        return 0, None, positions
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32:
+            raise ValueError("cu_seqlens: expected an int32 tensor (num_seqs + 1,)")
+        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+            raise ValueError(
+                f"cu_seqlens: expected shape (num_seqs + 1,), got {tuple(cu_seqlens.shape)}"
+            )
+        if b != 1:
+            raise ValueError(f"x: packed sequences (cu_seqlens) need B = 1, got B = {b}")
+        if cu_seqlens.device != x.device:
+            raise ValueError(f"cu_seqlens: is on {cu_seqlens.device} but x is on {x.device}")
+        return 0, None, packed_positions(cu_seqlens, n)
+    if isinstance(offset, torch.Tensor):
+        if not _is_int_tensor(offset):
+            raise ValueError(
+                f"offset: a tensor offset must have an integer dtype, got {offset.dtype}"
+            )
+        if tuple(offset.shape) != (b,):
+            raise ValueError(
+                f"offset: a tensor offset must have shape (B,) = ({b},), got {tuple(offset.shape)}"
+            )
+        if offset.device != x.device:
+            raise ValueError(f"offset: is on {offset.device} but x is on {x.device}")
+        return 0, offset.to(torch.int64), None
+    if not _is_int(offset):
+        raise ValueError(f"offset: expected an int or an integer tensor (B,), got {offset!r}")
+    if isinstance(offset, int) and not -(2**62) <= offset <= 2**62:
+        raise ValueError(f"offset: {offset} is out of range (positions are int64)")
+    return offset, None, None
+
+
+def validate_act(x: torch.Tensor, act, dim) -> str:
+    """act (and dim for softmax); returns the kernel kind (see KINDS)."""
+    if act not in ACTS:
+        raise ValueError(f"act: must be one of {ACTS}, got {act!r}")
+    if act != "softmax":
+        if dim is not None:
+            raise ValueError(f"dim: only softmax takes a dim, got dim={dim} with act={act!r}")
+        return act
+    if dim is None:
+        raise ValueError("dim: softmax needs dim=-1 (over D) or dim=1 (over the sequence)")
+    if not _is_int(dim):
+        raise ValueError(f"dim: expected an int, got {type(dim).__name__}")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim: {dim} is out of range for x with {x.dim()} dimensions")
+    if dim % x.dim() == 1:
+        return SEQ
+    if dim % x.dim() == x.dim() - 1:
+        return "softmax"
+    raise ValueError(f"dim: softmax runs over D (dim=-1) or the sequence (dim=1), got dim={dim}")
+
+
+def act_and_dim(kind: str) -> tuple[str, int | None]:
+    """The public (act, dim) of a kernel kind, for the references."""
+    if kind == "softmax":
+        return "softmax", -1
+    if kind == SEQ:
+        return "softmax", 1
+    return kind, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch arguments and plans
+# ---------------------------------------------------------------------------------------------
+
+
+def position_args(start: int, starts: torch.Tensor | None, table: torch.Tensor | None) -> dict:
+    """Keyword arguments `offset`, `positions`, `stride_pb`, `stride_pn` of an LRPE kernel."""
+    if table is not None:
+        stride_b = table.stride(0) if table.shape[0] > 1 else 0
+        return {"offset": 0, "positions": table, "stride_pb": stride_b, "stride_pn": table.stride(1)}
+    return {
+        "offset": start if starts is None else starts,
+        "positions": None,
+        "stride_pb": 0,
+        "stride_pn": 0,
+    }
+
+
+def theta_args(theta: torch.Tensor, slots: int) -> dict:
+    """Keyword arguments `stride_th`, `stride_te`, `n_freq` of `kernels.slot_frequencies`: one
+    row broadcast over heads (stride 0), and one frequency (E == 1) broadcast over all slots."""
+    rows, e = theta.shape
+    return {
+        "stride_th": 0 if rows == 1 else theta.stride(0),
+        "stride_te": 0 if e == 1 else theta.stride(1),
+        "n_freq": slots if e == 1 else e,
+    }
+
+
+def programs_target(device: torch.device, per_sm: int) -> int:
+    """How many programs fill the device `per_sm` deep (a small stand-in under the interpreter)."""
+    return per_sm * num_sms(device)
+
+
+def sequence_softmax_stats(x: torch.Tensor) -> torch.Tensor:
+    """Per-chunk float32 (max, sum) of the softmax over the sequence of x (B, N, H, D), shape
+    (2, B * H, C, D): one read of x by kernelkit-act's chunk-stats kernel. LRPE kernels combine
+    the C chunks of the columns they need (`kernelkit.act.kernels.combine_chunk_stats`)."""
+    # (B, H, N, D): outer dims B and H, inner D, whatever x's layout.
+    return softmax_chunk_stats(x.transpose(1, 2), 2)
+
+
+def reduce_dtheta(partials: torch.Tensor, theta_shape, *, wrap: bool = False) -> torch.Tensor:
+    """float32 partials (programs, H, slots) -> d(theta) of shape (rows, E), float32.
+
+    Slots map to theta columns as `kernels.slot_frequencies` reads them (slot j < E is column j,
+    E == 1 shares column 0, slots >= E have no column) or, with `wrap`, as
+    `kernels.wrapped_frequencies` does (slot k is column k mod E)."""
+    rows, e = theta_shape
+    g = partials.sum(0)
+    slots = g.shape[1]
+    if wrap:
+        per = -(-slots // e)
+        g = torch.nn.functional.pad(g, (0, per * e - slots)).view(g.shape[0], per, e).sum(1)
+    elif e == 1:
+        g = g.sum(1, keepdim=True)
+    else:
+        g = g[:, :e]
+    if rows == 1:
+        g = g.sum(0, keepdim=True)
+    return g.contiguous()
