@@ -66,7 +66,7 @@ def interpreting() -> bool:
 
 def use_triton(t: torch.Tensor) -> bool:
     """Whether tensors on this device run the Triton kernels (else the PyTorch reference)."""
-    return t.device.type == "cuda" or (t.device.type == "cpu" and interpreting())
+    return t.is_cuda or (t.device.type == "cpu" and interpreting())
 
 
 def _as_float32_storage(t: torch.Tensor):
@@ -155,10 +155,6 @@ def _other(a):
     raise _UnkeyedArgError
 
 
-def _tensor_key(t):
-    return (t.dtype, not t.data_ptr() & 15) if t.__class__ is _T else _other(t)
-
-
 def _runtime_key(name: str, p) -> str:
     """Source of the key part of runtime (non-constexpr) parameter `name`: what Triton's
     specialisation depends on. Tensors: dtype and 16-byte alignment of the data pointer (kept
@@ -222,13 +218,12 @@ def _fast_ok(kernel) -> bool:
     """Nothing asks for Triton's own path: no launch hooks (profilers), no debug or
     instrumentation mode (they change the compiled kernel), no pre-run hooks."""
     rt = _knobs.runtime
-    enter, exit_ = rt.launch_enter_hook, rt.launch_exit_hook
+    try:
+        hooks = rt.launch_enter_hook.calls or rt.launch_exit_hook.calls
+    except AttributeError:  # a hook set as a plain function (or None)
+        hooks = rt.launch_enter_hook or rt.launch_exit_hook
     return not (
-        getattr(enter, "calls", enter)
-        or getattr(exit_, "calls", exit_)
-        or rt.debug
-        or _knobs.compilation.instrumentation_mode
-        or kernel.pre_run_hooks
+        hooks or rt.debug or _knobs.compilation.instrumentation_mode or kernel.pre_run_hooks
     )
 
 
@@ -277,10 +272,10 @@ class _Launcher:
                 entry = self._cache.get(key)
             except (_UnkeyedArgError, TypeError):  # an uncovered argument, an unhashable constexpr
                 key = entry = None
-            if entry is not None and not torch.compiler.is_compiling():
+            if entry is not None:  # an entry implies plain tensors: not traced
                 call, head = entry
-                g = grid if len(grid) == 3 else (*grid, 1, 1)
-                return call(g[0], g[1], g[2], _get_stream(device), *head, *params)
+                g = (*grid, 1, 1)[:3]
+                return call(*g, _get_stream(device), *head, *params)
         if not _eager(args, kwargs):
             return self._wrapped[grid](*args, **kwargs)
         compiled = self._kernel.run(*args, grid=grid, warmup=False, **kwargs)
@@ -316,7 +311,7 @@ class _Prepared:
         self._launcher = launcher
         self._kernel = launcher._kernel
         self._grid = grid
-        self._g = grid if len(grid) == 3 else (*grid, 1, 1)
+        self._g = (*grid, 1, 1)[:3]
         self._slots = slots
         self._template = [None if i in slots else a for i, a in enumerate(params)]
         # The common layout: the tensors are the leading parameters, then `_rest`.
@@ -338,15 +333,22 @@ class _Prepared:
         if _fast_ok(self._kernel):
             device = _get_device()
             try:
-                key = (device, *[_tensor_key(t) for t in tensors])
+                key = (
+                    device,
+                    *[
+                        (t.dtype, not t.data_ptr() & 15) if t.__class__ is _T else _other(t)
+                        for t in tensors
+                    ],
+                )
             except _UnkeyedArgError:
                 key = None
             entry = self._cache.get(key)
-            if entry is not None and not torch.compiler.is_compiling():
+            if entry is not None:  # an entry implies plain tensors: not traced
                 call, head = entry
                 g = self._g
-                params = (*tensors, *self._rest) if self._leading else self._params(tensors)
-                return call(g[0], g[1], g[2], _get_stream(device), *head, *params)
+                if self._leading:
+                    return call(*g, _get_stream(device), *head, *tensors, *self._rest)
+                return call(*g, _get_stream(device), *head, *self._params(tensors))
         params = self._params(tensors)
         if key is None or not _eager(params):
             return self._launcher._run(self._grid, *params, **self._options)
@@ -411,15 +413,14 @@ class KernelOp:
         # of them requires grad.
         if torch.compiler.is_compiling():
             return self.op(*args)
-        grad = self._apply is not None and torch.is_grad_enabled()
         needs_grad = False
         for a in args:
             if isinstance(a, _T):
                 if a.__class__ is not _T:
                     return self.op(*args)
-                if grad and a.requires_grad:
+                if a.requires_grad:
                     needs_grad = True
-        if not needs_grad:
+        if not (needs_grad and self._apply is not None and torch.is_grad_enabled()):
             return self.fn(*args)
         if torch._C._are_functorch_transforms_active():
             return self._function.apply(*args)  # functorch's path for autograd.Function

@@ -53,12 +53,13 @@ def validate(x, act: str, dim: int | None) -> int | None:
         raise ValueError("dim: softmax needs the dimension to normalise over (e.g. dim=-1)")
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise ValueError(f"dim: expected an int, got {type(dim).__name__}")
-    if x.dim() == 0:
+    nd = x.dim()
+    if nd == 0:
         raise ValueError("x: softmax needs at least one dimension")
-    if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim: {dim} is out of range for x with {x.dim()} dimensions")
-    dim %= x.dim()
-    if x.shape[dim] == 0:
+    if not -nd <= dim < nd:
+        raise ValueError(f"dim: {dim} is out of range for x with {nd} dimensions")
+    dim %= nd
+    if x.size(dim) == 0:
         raise ValueError(f"dim: softmax over dimension {dim} of size 0 is undefined")
     return dim
 
@@ -122,16 +123,25 @@ def _elementwise_plan(kernel, act: str, *tensors: torch.Tensor):
 
 
 def _elementwise(kernel, out: torch.Tensor, *tensors: torch.Tensor, act: str) -> torch.Tensor:
-    if out.numel() == 0:
+    n = out.numel()
+    if n == 0:
         return out
     ts = (*tensors, out)
-    if not all(t.__class__ is torch.Tensor for t in ts):
-        _elementwise_plan(kernel, act, *ts)(*ts)
-    elif all(t.is_contiguous() for t in ts):
-        _plan((kernel, act, out.numel()), _elementwise_plan, kernel, act, *ts)(*ts)
-    else:
-        key = (kernel, act, out.shape, *(t.stride() for t in ts))
+    for t in ts:
+        if t.__class__ is not torch.Tensor or not t.is_contiguous():
+            break
+    else:  # plain and contiguous: the plan depends on the size only
+        # (id: a JITFunction hashes its source's cache key, ~0.3 us)
+        plan = _PLANS.get((id(kernel), act, n))
+        if plan is None:
+            plan = _plan((id(kernel), act, n), _elementwise_plan, kernel, act, *ts)
+        plan(*ts)
+        return out
+    if all(t.__class__ is torch.Tensor for t in ts):
+        key = (id(kernel), act, out.shape, *(t.stride() for t in ts))
         _plan(key, _elementwise_plan, kernel, act, *ts)(*ts)
+    else:  # traced: fake tensors, maybe symbolic sizes
+        _elementwise_plan(kernel, act, *ts)(*ts)
     return out
 
 
@@ -206,10 +216,12 @@ class _StatsPlan(_SplitLaunches):
             K.softmax_chunk_stats_kernel, x, stats, stats[1], strides=view.strides[0]
         )
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(stats, stats[1])"""
         stats = self.new.new_empty(self.shape)
-        self.launch(x, stats, stats[1])
-        return stats
+        sums = stats[1]
+        self.launch(x, stats, sums)
+        return stats, sums
 
 
 def softmax_chunk_stats(x: torch.Tensor, dim: int, *, view=None, plan=None) -> torch.Tensor:
@@ -225,11 +237,11 @@ def softmax_chunk_stats(x: torch.Tensor, dim: int, *, view=None, plan=None) -> t
     """
     if view is None and plan is None and x.__class__ is torch.Tensor:
         key = ("stats", dim, x.get_device(), x.shape, x.stride())
-        return _plan(key, _stats_plan, x, dim)(x)
+        return _plan(key, _stats_plan, x, dim)(x)[0]
     view = view or SoftmaxView(x.shape, dim, [x.stride()])
     if not view.ok:
         raise ValueError("x: layout not supported by the split softmax (collapse failed)")
-    return _StatsPlan(x, view, plan)(x)
+    return _StatsPlan(x, view, plan)(x)[0]
 
 
 def _stats_plan(x: torch.Tensor, dim: int) -> _StatsPlan:
@@ -249,8 +261,7 @@ class _SplitSoftmaxFwd(_SplitLaunches):
         )
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        stats = self.stats(x)
-        self.apply(x, y, stats, stats[1])
+        self.apply(x, y, *self.stats(x))
 
 
 class _SplitSoftmaxBwd(_SplitLaunches):
