@@ -2,6 +2,12 @@
 
 x = (12, 12, N, 128) bf16 in (B, H, N, D) layout, so dim=-2 is the sequence axis. One test per
 (case, N, provider); forward and backward time and peak memory, GB/s and % of copy bandwidth.
+
+Model shapes (`test_model_*`): x = (B, N, H, D) = (B, N, 32, 128) bf16 as a model feeds it,
+decode (8, 1), small (1, 256) and training (8, 4096); silu, softmax over the last dim (D) and
+over N (dim 1); the table rows are the tokens B·N (8, 256, 32768). Small sizes are bounded by
+the host cost per call (see NOTES.md), large ones by memory bandwidth.
+
 `python ci/bench.py act` runs it on a GPU and renders the seed-style tables. Without a GPU
 (CI smoke mode, --benchmark-disable) every test runs once on a tiny shape.
 """
@@ -89,4 +95,72 @@ def test_bwd(benchmark, case, n, provider):
         provider=provider,
         bytes_moved=nbytes,
         grad_to_none=[x],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Model shapes: (B, N, H, D) as a model feeds them
+# ---------------------------------------------------------------------------------------------
+
+MODEL_SHAPES = [(8, 1, 32, 128), (1, 256, 32, 128), (8, 4096, 32, 128)] if GPU else [(2, 3, 2, 16)]
+MODEL_CASES = [("silu", None), ("softmax", -1), ("softmax", 1)]
+
+
+def model_tag(a, dim):
+    what = a if dim is None else f"{a}-dim_{'N' if dim == 1 else dim}"
+    return f"model-heads{MODEL_SHAPES[0][2]}-dim{MODEL_SHAPES[0][3]}-act_{what}-bf16"
+
+
+def shape_id(shape):
+    return "x".join(map(str, shape))
+
+
+def model_x(shape, requires_grad=False):
+    dev = "cuda" if GPU else "cpu"
+    return torch.randn(*shape, dtype=DTYPE, device=dev, requires_grad=requires_grad)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("shape", MODEL_SHAPES, ids=shape_id)
+@pytest.mark.parametrize("case", MODEL_CASES, ids=case_id)
+def test_model_fwd(benchmark, case, shape, provider):
+    a, dim = case
+    x = model_x(shape)
+    f = fn_for(provider, a, dim)
+    benchmark.group = f"act-fwd-{model_tag(a, dim)}"
+    record(
+        benchmark,
+        lambda: f(x),
+        op="act",
+        direction="fwd",
+        tag=model_tag(a, dim),
+        x=shape[0] * shape[1],
+        xname="tokens",
+        provider=provider,
+        bytes_moved=2 * x.numel() * x.element_size(),
+        info={"shape": list(shape)},
+    )
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("shape", MODEL_SHAPES, ids=shape_id)
+@pytest.mark.parametrize("case", MODEL_CASES, ids=case_id)
+def test_model_bwd(benchmark, case, shape, provider):
+    a, dim = case
+    x = model_x(shape, requires_grad=True)
+    y = fn_for(provider, a, dim)(x)
+    dy = torch.randn_like(y)
+    benchmark.group = f"act-bwd-{model_tag(a, dim)}"
+    record(
+        benchmark,
+        lambda: y.backward(dy, retain_graph=True),
+        op="act",
+        direction="bwd",
+        tag=model_tag(a, dim),
+        x=shape[0] * shape[1],
+        xname="tokens",
+        provider=provider,
+        bytes_moved=3 * x.numel() * x.element_size(),
+        grad_to_none=[x],
+        info={"shape": list(shape)},
     )

@@ -157,6 +157,21 @@ def test_prepared_launch(fake):
     assert len(fake.compiled) - compiled_before == 3
 
 
+def test_prepare_falls_back_to_replay(fake):
+    """A grid function or a tuple argument: `prepare` replays through launcher[grid]."""
+    kernel = make_kernel()
+    launcher = runtime._Launcher(kernel)
+    x = torch.zeros(64)
+    p = launcher.prepare((1,), x, y_ptr=x, n=16, m=3, flag=(1, 2), BLOCK=64)
+    assert isinstance(p, runtime._Replay)
+    z = torch.zeros(64)[1:]
+    p(z, x)
+    check_last_launch(fake, kernel, (1,), (z, x, 16, 3, (1, 2)), {"BLOCK": 64})
+    p = launcher.prepare(lambda meta: (2,), x, x, 16, 3, True, BLOCK=64)
+    p(z, x)
+    assert fake.launches[-1][0] == (2, 1, 1) and fake.launches[-1][3][0] is z
+
+
 def test_hooks_and_debug_take_tritons_path(fake):
     kernel = make_kernel()
     launcher = runtime._Launcher(kernel)
@@ -172,6 +187,15 @@ def test_hooks_and_debug_take_tritons_path(fake):
     assert len(seen) == 1  # the profiler hook saw the launch
     launcher[(1,)](x, x, 16, 3, True, BLOCK=64)
     assert len(seen) == 1
+    # TRITON_DEBUG compiles other kernels: the cached (non-debug) one must not be used.
+    debug = knobs.runtime.debug
+    knobs.runtime.debug = True
+    try:
+        launcher[(1,)](x, x, 16, 3, True, BLOCK=64)
+        check_last_launch(fake, kernel, (1,), (x, x, 16, 3, True), {"BLOCK": 64})
+    finally:
+        knobs.runtime.debug = debug
+    assert fake.launches[-1][2] != fake.launches[0][2]
 
 
 def test_grid_function_and_unkeyed_arguments_take_tritons_path(fake):

@@ -293,6 +293,8 @@ class _Launcher:
             _, params, options = self._bind(None, *args, **kwargs)
         except (_UnkeyedArgError, TypeError):
             return _Replay(self, grid, args, kwargs)
+        if any(isinstance(a, (tuple, list)) for a in params):  # may hold tensors: not keyed
+            return _Replay(self, grid, args, kwargs)
         names = self._kernel.arg_names
         slots = [i for i, a in enumerate(args) if isinstance(a, _T)]
         slots += [names.index(k) for k, v in kwargs.items() if isinstance(v, _T)]
@@ -306,8 +308,6 @@ class _Prepared:
     tensor's dtype and alignment; a hit calls the compiled launcher directly."""
 
     def __init__(self, launcher: _Launcher, grid, params, options, slots):
-        if any(isinstance(a, (tuple, list)) for a in params):
-            raise ValueError("prepare: tuple arguments are not supported")
         self._launcher = launcher
         self._kernel = launcher._kernel
         self._grid = grid
@@ -331,8 +331,8 @@ class _Prepared:
     def __call__(self, *tensors):
         key = None
         if _fast_ok(self._kernel):
-            device = _get_device()
             try:
+                device = _get_device()
                 key = (
                     device,
                     *[
@@ -340,7 +340,7 @@ class _Prepared:
                         for t in tensors
                     ],
                 )
-            except _UnkeyedArgError:
+            except (_UnkeyedArgError, TypeError):
                 key = None
             entry = self._cache.get(key)
             if entry is not None:  # an entry implies plain tensors: not traced
