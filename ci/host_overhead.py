@@ -1,25 +1,26 @@
 """Host cost per call of each op's eager path, next to eager PyTorch and torch.compile.
 
     PYTHONPATH=shared/src:packages/act/src:packages/lrpe-core/src:packages/lrpe-rotate/src:\
-packages/lrpe-cosine/src python ci/host_overhead.py [--shape small|tiny] [--breakdown] [--profile]
+packages/lrpe-cosine/src python ci/host_overhead.py [--shape small|tiny] [--no-breakdown] [--profile]
     python ci/host_overhead.py --cpu     # the act breakdown on a machine without a GPU
 
-Per op, forward and backward, microseconds per call with the host free-running (no sync between
-calls: the rate at which Python issues the op; at these sizes the GPU keeps up) for ours, eager
-PyTorch (the reference) and torch.compile of the reference. Small-N rows of the benchmark
-tables are bounded by these numbers, not by the kernels.
+Per op, microseconds of host time per call (the clock runs while Python issues the calls, not
+while the GPU drains them) for ours, eager PyTorch (the reference) and torch.compile of the
+reference: forward without and with autograd recording (x requires grad), and backward
+(`y.backward(dy)`). Where this exceeds the kernels' device time, a call costs this much.
 
---breakdown: for the act ops, where the microseconds of our eager path go, step by step
-(launch, plan lookup, allocation, KernelOp checks, autograd wrapper, validation), measured by
-timing nested layers of the path and differencing; Triton's own `kernel[grid](...)` for the
-same launch is printed beside the cached launch it replaces (the "before" of that step).
+Then (unless --no-breakdown), for the act ops, where the microseconds of our eager path go,
+step by step (launch, plan lookup, allocation, KernelOp checks, autograd wrapper, validation),
+measured by timing nested layers of the path and differencing; Triton's own
+`kernel[grid](...)` for the same launch is printed beside the cached launch it replaces (the
+"before" of that step).
 --cpu: the same breakdown on CPU: Triton's launch path runs against kernelkit.shared's fake
-CUDA driver (no compile; the C launcher is replaced by a recorder), so every step but the
-driver call itself is measured. Absolute numbers depend on the host CPU.
+CUDA driver (no compile; the C launcher replaced by a no-op), so every step but the driver
+call itself is measured. Absolute numbers depend on the host CPU.
 --profile: the functions that take the host time of our forward + backward (cProfile).
 
 To compare with an older checkout, run this script with that checkout's sources first on
-PYTHONPATH (the per-op table uses only the public API; --breakdown needs this branch).
+PYTHONPATH (the per-op table uses only the public API; the breakdown needs this branch's).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import sys
 import time
 
 SHAPES = {"tiny": (1, 64, 2, 64), "small": (1, 256, 32, 128)}
-CALLS = 400
+CALLS = 200  # per timed loop: below the GPU's launch queue depth (1024)
 
 
 def sync():
@@ -43,17 +44,18 @@ def sync():
 
 
 def per_call_us(fn, calls=CALLS, rounds=5):
-    """Best of `rounds` free-running loops of `calls` calls (us per call)."""
+    """Host time per call: best of `rounds` loops of `calls` calls, the clock stopped before the
+    closing sync (fewer launches than the GPU's queue holds, so issuing never waits for it)."""
     for _ in range(20):
         fn()
-    sync()
     best = float("inf")
     for _ in range(rounds):
+        sync()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        sync()
         best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    sync()
     return best
 
 
@@ -92,35 +94,35 @@ def op_cases(shape):
 
 
 def fwd_bwd_us(f, shape):
+    """(forward, forward with x requiring grad, backward) us per call."""
     import torch
 
-    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    y = f(x)
+    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    xg = x.clone().requires_grad_()
+    y = f(xg)
     dy = torch.randn_like(y)
-    fwd = per_call_us(lambda: f(x))  # with autograd recording, as in training
 
     def bwd():
-        x.grad = None
+        xg.grad = None
         y.backward(dy, retain_graph=True)
 
-    return fwd, per_call_us(bwd)
+    return per_call_us(lambda: f(x)), per_call_us(lambda: f(xg)), per_call_us(bwd)
 
 
 def op_table(shape, profile):
     from kernelkit.shared.bench import torch_compile
 
-    print(f"per call, us, bf16 {shape}, host free-running (ours / eager PyTorch / torch.compile)")
-    print(
-        f"{'case':22s} {'fwd':>7s} {'eager':>7s} {'compile':>8s} {'bwd':>7s} {'eager':>7s} {'compile':>8s}"
-    )
+    print(f"host us per call, bf16 {shape}: ours / eager PyTorch / torch.compile")
+    head = "".join(f"{h:>22s}" for h in ("fwd", "fwd, x requires grad", "bwd"))
+    print(f"{'case':22s}{head}")
     for name, ours, ref in op_cases(shape):
         try:
             cols = [fwd_bwd_us(f, shape) for f in (ours, ref, torch_compile(ref))]
         except Exception as e:  # a package mid-refactor must not hide the other rows
             print(f"{name:22s} failed: {type(e).__name__}: {e}")
             continue
-        (f0, b0), (f1, b1), (f2, b2) = cols
-        print(f"{name:22s} {f0:7.1f} {f1:7.1f} {f2:8.1f} {b0:7.1f} {b1:7.1f} {b2:8.1f}")
+        cells = "".join(f"{' / '.join(f'{c[i]:.1f}' for c in cols):>22s}" for i in range(3))
+        print(f"{name:22s}{cells}")
         if profile:
             profile_case(ours, shape)
 
@@ -284,7 +286,7 @@ def print_breakdown(shape, device):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None)
-    ap.add_argument("--breakdown", action="store_true")
+    ap.add_argument("--no-breakdown", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--cpu", action="store_true", help="act breakdown on CPU (fake driver)")
     args = ap.parse_args()
@@ -293,8 +295,14 @@ def main():
     for name in [args.shape] if args.shape else ["tiny", "small"]:
         op_table(SHAPES[name], args.profile)
         print()
-    if args.breakdown:
-        print_breakdown(SHAPES[args.shape or "small"], "cuda")
+    import kernelkit.act.op as act_op
+
+    if args.no_breakdown:
+        return None
+    if not hasattr(act_op, "_PLANS"):  # an older checkout: no cached plans to break down
+        print("breakdown: not available for this checkout (no cached launch plans)")
+        return None
+    return print_breakdown(SHAPES[args.shape or "small"], "cuda")
 
 
 def cpu_breakdown(shape):

@@ -23,13 +23,14 @@ from kernelkit.shared.fake_driver import fake_cuda
 from kernelkit.shared.testing import assert_close
 
 
-def _probe(x_ptr, y_ptr, n, m, flag, BLOCK: tl.constexpr, MODE: tl.constexpr = "a"):
-    pass  # never compiled: the fake driver stands in for the compiler
+def _probe(x_ptr, y_ptr, n, key, flag, BLOCK: tl.constexpr, MODE: tl.constexpr = "a"):
+    pass  # never compiled: the fake driver stands in for the compiler (`key`: a name the
+    # generated binder must not confuse with its own)
 
 
 def make_kernel():
     # A real JITFunction even under the interpreter (triton.jit would return an interpreted one).
-    return JITFunction(_probe, do_not_specialize=["m"])
+    return JITFunction(_probe, do_not_specialize=["key"])
 
 
 @pytest.fixture
@@ -89,7 +90,7 @@ def test_random_calls_use_tritons_specialisation(fake):
         options = rng.choice([{}, {"num_warps": 4}, {"num_warps": 8}])
         if rng.random() < 0.5:
             return (x, y, n, m, flag), {**consts, **options}
-        kwargs = {"x_ptr": x, "y_ptr": y, "n": n, "m": m, "flag": flag}
+        kwargs = {"x_ptr": x, "y_ptr": y, "n": n, "key": m, "flag": flag}
         return (), {**kwargs, **consts, **options}
 
     configs = [(config(), rng.choice([0, 1])) for _ in range(40)]
@@ -132,7 +133,7 @@ def test_do_not_specialize_int_shares_a_kernel(fake):
     kernel = make_kernel()
     launcher = runtime._Launcher(kernel)
     x = torch.zeros(64)
-    for m in (16, 17, 1):  # m is in do_not_specialize: one kernel for all three
+    for m in (16, 17, 1):  # `key` is in do_not_specialize: one kernel for all three
         launcher[(1,)](x, x, 16, m, True, BLOCK=64)
         check_last_launch(fake, kernel, (1,), (x, x, 16, m, True), {"BLOCK": 64})
     assert len(fake.compiled) == 1
@@ -144,12 +145,12 @@ def test_prepared_launch(fake):
     x = torch.zeros(64, dtype=torch.float16)
     y = torch.zeros(64, dtype=torch.float16)
     # Tensors given by keyword, y before x: the prepared launch takes them in that order.
-    p = launcher.prepare((4, 2), n=32, y_ptr=y, x_ptr=x, m=3, flag=False, BLOCK=128, MODE=7)
+    p = launcher.prepare((4, 2), n=32, y_ptr=y, x_ptr=x, key=3, flag=False, BLOCK=128, MODE=7)
     compiled_before = len(fake.compiled)
     for a, b in [(x, y), (x[1:], y), (x, y[8:]), (x.float(), y), (x, y), (x[1:], y)]:
         p(b, a)
         args = (a, b)
-        kwargs = {"n": 32, "m": 3, "flag": False, "BLOCK": 128, "MODE": 7}
+        kwargs = {"n": 32, "key": 3, "flag": False, "BLOCK": 128, "MODE": 7}
         check_last_launch(fake, kernel, (4, 2), args, kwargs)
     # Three specialisations: aligned (y at +8 elements is 16-byte aligned too), x misaligned,
     # x float32.
@@ -162,7 +163,7 @@ def test_prepare_falls_back_to_replay(fake):
     kernel = make_kernel()
     launcher = runtime._Launcher(kernel)
     x = torch.zeros(64)
-    p = launcher.prepare((1,), x, y_ptr=x, n=16, m=3, flag=(1, 2), BLOCK=64)
+    p = launcher.prepare((1,), x, y_ptr=x, n=16, key=3, flag=(1, 2), BLOCK=64)
     assert isinstance(p, runtime._Replay)
     z = torch.zeros(64)[1:]
     p(z, x)
@@ -241,14 +242,19 @@ def test_misaligned_after_aligned_gpu(a, dim):
 
 
 @pytest.mark.gpu
-def test_side_stream_gpu():
-    """Launches go to the current stream, not the default one."""
-    x = torch.randn(64, 1024, device="cuda")
-    act(x, "silu")  # compile and cache
+@pytest.mark.parametrize(("a", "dim"), [("silu", None), ("softmax", -1), ("softmax", 1)])
+def test_side_stream_gpu(a, dim):
+    """Cached launches go to the current stream: on a side stream, the kernels must wait for
+    data that stream writes only after a long sleep (on any other stream they would read it
+    before it is there)."""
+    x = torch.randn(4, 512, 4, 64, device="cuda")
+    act(x, a, dim)  # compile and cache
     s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        torch.cuda._sleep(1_000_000)  # keep the side stream busy
-        y = act(x, "silu")
-        assert not s.query()  # queued behind the sleep
-    s.synchronize()
-    assert_close(y, torch.nn.functional.silu(x.double()))
+        late = torch.empty_like(x)
+        torch.cuda._sleep(50_000_000)  # tens of ms
+        late.copy_(x)
+        y = act(late, a, dim)
+    torch.cuda.current_stream().wait_stream(s)
+    assert_close(y, act_reference(x.double(), a, dim))

@@ -11,6 +11,11 @@ Eager calls skip the dispatcher: the torch.library path costs tens of microsecon
 `KernelOp` that, on plain tensors outside torch.compile, runs the function directly (through a
 `torch.autograd.Function` built from the same backward/setup_context once autograd is
 registered) and otherwise calls the registered op. Both paths run the same code.
+
+Eager launches skip Triton's `kernel[grid]` too once a kernel has been compiled for a call's
+specialisation: `launch` caches the compiled kernel's launcher per specialisation key and calls
+it directly (see `_Launcher`); `launch(kernel).prepare(...)` fixes all but the tensors for ops
+that plan their launches once per shape.
 """
 
 from __future__ import annotations
@@ -165,8 +170,8 @@ def _runtime_key(name: str, p) -> str:
     width = f"0 if {_I32_MIN} <= {name} <= {_I32_MAX} else 1 if {name} <= {_I64_MAX} else 2"
     integer = width if p.do_not_specialize else f"({name} == 1, not {name} & 15, {width})"
     return (
-        f"{tensor} if {name}.__class__ is _T"
-        f" else ({integer}) if {name}.__class__ is int else _other({name})"
+        f"{tensor} if {name}.__class__ is _kk_T"
+        f" else ({integer}) if {name}.__class__ is int else _kk_other({name})"
     )
 
 
@@ -191,12 +196,13 @@ def _make_binder(kernel):
             sig.append(p.name)
         # A constexpr's value is its specialisation; its type too (True, 1 and 1.0 are equal).
         key.append(f"{p.name}.__class__, {p.name}" if p.is_constexpr else _runtime_key(p.name, p))
+    # Every name of the generated code but the parameters starts with _kk_ (no clashes).
     src = (
         f"def bind({', '.join(sig)}, **_kk_options):\n"
-        f"    key = ({', '.join(key)}, *_kk_options.items())\n"
-        f"    return key, ({', '.join(names)},), _kk_options\n"
+        f"    _kk_key = ({', '.join(key)}, *_kk_options.items())\n"
+        f"    return _kk_key, ({', '.join(names)},), _kk_options\n"
     )
-    namespace = {"_T": _T, "_other": _other, **defaults}
+    namespace = {"_kk_T": _T, "_kk_other": _other, **defaults}
     exec(src, namespace)  # source generated from the kernel's parameter names
     return namespace["bind"]
 
@@ -393,6 +399,10 @@ def launch(kernel):
     return launcher
 
 
+# torch builds without it: always take autograd.Function.apply's own path
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
+
+
 class KernelOp:
     """An op registered with torch.library plus its dispatcher-free eager path.
 
@@ -422,7 +432,7 @@ class KernelOp:
                     needs_grad = True
         if not (needs_grad and self._apply is not None and torch.is_grad_enabled()):
             return self.fn(*args)
-        if torch._C._are_functorch_transforms_active():
+        if _functorch_active():
             return self._function.apply(*args)  # functorch's path for autograd.Function
         return self._apply(*args)
 
@@ -445,7 +455,8 @@ class KernelOp:
         )
         # Function.apply's Python wrapper only matters under functorch transforms (checked in
         # __call__); outside them, its C implementation is called directly.
-        self._apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, self._function)
+        c_apply = getattr(torch._C._FunctionBase, "__dict__", {}).get("apply")
+        self._apply = c_apply.__get__(None, self._function) if c_apply else self._function.apply
 
 
 def define_op(qualname: str, *, mutates_args: Iterable[str] = ()) -> Callable[[Callable], KernelOp]:
