@@ -120,47 +120,48 @@ def model_x(shape, requires_grad=False):
     return torch.randn(*shape, dtype=DTYPE, device=dev, requires_grad=requires_grad)
 
 
-@pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("shape", MODEL_SHAPES, ids=shape_id)
-@pytest.mark.parametrize("case", MODEL_CASES, ids=case_id)
+def model_cells(test):
+    """One test per (case, model shape, provider)."""
+    test = pytest.mark.parametrize("provider", PROVIDERS)(test)
+    test = pytest.mark.parametrize("shape", MODEL_SHAPES, ids=shape_id)(test)
+    return pytest.mark.parametrize("case", MODEL_CASES, ids=case_id)(test)
+
+
+def record_model(benchmark, fn, direction, case, shape, provider, tensors, **kwargs):
+    """`record` for a model-shape cell; the ideal bytes are `tensors` tensor-sized transfers."""
+    tag = model_tag(*case)
+    benchmark.group = f"act-{direction}-{tag}"
+    n = shape[0] * shape[1] * shape[2] * shape[3]
+    record(
+        benchmark,
+        fn,
+        op="act",
+        direction=direction,
+        tag=tag,
+        x=shape[0] * shape[1],
+        xname="tokens",
+        provider=provider,
+        bytes_moved=tensors * n * DTYPE.itemsize,
+        info={"shape": list(shape)},
+        **kwargs,
+    )
+
+
+@model_cells
 def test_model_fwd(benchmark, case, shape, provider):
-    a, dim = case
     x = model_x(shape)
-    f = fn_for(provider, a, dim)
-    benchmark.group = f"act-fwd-{model_tag(a, dim)}"
-    record(
-        benchmark,
-        lambda: f(x),
-        op="act",
-        direction="fwd",
-        tag=model_tag(a, dim),
-        x=shape[0] * shape[1],
-        xname="tokens",
-        provider=provider,
-        bytes_moved=2 * x.numel() * x.element_size(),
-        info={"shape": list(shape)},
-    )
+    f = fn_for(provider, *case)
+    record_model(benchmark, lambda: f(x), "fwd", case, shape, provider, 2)  # read x, write y
 
 
-@pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("shape", MODEL_SHAPES, ids=shape_id)
-@pytest.mark.parametrize("case", MODEL_CASES, ids=case_id)
+@model_cells
 def test_model_bwd(benchmark, case, shape, provider):
-    a, dim = case
     x = model_x(shape, requires_grad=True)
-    y = fn_for(provider, a, dim)(x)
+    y = fn_for(provider, *case)(x)
     dy = torch.randn_like(y)
-    benchmark.group = f"act-bwd-{model_tag(a, dim)}"
-    record(
-        benchmark,
-        lambda: y.backward(dy, retain_graph=True),
-        op="act",
-        direction="bwd",
-        tag=model_tag(a, dim),
-        x=shape[0] * shape[1],
-        xname="tokens",
-        provider=provider,
-        bytes_moved=3 * x.numel() * x.element_size(),
-        grad_to_none=[x],
-        info={"shape": list(shape)},
-    )
+
+    def bwd():
+        y.backward(dy, retain_graph=True)
+
+    # Ideal bytes: read the saved tensor and dy, write dx.
+    record_model(benchmark, bwd, "bwd", case, shape, provider, 3, grad_to_none=[x])
