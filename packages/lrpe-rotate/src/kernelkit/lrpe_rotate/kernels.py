@@ -35,7 +35,13 @@ from kernelkit.lrpe_core.kernels import (
     store_dtheta_partial,
     token_positions,
 )
-from kernelkit.lrpe_core.op import SEQ, position_args, programs_target, theta_args
+from kernelkit.lrpe_core.op import (
+    SEQ,
+    per_row_positions,
+    position_args,
+    programs_target,
+    theta_args,
+)
 from kernelkit.shared.runtime import cdiv, launch, next_power_of_2
 
 # Never specialised (Triton would otherwise make values of 1 constants and key on divisibility
@@ -92,12 +98,6 @@ def _seq_chunks(plan, batch, n, heads, block_n, device) -> tuple[int, int]:
     return chunk, cdiv(n, chunk)
 
 
-def _per_row(pos) -> bool:
-    """Whether positions differ between batch rows (pointer offset or positions table)."""
-    start, starts, table = pos
-    return starts is not None or table is not None
-
-
 def _strides(name: str, t: torch.Tensor) -> dict:
     return {f"stride_{name}{a}": s for a, s in zip("bnhd", t.stride())}
 
@@ -150,9 +150,9 @@ def tile_offsets(t, j, s_n, s_d):
 
 
 @triton.jit
-def rotation(freqs, offset, positions, b, t, stride_pb, stride_pn):
-    """cos and sin [BLOCK_N, BLOCK_E] of the angles of tokens t of batch row b."""
-    pos = token_positions(offset, positions, b, t, stride_pb, stride_pn).to(tl.float32)
+def rotation(freqs, offset, positions, b, t, n, stride_pb, stride_pn):
+    """cos and sin [BLOCK_N, BLOCK_E] of the angles of tokens t (< n) of batch row b."""
+    pos = token_positions(offset, positions, b, t, n, stride_pb, stride_pn).to(tl.float32)
     return cos_sin(pos[:, None] * freqs[None, :])
 
 
@@ -182,12 +182,12 @@ def rotate_fwd_kernel(
     freqs = slot_frequencies(theta + h * stride_th, stride_te, j, n_freq)
     per_row: tl.constexpr = positions is not None or offset.dtype.is_ptr()
     if not per_row:
-        cos, sin = rotation(freqs, offset, positions, 0, t, stride_pb, stride_pn)
+        cos, sin = rotation(freqs, offset, positions, 0, t, N, stride_pb, stride_pn)
     x_off = h.to(tl.int64) * stride_xh + tile_offsets(t, j, stride_xn, stride_xd)
     y_off = h.to(tl.int64) * stride_yh + tile_offsets(t, j, stride_yn, stride_yd)
     for b in range(b0, tl.minimum(b0 + rows_per_program, B)):
         if per_row:
-            cos, sin = rotation(freqs, offset, positions, b, t, stride_pb, stride_pn)
+            cos, sin = rotation(freqs, offset, positions, b, t, N, stride_pb, stride_pn)
         x1, x2 = activated_halves(x + b * stride_xb, x_off, HALF * stride_xd, mask, KIND)
         y1 = x1 * cos - x2 * sin
         y2 = x1 * sin + x2 * cos
@@ -202,7 +202,7 @@ def rotate_fwd(x, theta, pos, kind, plan: Plan = PLAN) -> torch.Tensor:
     half = d // 2
     block_n, block_e, warps = _tile(plan, kind, half)
     n_tiles = cdiv(n, block_n)
-    per_group, groups = _batch_groups(plan, batch, n_tiles, heads, x.device, _per_row(pos))
+    per_group, groups = _batch_groups(plan, batch, n_tiles, heads, x.device, per_row_positions(pos))
     launch(rotate_fwd_kernel)[(n_tiles * groups, heads)](
         x=x, y=y, theta=theta, **position_args(*pos),
         B=batch, N=n, rows_per_program=per_group,
@@ -237,16 +237,16 @@ def rotate_bwd_kernel(
     freqs = slot_frequencies(theta + h * stride_th, stride_te, j, n_freq)
     per_row: tl.constexpr = positions is not None or offset.dtype.is_ptr()
     if not per_row:
-        cos, sin = rotation(freqs, offset, positions, 0, t, stride_pb, stride_pn)
-        pos = token_positions(offset, positions, 0, t, stride_pb, stride_pn).to(tl.float32)
+        cos, sin = rotation(freqs, offset, positions, 0, t, N, stride_pb, stride_pn)
+        pos = token_positions(offset, positions, 0, t, N, stride_pb, stride_pn).to(tl.float32)
     x_off = h.to(tl.int64) * stride_xh + tile_offsets(t, j, stride_xn, stride_xd)
     g_off = h.to(tl.int64) * stride_gh + tile_offsets(t, j, stride_gn, stride_gd)
     d_off = h.to(tl.int64) * stride_dh + tile_offsets(t, j, stride_dn, stride_dd)
     acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
     for b in range(b0, tl.minimum(b0 + rows_per_program, B)):
         if per_row:
-            cos, sin = rotation(freqs, offset, positions, b, t, stride_pb, stride_pn)
-            pos = token_positions(offset, positions, b, t, stride_pb, stride_pn).to(tl.float32)
+            cos, sin = rotation(freqs, offset, positions, b, t, N, stride_pb, stride_pn)
+            pos = token_positions(offset, positions, b, t, N, stride_pb, stride_pn).to(tl.float32)
         dy1, dy2 = load_halves(dy + b * stride_gb, g_off, HALF * stride_gd, mask, 0.0)
         g1 = cos * dy1 + sin * dy2  # gradient w.r.t. act(x): the inverse rotation of dy
         g2 = cos * dy2 - sin * dy1
@@ -282,7 +282,9 @@ def rotate_bwd(dy, x, theta, pos, kind, need_dtheta, plan: Plan = PLAN):
     half = d // 2
     block_n, block_e, warps = _tile(plan, kind, half)
     n_tiles = cdiv(n, block_n)
-    per_group, groups = _batch_groups(plan, batch, n_tiles, heads, dy.device, _per_row(pos))
+    per_group, groups = _batch_groups(
+        plan, batch, n_tiles, heads, dy.device, per_row_positions(pos)
+    )
     partials = None
     if need_dtheta:
         partials = dy.new_empty((n_tiles * groups, heads, half), dtype=torch.float32)
@@ -343,7 +345,7 @@ def seq_softmax_fwd_kernel(
     for t_start in range(t_lo, t_hi, BLOCK_N):
         t = t_start + tl.arange(0, BLOCK_N)
         mask = (t < t_hi)[:, None] & (j < HALF)[None, :]
-        cos, sin = rotation(freqs, offset, positions, b, t, stride_pb, stride_pn)
+        cos, sin = rotation(freqs, offset, positions, b, t, N, stride_pb, stride_pn)
         x1, x2 = load_halves(x_base, tile_offsets(t, j, stride_xn, stride_xd), HALF * stride_xd,
                              mask, 0.0)  # fmt: skip
         x1 = softmax_normalize(x1, m1, s1, 0)
@@ -374,9 +376,9 @@ def seq_tile(x_base, dy_base, t, j, mask, stats, freqs, pos_args, strides, HALF:
     """softmax(x) halves, dxbar halves (inverse rotation of dy) and float32 positions of one
     tile. Invalid lanes: x = 0 gives a finite softmax value, dy = 0 gives dxbar = 0."""
     m1, s1, m2, s2 = stats
-    offset, positions, b, stride_pb, stride_pn = pos_args
+    offset, positions, b, n, stride_pb, stride_pn = pos_args
     stride_xn, stride_xd, stride_gn, stride_gd = strides
-    pos = token_positions(offset, positions, b, t, stride_pb, stride_pn).to(tl.float32)
+    pos = token_positions(offset, positions, b, t, n, stride_pb, stride_pn).to(tl.float32)
     cos, sin = cos_sin(pos[:, None] * freqs[None, :])
     x1, x2 = load_halves(x_base, tile_offsets(t, j, stride_xn, stride_xd), HALF * stride_xd,
                          mask, 0.0)  # fmt: skip
@@ -413,7 +415,7 @@ def seq_softmax_bwd_sums_kernel(
         mask = (t < t_hi)[:, None] & (j < HALF)[None, :]
         xb1, xb2, g1, g2, _pos = seq_tile(
             x_base, dy_base, t, j, mask, stats, freqs,
-            (offset, positions, b, stride_pb, stride_pn),
+            (offset, positions, b, N, stride_pb, stride_pn),
             (stride_xn, stride_xd, stride_gn, stride_gd), HALF,
         )  # fmt: skip
         p1 += xb1 * g1
@@ -454,7 +456,7 @@ def seq_softmax_bwd_apply_kernel(
         mask = (t < t_hi)[:, None] & (j < HALF)[None, :]
         xb1, xb2, g1, g2, pos = seq_tile(
             x_base, dy_base, t, j, mask, stats, freqs,
-            (offset, positions, b, stride_pb, stride_pn),
+            (offset, positions, b, N, stride_pb, stride_pn),
             (stride_xn, stride_xd, stride_gn, stride_gd), HALF,
         )  # fmt: skip
         d_off = tile_offsets(t, j, stride_dn, stride_dd)
