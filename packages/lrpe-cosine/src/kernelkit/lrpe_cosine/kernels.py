@@ -56,9 +56,20 @@ from kernelkit.shared.runtime import cdiv, launch, next_power_of_2
 
 # Sizes, offsets, grid sizes and batch-group sizes change with every call: never specialise.
 RUNTIME = [
-    "B", "N", "offset", "rows_per_program", "num_stat_chunks", "num_chunks", "chunk",
-    "stride_pb", "stride_pn", "extra", "size_a", "size_b", "size_c",
-]  # fmt: skip
+    "B",
+    "N",
+    "offset",
+    "rows_per_program",
+    "num_stat_chunks",
+    "num_chunks",
+    "chunk",
+    "stride_pb",
+    "stride_pn",
+    "extra",
+    "size_a",
+    "size_b",
+    "size_c",
+]
 
 ROWS = 4  # batch rows per tile (axis 1)
 
@@ -125,8 +136,14 @@ def sequence_chunks(plan, b, n, heads, block_n, device) -> tuple[int, int, int]:
 def _angle_args(theta, d, grid: Grid | None) -> dict:
     """Theta and grid keyword arguments of the kernels."""
     if grid is None:
-        return {**theta_args(theta, d), "extra": None, "size_a": None, "size_b": None,
-                "size_c": None, "GRID_AXES": 0}  # fmt: skip
+        return {
+            **theta_args(theta, d),
+            "extra": None,
+            "size_a": None,
+            "size_b": None,
+            "size_c": None,
+            "GRID_AXES": 0,
+        }
     inner = [*reversed(grid.shape[1:]), 1, 1, 1]  # last axis first
     return {
         "stride_th": 0 if theta.shape[0] == 1 else theta.stride(0),
@@ -152,8 +169,22 @@ def _strides(name: str, t: torch.Tensor | None) -> dict:
 
 
 @triton.jit
-def tile_positions(offset, positions, b, t, N, stride_pb, stride_pn, feats, extra, E,
-                   size_a, size_b, size_c, GRID_AXES: tl.constexpr):  # fmt: skip
+def tile_positions(
+    offset,
+    positions,
+    b,
+    t,
+    N,
+    stride_pb,
+    stride_pn,
+    feats,
+    extra,
+    E,
+    size_a,
+    size_b,
+    size_c,
+    GRID_AXES: tl.constexpr,
+):
     """float32 positions broadcastable to [BLOCK_N, ROWS, BLOCK_D]: per token ([BLOCK_N, 1, 1],
     or [BLOCK_N, ROWS, 1] when they depend on the rows `b` [ROWS]) for a sequence, per feature
     ([BLOCK_N, 1, BLOCK_D]) on a grid."""
@@ -232,15 +263,42 @@ def angle_table_offsets(t, h, H, D, feats):
 
 @triton.jit(do_not_specialize=RUNTIME)
 def cosine_fwd_kernel(
-    x, y, theta, offset, positions, m, s, angles,
-    B, N, D, rows_per_program, num_stat_chunks,
-    stride_xb, stride_xn, stride_xh, stride_xd,
-    stride_yb, stride_yn, stride_yh, stride_yd,
-    stride_th, stride_te, n_freq, stride_pb, stride_pn,
-    extra, size_a, size_b, size_c,
-    ACT: tl.constexpr, GRID_AXES: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    x,
+    y,
+    theta,
+    offset,
+    positions,
+    m,
+    s,
+    angles,
+    B,
+    N,
+    D,
+    rows_per_program,
+    num_stat_chunks,
+    stride_xb,
+    stride_xn,
+    stride_xh,
+    stride_xd,
+    stride_yb,
+    stride_yn,
+    stride_yh,
+    stride_yd,
+    stride_th,
+    stride_te,
+    n_freq,
+    stride_pb,
+    stride_pn,
+    extra,
+    size_a,
+    size_b,
+    size_c,
+    ACT: tl.constexpr,
+    GRID_AXES: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     h = tl.program_id(1)
     H = tl.num_programs(1)
     t = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -250,8 +308,22 @@ def cosine_fwd_kernel(
     freqs = head_frequencies(theta, h, stride_th, stride_te, n_freq, feats, D, GRID_AXES)
     per_row: tl.constexpr = positions is not None or offset.dtype.is_ptr()
     if not per_row:
-        ang = freqs * tile_positions(offset, positions, None, t, N, stride_pb, stride_pn, feats,
-                                     extra, n_freq, size_a, size_b, size_c, GRID_AXES)  # fmt: skip
+        ang = freqs * tile_positions(
+            offset,
+            positions,
+            None,
+            t,
+            N,
+            stride_pb,
+            stride_pn,
+            feats,
+            extra,
+            n_freq,
+            size_a,
+            size_b,
+            size_c,
+            GRID_AXES,
+        )
         if angles is not None:  # batch group 0 writes the table
             keep = tile_ok & (tl.program_id(2) == 0)
             tl.store(angles + angle_table_offsets(t, h, H, D, feats), ang, mask=keep)
@@ -269,9 +341,22 @@ def cosine_fwd_kernel(
         row_ok = b < b_hi
         mask = row_ok[None, :, None] & tile_ok
         if per_row:
-            pos = tile_positions(offset, positions, tl.minimum(b, B - 1), t, N, stride_pb,
-                                 stride_pn, feats, extra, n_freq, size_a, size_b, size_c,
-                                 GRID_AXES)  # fmt: skip
+            pos = tile_positions(
+                offset,
+                positions,
+                tl.minimum(b, B - 1),
+                t,
+                N,
+                stride_pb,
+                stride_pn,
+                feats,
+                extra,
+                n_freq,
+                size_a,
+                size_b,
+                size_c,
+                GRID_AXES,
+            )
             cos_t, sin_t = cos_sin(pos * freqs)
         if ACT == "softmax_seq":
             stat_ok = row_ok[:, None] & feat_ok[None, :]
@@ -284,8 +369,9 @@ def cosine_fwd_kernel(
         tl.store(y_rows + D * stride_yd, (xbar * sin_t).to(y.dtype.element_ty), mask=mask)
 
 
-def cosine_fwd(x, theta, pos, kind, stats=None, *, grid: Grid | None = None, angles=None,
-               plan: Plan = PLAN) -> torch.Tensor:  # fmt: skip
+def cosine_fwd(
+    x, theta, pos, kind, stats=None, *, grid: Grid | None = None, angles=None, plan: Plan = PLAN
+) -> torch.Tensor:
     """y (B, N, H, 2D) = [act(x) cos, act(x) sin]; pos = (start, starts, table) of a sequence
     (ignored with a `grid`); `stats` for softmax_seq; `angles` (N, H, D) float32 to fill."""
     b, n, heads, d = x.shape
@@ -295,13 +381,27 @@ def cosine_fwd(x, theta, pos, kind, stats=None, *, grid: Grid | None = None, ang
     n_blocks = cdiv(n, block_n)
     rows, groups = batch_groups(plan, b, n_blocks * heads, x.device)
     launch(cosine_fwd_kernel)[(n_blocks, heads, groups)](
-        x=x, y=y, theta=theta, **position_args(*pos),
-        m=stats[0] if stats is not None else None, s=stats[1] if stats is not None else None,
-        angles=angles, B=b, N=n, D=d, rows_per_program=rows,
+        x=x,
+        y=y,
+        theta=theta,
+        **position_args(*pos),
+        m=stats[0] if stats is not None else None,
+        s=stats[1] if stats is not None else None,
+        angles=angles,
+        B=b,
+        N=n,
+        D=d,
+        rows_per_program=rows,
         num_stat_chunks=stats.shape[2] if stats is not None else 0,
-        **_strides("x", x), **_strides("y", y), **_angle_args(theta, d, grid),
-        ACT=kind, ROWS=ROWS, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=plan.warps,
-    )  # fmt: skip
+        **_strides("x", x),
+        **_strides("y", y),
+        **_angle_args(theta, d, grid),
+        ACT=kind,
+        ROWS=ROWS,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=plan.warps,
+    )
     return y
 
 
@@ -312,16 +412,50 @@ def cosine_fwd(x, theta, pos, kind, stats=None, *, grid: Grid | None = None, ang
 
 @triton.jit(do_not_specialize=RUNTIME)
 def cosine_bwd_kernel(
-    x, dy, dx, theta, offset, positions, m, s, sums, angles, dtheta_partials,
-    B, N, D, rows_per_program, num_stat_chunks, num_chunks,
-    stride_xb, stride_xn, stride_xh, stride_xd,
-    stride_gb, stride_gn, stride_gh, stride_gd,
-    stride_db, stride_dn, stride_dh, stride_dd,
-    stride_th, stride_te, n_freq, stride_pb, stride_pn,
-    extra, size_a, size_b, size_c,
-    ACT: tl.constexpr, GRID_AXES: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    x,
+    dy,
+    dx,
+    theta,
+    offset,
+    positions,
+    m,
+    s,
+    sums,
+    angles,
+    dtheta_partials,
+    B,
+    N,
+    D,
+    rows_per_program,
+    num_stat_chunks,
+    num_chunks,
+    stride_xb,
+    stride_xn,
+    stride_xh,
+    stride_xd,
+    stride_gb,
+    stride_gn,
+    stride_gh,
+    stride_gd,
+    stride_db,
+    stride_dn,
+    stride_dh,
+    stride_dd,
+    stride_th,
+    stride_te,
+    n_freq,
+    stride_pb,
+    stride_pn,
+    extra,
+    size_a,
+    size_b,
+    size_c,
+    ACT: tl.constexpr,
+    GRID_AXES: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """dx̄ = dy_cos cos + dy_sin sin, then the act backward (softmax_seq: with the per-chunk
     sums of the first pass). With `dtheta_partials` each program also writes its float32
     partial of dtheta[h, :] = sum pos * x̄ * (dy_sin cos - dy_cos sin). `dx` None: d(theta)
@@ -336,8 +470,22 @@ def cosine_bwd_kernel(
     freqs = head_frequencies(theta, h, stride_th, stride_te, n_freq, feats, D, GRID_AXES)
     per_row: tl.constexpr = positions is not None or offset.dtype.is_ptr()
     if not per_row:
-        pos = tile_positions(offset, positions, None, t, N, stride_pb, stride_pn, feats, extra,
-                             n_freq, size_a, size_b, size_c, GRID_AXES)  # fmt: skip
+        pos = tile_positions(
+            offset,
+            positions,
+            None,
+            t,
+            N,
+            stride_pb,
+            stride_pn,
+            feats,
+            extra,
+            n_freq,
+            size_a,
+            size_b,
+            size_c,
+            GRID_AXES,
+        )
         if angles is not None:
             ang = tl.load(angles + angle_table_offsets(t, h, H, D, feats), mask=tile_ok, other=0.0)
         else:
@@ -358,9 +506,22 @@ def cosine_bwd_kernel(
         row_ok = b < b_hi
         mask = row_ok[None, :, None] & tile_ok
         if per_row:
-            pos = tile_positions(offset, positions, tl.minimum(b, B - 1), t, N, stride_pb,
-                                 stride_pn, feats, extra, n_freq, size_a, size_b, size_c,
-                                 GRID_AXES)  # fmt: skip
+            pos = tile_positions(
+                offset,
+                positions,
+                tl.minimum(b, B - 1),
+                t,
+                N,
+                stride_pb,
+                stride_pn,
+                feats,
+                extra,
+                n_freq,
+                size_a,
+                size_b,
+                size_c,
+                GRID_AXES,
+            )
             cos_t, sin_t = cos_sin(pos * freqs)
         g_rows = g_head + (b.to(tl.int64) * stride_gb)[None, :, None] + g_tile
         dy_cos = tl.load(g_rows, mask=mask, other=0.0).to(tl.float32)
@@ -391,14 +552,44 @@ def cosine_bwd_kernel(
 
 @triton.jit(do_not_specialize=RUNTIME)
 def cosine_bwd_seq_sums_kernel(
-    x, dy, theta, offset, positions, m, s, sums, angles, dtheta_partials,
-    B, N, D, chunk, num_chunks, num_stat_chunks,
-    stride_xb, stride_xn, stride_xh, stride_xd,
-    stride_gb, stride_gn, stride_gh, stride_gd,
-    stride_th, stride_te, n_freq, stride_pb, stride_pn,
-    extra, size_a, size_b, size_c,
-    GRID_AXES: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    x,
+    dy,
+    theta,
+    offset,
+    positions,
+    m,
+    s,
+    sums,
+    angles,
+    dtheta_partials,
+    B,
+    N,
+    D,
+    chunk,
+    num_chunks,
+    num_stat_chunks,
+    stride_xb,
+    stride_xn,
+    stride_xh,
+    stride_xd,
+    stride_gb,
+    stride_gn,
+    stride_gh,
+    stride_gd,
+    stride_th,
+    stride_te,
+    n_freq,
+    stride_pb,
+    stride_pn,
+    extra,
+    size_a,
+    size_b,
+    size_c,
+    GRID_AXES: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """First pass of the softmax-over-the-sequence backward. A program (chunk of tokens, h,
     ROWS batch rows) writes the float32 sums over its tokens of y * dx̄ (y = softmax of x over
     the sequence) to sums[b * H + h, chunk, :], and its d(theta) partial (it has x̄ and dy)."""
@@ -423,9 +614,22 @@ def cosine_bwd_seq_sums_kernel(
     for t0 in range(t_start, tl.minimum(t_start + chunk, N), BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         mask = (t < N)[:, None, None] & row_ok[None, :, None] & feat_ok[None, None, :]
-        pos = tile_positions(offset, positions, b_pos if per_row else None, t, N, stride_pb,
-                             stride_pn, feats, extra, n_freq, size_a, size_b, size_c,
-                             GRID_AXES)  # fmt: skip
+        pos = tile_positions(
+            offset,
+            positions,
+            b_pos if per_row else None,
+            t,
+            N,
+            stride_pb,
+            stride_pn,
+            feats,
+            extra,
+            n_freq,
+            size_a,
+            size_b,
+            size_c,
+            GRID_AXES,
+        )
         if angles is not None:
             tab_ok = (t < N)[:, None, None] & feat_ok[None, None, :]
             ang = tl.load(angles + angle_table_offsets(t, h, H, D, feats), mask=tab_ok, other=0.0)
@@ -445,12 +649,25 @@ def cosine_bwd_seq_sums_kernel(
     tl.store(sums + out, tl.sum(acc_sums, axis=0), mask=stat_ok)
     if NEED_DTHETA:
         part = tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)
-        store_dtheta_partial(dtheta_partials, part, H, h, feats, D,
-                             tl.sum(tl.sum(acc, axis=1), axis=0))  # fmt: skip
+        store_dtheta_partial(
+            dtheta_partials, part, H, h, feats, D, tl.sum(tl.sum(acc, axis=1), axis=0)
+        )
 
 
-def cosine_bwd(dy, x, theta, pos, kind, stats=None, *, need_dx=True, need_dtheta=False,
-               grid: Grid | None = None, angles=None, plan: Plan = PLAN):  # fmt: skip
+def cosine_bwd(
+    dy,
+    x,
+    theta,
+    pos,
+    kind,
+    stats=None,
+    *,
+    need_dx=True,
+    need_dtheta=False,
+    grid: Grid | None = None,
+    angles=None,
+    plan: Plan = PLAN,
+):
     """(dx or None, float32 d(theta) partials (programs, H, D) or None). x may be None for act
     none without d(theta); `stats` for softmax_seq; `angles` the forward's table or None."""
     b, n, heads, d2 = dy.shape
@@ -462,12 +679,21 @@ def cosine_bwd(dy, x, theta, pos, kind, stats=None, *, need_dx=True, need_dtheta
     )
     per_row = per_row_positions(pos) and grid is None
     common = dict(
-        theta=theta, **position_args(*pos),
-        m=stats[0] if stats is not None else None, s=stats[1] if stats is not None else None,
-        angles=angles, B=b, N=n, D=d, num_stat_chunks=stats.shape[2] if stats is not None else 0,
-        **_strides("x", x), **_strides("g", dy), **_angle_args(theta, d, grid), ROWS=ROWS,
+        theta=theta,
+        **position_args(*pos),
+        m=stats[0] if stats is not None else None,
+        s=stats[1] if stats is not None else None,
+        angles=angles,
+        B=b,
+        N=n,
+        D=d,
+        num_stat_chunks=stats.shape[2] if stats is not None else 0,
+        **_strides("x", x),
+        **_strides("g", dy),
+        **_angle_args(theta, d, grid),
+        ROWS=ROWS,
         num_warps=plan.warps,
-    )  # fmt: skip
+    )
     sums, partials, num_chunks = None, None, 0
     if kind == SEQ:
         block_n, block_d = tile_sizes(d, plan.small_tile)
@@ -476,9 +702,16 @@ def cosine_bwd(dy, x, theta, pos, kind, stats=None, *, need_dx=True, need_dtheta
         if need_dtheta:
             partials = dy.new_empty((num_chunks * groups, heads, d), dtype=torch.float32)
         launch(cosine_bwd_seq_sums_kernel)[(num_chunks, heads, groups)](
-            x=x, dy=dy, sums=sums, dtheta_partials=partials, chunk=chunk, num_chunks=num_chunks,
-            BLOCK_N=block_n, BLOCK_D=block_d, **common,
-        )  # fmt: skip
+            x=x,
+            dy=dy,
+            sums=sums,
+            dtheta_partials=partials,
+            chunk=chunk,
+            num_chunks=num_chunks,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            **common,
+        )
     fuse_dtheta = need_dtheta and kind != SEQ
     if need_dx or fuse_dtheta:
         block_n, block_d = tile_sizes(d, plan.small_tile if per_row else plan.tile)
@@ -487,8 +720,17 @@ def cosine_bwd(dy, x, theta, pos, kind, stats=None, *, need_dx=True, need_dtheta
         if fuse_dtheta:
             partials = dy.new_empty((n_blocks * groups, heads, d), dtype=torch.float32)
         launch(cosine_bwd_kernel)[(n_blocks, heads, groups)](
-            x=x, dy=dy, dx=dx, sums=sums, dtheta_partials=partials if fuse_dtheta else None,
-            rows_per_program=rows, num_chunks=num_chunks, **_strides("d", dx),
-            ACT=kind, BLOCK_N=block_n, BLOCK_D=block_d, **common,
-        )  # fmt: skip
+            x=x,
+            dy=dy,
+            dx=dx,
+            sums=sums,
+            dtheta_partials=partials if fuse_dtheta else None,
+            rows_per_program=rows,
+            num_chunks=num_chunks,
+            **_strides("d", dx),
+            ACT=kind,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            **common,
+        )
     return dx, partials
