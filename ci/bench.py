@@ -5,6 +5,7 @@ so it works from a source checkout on an offline GPU machine (no uv, no nox).
     python ci/bench.py act                  # full suite on the GPU -> packages/act/benchmarks/results/
     python ci/bench.py act -k "fwd and relu" # a subset (pytest -k)
     python ci/bench.py act --render-only packages/act/benchmarks/results/NVIDIA-H100-80GB-HBM3.json
+    python ci/bench.py act -k model --merge  # re-measure a subset, keep the other committed cells
 
 Writes results/<GPU>.json (pytest-benchmark JSON), results/<GPU>.md (seed-style tables: one column
 per provider, speed and memory, fwd and bwd, plus GB/s or TFLOP/s) and results/<GPU>.png (a plot).
@@ -60,6 +61,23 @@ def run_suite(package: str, json_path: Path, extra: list[str]) -> int:
             print("interrupted: waiting for pytest to write the partial results", flush=True)
 
 
+def _cell_key(bench: dict):
+    e = bench.get("extra_info", {})
+    return (e.get("op"), e.get("direction"), e.get("tag"), e.get("x"), e.get("provider"))
+
+
+def merge(new: dict, old: dict) -> dict:
+    """The new run plus the cells of an older run of the same GPU that it did not re-measure
+    (same table coordinates); machine_info says which runs the file holds."""
+    fresh = {_cell_key(b) for b in new.get("benchmarks", [])}
+    kept = [b for b in old.get("benchmarks", []) if _cell_key(b) not in fresh]
+    merged = dict(new, benchmarks=new.get("benchmarks", []) + kept)
+    runs = old.get("machine_info", {}).get("kernelkit", {}).get("runs", [old.get("datetime")])
+    info = merged.setdefault("machine_info", {}).setdefault("kernelkit", {})
+    info["runs"] = [*runs, new.get("datetime")]
+    return merged
+
+
 def render(package: str, runs: list[dict], results: Path) -> Path:
     sys.path.insert(0, str(ROOT / "shared" / "src"))
     from kernelkit.shared.report import render_markdown, render_plot
@@ -87,6 +105,11 @@ def main() -> int:
     ap.add_argument(
         "--results", help="output folder (default packages/<package>/benchmarks/results)"
     )
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the cells of the committed results/<GPU>.json that this run did not measure",
+    )
     args, extra = ap.parse_known_args()
     results = (
         Path(args.results)
@@ -109,6 +132,8 @@ def main() -> int:
     gpu = run.get("machine_info", {}).get("kernelkit", {}).get("gpu", "unknown")
     slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-")
     results.mkdir(parents=True, exist_ok=True)
+    if args.merge and (results / f"{slug}.json").exists():
+        run = merge(run, json.loads((results / f"{slug}.json").read_text()))
     (results / f"{slug}.json").write_text(json.dumps(run, indent=1) + "\n")
     render(args.package, [run], results)
     return rc

@@ -80,6 +80,8 @@ def render_markdown(runs: list[dict], title: str) -> str:
             f"GPU: {mi.get('gpu')} · torch {mi.get('torch')} · triton {mi.get('triton')} · "
             f"CUDA {mi.get('cuda')} · measured copy bandwidth {mi.get('copy_gbs', 0):.0f} GB/s"
         )
+        if len(mi.get("runs", [])) > 1:
+            out.append(f"Cells merged from the runs of {', '.join(map(str, mi['runs']))}.")
         out.append("")
     out.append(
         "Times are the median of `triton.testing.do_bench` (L2 flushed, gradients reset), "
