@@ -393,6 +393,13 @@ def test_split_kv_deterministic(device):
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
 
 
+def test_split_kv_opcheck(device):
+    """The registered forward on a split-path shape (fake tensors, dynamic shapes)."""
+    q, k, v = (t.requires_grad_() for t in qkv(1, 1, 70, 4, 2, 32, torch.float32, device))
+    assert fa_op.split_plan(q, k).splits >= 2
+    torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_fwd, (q, k, v, True, 0.25))
+
+
 def test_split_kv_torch_compile_fullgraph(device):
     backend = "inductor" if device.type == "cuda" else "aot_eager"
     compiled = torch.compile(
