@@ -1,4 +1,5 @@
-"""Triton kernels of flash-attn: FlashAttention-2 forward and backward.
+"""Triton kernels of flash-attn: FlashAttention-2 forward and backward, and a split-KV forward
+for decoding (its own section below).
 
 Layout: q and o are (B, Nq, H, D), k and v (B, Nk, Hkv, D), read through runtime strides with a
 unit stride along D (the host makes D contiguous); the LSE and delta are (B, H, Nq) float32.

@@ -601,6 +601,7 @@ def flash_attn(
     causal: query i sees keys j <= i + Nk - Nq; a row that sees no key outputs zeros.
     Returns o like q, and with return_lse=True also the natural-log LSE (B, H, Nq) float32
     ((B, Nq) for 3-D inputs; -inf on rows that see no key).
+    Decoding shapes (few query rows, long key sequences) run a split-KV forward (`split_plan`).
     """
     scale = validate(q, k, v, causal, softmax_scale)
     three_d = q.dim() == 3
