@@ -22,6 +22,7 @@ __all__ = [
     "OpSuite",
     "bench_ms",
     "copy_bandwidth_gbs",
+    "interleaved_ms",
     "matmul_tflops",
     "peak_memory_mb",
     "provider_fn",
@@ -73,6 +74,24 @@ def bench_ms(
             fn, warmup=10, rep=40, grad_to_none=grad_to_none, return_mode="median"
         )
     )
+
+
+def interleaved_ms(
+    fns: dict[str, Callable[[], object]],
+    rounds: int = 5,
+    *,
+    grad_to_none: Sequence[torch.Tensor] | None = None,
+) -> dict[str, tuple[float, float]]:
+    """A/B timing for decisions: each callable's `bench_ms` in round-robin passes, so drift of
+    the clocks or the machine hits every variant alike. Returns {name: (median ms, spread)},
+    spread = max / min - 1 over the rounds."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():  # compile and warm up outside the rounds
+        fn()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(bench_ms(fn, grad_to_none=grad_to_none))
+    return {name: (sorted(ts)[len(ts) // 2], max(ts) / min(ts) - 1.0) for name, ts in times.items()}
 
 
 def peak_memory_mb(fn: Callable[[], object], setup: Callable[[], None] | None = None) -> float:
