@@ -15,6 +15,7 @@ import torch
 from kernelkit.flash_attn import FlashAttentionFunction, flash_attn
 from kernelkit.flash_attn import op as fa_op
 from kernelkit.flash_attn.reference import attention_reference
+from kernelkit.shared.runtime import interpreting
 from kernelkit.shared.testing import assert_close
 
 HALF = (torch.float16, torch.bfloat16)
@@ -322,6 +323,14 @@ def test_split_plan_rule(monkeypatch):
 
 
 # (B, Nq, Nk, H, Hkv, D, dtype, causal)
+def takes_split_path(q, k) -> bool:
+    """The automatic plan takes the split-KV forward. Under the interpreter (a 4-SM stand-in)
+    these small shapes split the keys several ways; a real GPU gives them one split (several
+    splits are forced in test_split_counts_agree_with_dense and run at large shapes on the GPU)."""
+    plan = fa_op.split_plan(q, k)
+    return plan is not None and (plan.splits >= 2 or not interpreting())
+
+
 SPLIT_CASES = [
     (2, 1, 100, 4, 1, 128, torch.bfloat16, True),  # decode, MQA; Nk no multiple of tile/split
     (1, 3, 77, 4, 2, 80, torch.float16, True),  # GQA, D = 80 (padded), causal Nq = 3
@@ -338,7 +347,7 @@ def test_split_kv(case, device):
     backward, from the split forward's o and LSE) against the reference."""
     *shape, dtype, causal = case
     q, k, v = qkv(*shape, dtype, device)
-    assert fa_op.split_plan(q, k).splits >= 2
+    assert takes_split_path(q, k)
     check(q, k, v, causal=causal)
 
 
@@ -381,13 +390,13 @@ def test_split_kv_cache_slices(layout, device):
             for s in (4, 5)
         )
     q = make((b, h, nq, d), torch.bfloat16, device, seed=6).transpose(1, 2)
-    assert not k.is_contiguous() and fa_op.split_plan(q, k).splits >= 2
+    assert not k.is_contiguous() and takes_split_path(q, k)
     check(q, k, v, causal=True)
 
 
 def test_split_kv_deterministic(device):
     q, k, v = qkv(2, 1, 90, 4, 2, 32, torch.bfloat16, device)
-    assert fa_op.split_plan(q, k).splits >= 2
+    assert takes_split_path(q, k)
     first = flash_attn(q, k, v, causal=True, return_lse=True)
     second = flash_attn(q, k, v, causal=True, return_lse=True)
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
@@ -396,7 +405,7 @@ def test_split_kv_deterministic(device):
 def test_split_kv_opcheck(device):
     """The registered forward on a split-path shape (fake tensors, dynamic shapes)."""
     q, k, v = (t.requires_grad_() for t in qkv(1, 1, 70, 4, 2, 32, torch.float32, device))
-    assert fa_op.split_plan(q, k).splits >= 2
+    assert takes_split_path(q, k)
     torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_fwd, (q, k, v, True, 0.25))
 
 
@@ -408,7 +417,7 @@ def test_split_kv_torch_compile_fullgraph(device):
         backend=backend,
     )
     q, k, v = qkv(1, 2, 70, 4, 2, 32, torch.float32, device)
-    assert fa_op.split_plan(q, k).splits >= 2
+    assert takes_split_path(q, k)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     o, lse = compiled(*leaves)
     o.sum().backward()

@@ -132,7 +132,7 @@ class _Launcher:
         kernel, wrapped = self._kernel, self._wrapped
 
         def run(*args, **kwargs):
-            if _eager(args):
+            if _eager((*args, *kwargs.values())):  # launches pass tensors by keyword too
                 return kernel[grid](*args, **kwargs)
             return wrapped[grid](*args, **kwargs)
 
