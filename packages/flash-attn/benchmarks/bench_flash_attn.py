@@ -64,7 +64,11 @@ def fwd_flops(b, h, n, d, causal):
 def eager_fits(b, h, n, dtype=DTYPE):
     if not GPU:
         return True
-    free, _ = torch.cuda.mem_get_info()
+    # what the caching allocator holds but does not use is free too (an earlier eager cell's
+    # blocks would otherwise turn the next cell into a false OOM, as torch_compile fwd at 8k did)
+    free = (
+        torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    )
     per_score = EAGER_BYTES_PER_SCORE * dtype.itemsize / 2
     return per_score * b * h * n * n < 0.9 * free
 
