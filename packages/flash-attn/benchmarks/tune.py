@@ -243,7 +243,7 @@ def table_plans(d, dt):
     FLASH_TABLE candidate of one kernel with the other two kernels at op.py's tiles."""
     base = fa_op.plan_for(d, True, DTYPES[dt])
     out = [("default", None, base)]
-    for kind, tiles in FLASH_TABLE[(d, dt)].items():
+    for kind, tiles in FLASH_TABLE.get((d, dt), {}).items():  # none: op.py's tiles only
         for t in map(lambda t: Tile(*t), tiles):
             if t != getattr(base, kind):
                 out.append((kind, t, replace(base, **{kind: t})))
