@@ -297,12 +297,12 @@ def test_split_plan_rule(monkeypatch):
     monkeypatch.setattr(fa_op, "interpreting", lambda: False)
     monkeypatch.setattr(fa_op, "num_sms", lambda device: 132)
     decode = fa_op.Tile(16, *fa_op.SPLIT_TILES[128])
-    # Decode, GQA 32/8: 64 query tiles; 396 // 64 = 6 splits of 11 key blocks (64 keys each).
-    assert fa_op.split_plan(*_meta(8, 1, 4096, 32, 8, 128)) == fa_op.SplitPlan(decode, 6, 704)
-    assert fa_op.split_plan(*_meta(8, 1, 32768, 32, 8, 128)) == fa_op.SplitPlan(decode, 6, 5504)
+    # Decode, GQA 32/8: 64 query tiles; one wave: 132 // 64 = 2 splits of 128-key blocks.
+    assert fa_op.split_plan(*_meta(8, 1, 4096, 32, 8, 128)) == fa_op.SplitPlan(decode, 2, 2048)
+    assert fa_op.split_plan(*_meta(8, 1, 32768, 32, 8, 128)) == fa_op.SplitPlan(decode, 2, 16384)
     # Speculative decoding: 4 query heads x 16 queries = 64 packed rows, one tile.
     plan = fa_op.split_plan(*_meta(8, 16, 8192, 32, 8, 128))
-    assert plan.tile.block_m == 64 and plan.splits == 6
+    assert plan.tile.block_m == 64 and plan.splits == 2
     # Training shapes fill the GPU: the dense forward.
     assert fa_op.split_plan(*_meta(8, 4096, 4096, 32, 8, 128)) is None
     assert fa_op.split_plan(*_meta(1, 4096, 4096, 32, 32, 128)) is None
@@ -317,9 +317,9 @@ def test_split_plan_rule(monkeypatch):
         16, *fa_op.SPLIT_FP32_TILES[128]
     )
     # A forced count: runs of whole key blocks of one length (5 blocks in 4 splits: 2, 2, 1).
-    forced = fa_op.split_plan(*_meta(1, 1, 300, 4, 1, 128), num_splits=4)
-    assert (forced.splits, forced.split_len) == (3, 128)
-    assert fa_op.split_plan(*_meta(1, 1, 300, 4, 1, 128), num_splits=99).splits == 5
+    forced = fa_op.split_plan(*_meta(1, 1, 600, 4, 1, 64), num_splits=4)
+    assert (forced.splits, forced.split_len) == (3, 256)
+    assert fa_op.split_plan(*_meta(1, 1, 600, 4, 1, 64), num_splits=99).splits == 5
 
 
 # (B, Nq, Nk, H, Hkv, D, dtype, causal)
