@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -81,8 +80,11 @@ def merge(new: dict, old: dict) -> dict:
 
 
 def _slug(run: dict, name: str | None) -> str:
+    sys.path.insert(0, str(ROOT / "shared" / "src"))
+    from kernelkit.shared.report import slug
+
     gpu = run.get("machine_info", {}).get("kernelkit", {}).get("gpu", "unknown")
-    return re.sub(r"[^A-Za-z0-9]+", "-", gpu if not name else f"{gpu}-{name}").strip("-")
+    return slug(gpu if not name else f"{gpu}-{name}")
 
 
 def render(package: str, runs: list[dict], results: Path, name: str | None = None) -> Path:

@@ -24,15 +24,15 @@ per provider, `y` against x) instead of one time panel per table.
 
 from __future__ import annotations
 
-import json
+import re
 from collections import OrderedDict
-from pathlib import Path
 
-__all__ = ["collect", "collect_seed", "load", "render_markdown", "render_plot"]
+__all__ = ["collect", "collect_seed", "render_markdown", "render_plot", "slug"]
 
 
-def load(paths) -> list[dict]:
-    return [json.loads(Path(p).read_text()) for p in paths]
+def slug(name: str) -> str:
+    """File-name form of a GPU name (results/<slug>.json, .benchmarks/<slug>/)."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")
 
 
 def collect(runs: list[dict]) -> OrderedDict:
