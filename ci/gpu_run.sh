@@ -7,6 +7,8 @@
 #   TESTS_ONLY=1 ci/gpu_run.sh flash-attn  # tests only
 #   BENCH_ONLY=1 ci/gpu_run.sh act         # benchmarks only
 #   PYTEST_ARGS="-n 8" ci/gpu_run.sh act   # extra pytest arguments (pytest-xdist where installed)
+#   BENCH_K="model or 32768" BENCH_ARGS=--merge ci/gpu_run.sh act  # a subset, merged into the
+#                                          # committed results (BENCH_ARGS: more ci/bench.py args)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -23,7 +25,7 @@ for pkg in "$@"; do
     echo "$pkg tests: rc=$rc $(tail -1 "$out/$pkg-tests.log")"
   fi
   if [ -z "${TESTS_ONLY:-}" ]; then
-    timeout -s INT -k 60 "${BENCH_TIMEOUT:-400}" python ci/bench.py "$pkg" > "$out/$pkg-bench.log" 2>&1
+    timeout -s INT -k 60 "${BENCH_TIMEOUT:-400}" python ci/bench.py "$pkg" ${BENCH_K:+-k "$BENCH_K"} ${BENCH_ARGS:-} > "$out/$pkg-bench.log" 2>&1
     rc=$?; [ $rc -ne 0 ] && status=$rc
     echo "$pkg bench: rc=$rc"
     cp packages/"$pkg"/benchmarks/results/*.{json,md,png} "$out/" 2>/dev/null

@@ -15,6 +15,7 @@ import torch
 from kernelkit.flash_attn import FlashAttentionFunction, flash_attn
 from kernelkit.flash_attn import op as fa_op
 from kernelkit.flash_attn.reference import attention_reference
+from kernelkit.shared.runtime import interpreting
 from kernelkit.shared.testing import assert_close
 
 HALF = (torch.float16, torch.bfloat16)
@@ -278,6 +279,158 @@ def test_deterministic(device):
 
 
 # ------------------------------------------------------------------------------------------
+# Split-KV forward (decoding): keys split across programs, partials merged through their LSEs.
+# Under the interpreter num_sms is 4 and the split rule small (op.INTERPRETER_SPLIT_RULE), so
+# a few dozen keys already take several splits; the backward is the dense kernels' either way.
+# ------------------------------------------------------------------------------------------
+
+
+def _meta(b, nq, nk, h, hkv, d, dtype=torch.bfloat16):
+    return (
+        torch.empty(b, nq, h, d, dtype=dtype, device="meta"),
+        torch.empty(b, nk, hkv, d, dtype=dtype, device="meta"),
+    )
+
+
+def test_split_plan_rule(monkeypatch):
+    """The GPU rule, for an H100's 132 SMs."""
+    monkeypatch.setattr(fa_op, "interpreting", lambda: False)
+    monkeypatch.setattr(fa_op, "num_sms", lambda device: 132)
+    decode = fa_op.Tile(16, *fa_op.SPLIT_TILES[128])
+    # Decode, GQA 32/8: 64 query tiles; one wave: 132 // 64 = 2 splits of 128-key blocks.
+    assert fa_op.split_plan(*_meta(8, 1, 4096, 32, 8, 128)) == fa_op.SplitPlan(decode, 2, 2048)
+    assert fa_op.split_plan(*_meta(8, 1, 32768, 32, 8, 128)) == fa_op.SplitPlan(decode, 2, 16384)
+    # Speculative decoding: 4 query heads x 16 queries = 64 packed rows, one tile.
+    plan = fa_op.split_plan(*_meta(8, 16, 8192, 32, 8, 128))
+    assert plan.tile.block_m == 64 and plan.splits == 2
+    # Training shapes fill the GPU: the dense forward.
+    assert fa_op.split_plan(*_meta(8, 4096, 4096, 32, 8, 128)) is None
+    assert fa_op.split_plan(*_meta(1, 4096, 4096, 32, 32, 128)) is None
+    # Few query rows but many batches: the split kernel, unsplit (GQA packing still pays).
+    assert fa_op.split_plan(*_meta(128, 1, 4096, 32, 8, 128)).splits == 1
+    # Larger Nq that still underfills: 64 rows need 16 * 64 keys per split.
+    assert fa_op.split_plan(*_meta(1, 64, 65536, 1, 1, 128)).splits == 64
+    # 128 packed rows take the dense forward's tile.
+    plan = fa_op.split_plan(*_meta(8, 32, 4096, 32, 8, 128))
+    assert plan.tile == fa_op.FWD_TILES[128] and plan.splits == 2
+    assert fa_op.split_plan(*_meta(8, 1, 4096, 32, 8, 128, torch.float32)).tile == fa_op.Tile(
+        16, *fa_op.SPLIT_FP32_TILES[128]
+    )
+    # A forced count: runs of whole key blocks of one length (5 blocks in 4 splits: 2, 2, 1).
+    forced = fa_op.split_plan(*_meta(1, 1, 600, 4, 1, 64), num_splits=4)
+    assert (forced.splits, forced.split_len) == (3, 256)
+    assert fa_op.split_plan(*_meta(1, 1, 600, 4, 1, 64), num_splits=99).splits == 5
+
+
+# (B, Nq, Nk, H, Hkv, D, dtype, causal)
+def takes_split_path(q, k) -> bool:
+    """The automatic plan takes the split-KV forward. Under the interpreter (a 4-SM stand-in)
+    these small shapes split the keys several ways; a real GPU gives them one split (several
+    splits are forced in test_split_counts_agree_with_dense and run at large shapes on the GPU)."""
+    plan = fa_op.split_plan(q, k)
+    return plan is not None and (plan.splits >= 2 or not interpreting())
+
+
+SPLIT_CASES = [
+    (2, 1, 100, 4, 1, 128, torch.bfloat16, True),  # decode, MQA; Nk no multiple of tile/split
+    (1, 3, 77, 4, 2, 80, torch.float16, True),  # GQA, D = 80 (padded), causal Nq = 3
+    (1, 16, 130, 4, 1, 64, torch.float32, True),  # Nq = 16: 64 packed rows, two row blocks
+    (2, 1, 67, 2, 2, 32, torch.bfloat16, False),  # no grouping, not causal
+]
+
+
+@pytest.mark.parametrize(
+    "case", SPLIT_CASES, ids=lambda c: "b{}-q{}-k{}-h{}-hkv{}-d{}-{}-causal{}".format(*c)
+)
+def test_split_kv(case, device):
+    """The automatic plan takes the split path; o, LSE and gradients (through the dense
+    backward, from the split forward's o and LSE) against the reference."""
+    *shape, dtype, causal = case
+    q, k, v = qkv(*shape, dtype, device)
+    assert takes_split_path(q, k)
+    check(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 40, 45, 2, 1, 32), (1, 40, 21, 1, 1, 32)],
+    ids=["masked-splits", "rows-that-see-no-key"],
+)
+def test_split_counts_agree_with_dense(shape, device):
+    """Forced split counts (and pointer loads) against the dense forward and the reference.
+    Causal with several row blocks: the first blocks' queries see none of the later splits'
+    keys (neutral partials, LSE -inf); with Nq > Nk the first rows see no key at all."""
+    q, k, v = qkv(*shape, torch.float32, device)
+    scale = 1 / math.sqrt(q.shape[-1])
+    o_d, lse_d = fa_op.forward(q, k, v, True, scale, fa_op.plan_for(32, True, q.dtype))
+    o64, lse64 = attention_reference(q.double(), k.double(), v.double(), True, return_lse=True)
+    pointer = fa_op.Tile(32, 16, 4, 1, tma=False)
+    for n, tile in ((1, None), (2, None), (3, pointer), (5, None)):
+        split = fa_op.split_plan(q, k, num_splits=n, tile=tile)
+        o, lse = fa_op.forward(q, k, v, True, scale, split=split)
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(lse64)), f"{n} splits"
+        assert_close(o, o64, name=f"o, {n} splits")
+        assert_close(o, o_d, name=f"o vs dense, {n} splits")
+        assert_close(_finite(lse), _finite(lse64), bound=2e-5, name=f"lse, {n} splits")
+        assert_close(_finite(lse), _finite(lse_d), bound=2e-5, name=f"lse vs dense, {n} splits")
+    assert (o[:, : max(0, shape[1] - shape[2])] == 0).all()
+
+
+@pytest.mark.parametrize("layout", ["sequence-major", "heads-major"])
+def test_split_kv_cache_slices(layout, device):
+    """Decoders pass k/v as the filled prefix of a preallocated cache (and q from a (B, H, N, D)
+    projection): strided views, read in place."""
+    b, nq, nk, h, hkv, d, cap = 2, 2, 70, 4, 2, 64, 96
+    if layout == "sequence-major":  # (2, B, cap, Hkv, D): k and v caches in one buffer
+        cache = make((2, b, cap, hkv, d), torch.bfloat16, device, seed=3)
+        k, v = cache[0, :, :nk], cache[1, :, :nk]
+    else:  # (B, Hkv, cap, D) per cache, viewed as (B, N, Hkv, D)
+        k, v = (
+            make((b, hkv, cap, d), torch.bfloat16, device, s)[:, :, :nk].transpose(1, 2)
+            for s in (4, 5)
+        )
+    q = make((b, h, nq, d), torch.bfloat16, device, seed=6).transpose(1, 2)
+    assert not k.is_contiguous() and takes_split_path(q, k)
+    check(q, k, v, causal=True)
+
+
+def test_split_kv_deterministic(device):
+    q, k, v = qkv(2, 1, 90, 4, 2, 32, torch.bfloat16, device)
+    assert takes_split_path(q, k)
+    first = flash_attn(q, k, v, causal=True, return_lse=True)
+    second = flash_attn(q, k, v, causal=True, return_lse=True)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+def test_split_kv_opcheck(device):
+    """The registered forward on a split-path shape (fake tensors, dynamic shapes)."""
+    q, k, v = (t.requires_grad_() for t in qkv(1, 1, 70, 4, 2, 32, torch.float32, device))
+    assert takes_split_path(q, k)
+    torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_fwd, (q, k, v, True, 0.25))
+
+
+def test_split_kv_torch_compile_fullgraph(device):
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    compiled = torch.compile(
+        lambda q, k, v: flash_attn(q, k, v, causal=True, return_lse=True),
+        fullgraph=True,
+        backend=backend,
+    )
+    q, k, v = qkv(1, 2, 70, 4, 2, 32, torch.float32, device)
+    assert takes_split_path(q, k)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, lse = compiled(*leaves)
+    o.sum().backward()
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    o64, lse64 = attention_reference(*ref, causal=True, return_lse=True)
+    o64.sum().backward()
+    assert_close(o, o64, name="compiled o")
+    assert_close(lse, lse64, name="compiled lse")
+    for a, r, name in zip(leaves, ref, ("dq", "dk", "dv")):
+        assert_close(a.grad, r.grad, name=f"compiled {name}")
+
+
+# ------------------------------------------------------------------------------------------
 # The course assignment's interface
 # ------------------------------------------------------------------------------------------
 
@@ -454,3 +607,79 @@ def test_gpu_large_batch_offsets(device):
     k = make((2, n, 1, d), torch.bfloat16, device, seed=1)
     v = make((2, n, 1, d), torch.bfloat16, device, seed=2)
     check(q, k, v, causal=True)
+
+
+# (B, Nq, Nk, H, Hkv, D, dtype): the split-KV forward at GPU sizes (its real tiles and split rule)
+GPU_SPLIT_SHAPES = [
+    (8, 1, 4099, 32, 8, 128, torch.bfloat16),  # decode, GQA 32/8, ragged Nk
+    (2, 5, 3001, 16, 2, 80, torch.float16),  # speculative, D = 80 (TMA, padded head dim)
+    (2, 16, 2048, 8, 8, 64, torch.bfloat16),  # no grouping, 16 queries
+    (1, 64, 65536, 1, 1, 128, torch.bfloat16),  # larger Nq that underfills the GPU
+    (2, 1, 1000, 4, 1, 20, torch.bfloat16),  # D = 20: rows not 16-byte aligned, pointer loads
+    (4, 2, 2500, 8, 2, 128, torch.float32),  # float32 (tf32x3)
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "case", GPU_SPLIT_SHAPES, ids=lambda c: "b{}-q{}-k{}-h{}-hkv{}-d{}-{}".format(*c)
+)
+def test_gpu_split_kv(case, causal, device):
+    *shape, dtype = case
+    q, k, v = qkv(*shape, dtype, device)
+    assert fa_op.split_plan(q, k) is not None
+    check(q, k, v, causal=causal)
+
+
+@pytest.mark.gpu
+def test_gpu_split_kv_cache_slice(device):
+    """A decode step against the filled prefix of a (B, cap, Hkv, D) cache, forced split counts
+    against the dense forward."""
+    cache = make((2, 4, 5120, 8, 128), torch.bfloat16, device, seed=3)
+    k, v = cache[0, :, :5000], cache[1, :, :5000]
+    q = make((4, 1, 32, 128), torch.bfloat16, device, seed=4)
+    check(q, k, v, causal=True)
+    scale = 1 / math.sqrt(128)
+    o_d, lse_d = fa_op.forward(q, k, v, True, scale, fa_op.plan_for(128, True, q.dtype))
+    for n in (1, 3, 16, 79):
+        o, lse = fa_op.forward(q, k, v, True, scale, split=fa_op.split_plan(q, k, num_splits=n))
+        assert_close(o, o_d, name=f"o vs dense, {n} splits")
+        assert_close(lse, lse_d, bound=2e-5, name=f"lse vs dense, {n} splits")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 1, 4096, 16, 4, 128), (1, 300, 300, 4, 2, 64)],
+    ids=["split-decode", "dense"],
+)
+def test_gpu_cuda_graph(shape, device):
+    """Forward and backward captured in one CUDA graph and replayed on new inputs give exactly
+    what eager calls give (no host sync, allocation or device query breaks the capture)."""
+    q, k, v = qkv(*shape, torch.bfloat16, device)
+    assert (fa_op.split_plan(q, k) is not None) == (shape[1] == 1)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    do = make(q.shape, q.dtype, device, seed=5)
+
+    def step():
+        o, lse = flash_attn(*leaves, causal=True, return_lse=True)
+        return (o, lse, *torch.autograd.grad(o, leaves, do))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile, autotune and allocate outside the capture
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for seed in (10, 20):  # new inputs into the captured buffers, then replay
+        with torch.no_grad():
+            for t, new in zip(leaves, qkv(*shape, torch.bfloat16, device, seed=seed)):
+                t.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(captured, step()):
+            assert torch.equal(a, b)

@@ -1,10 +1,13 @@
-"""lrpe-cosine benchmark suite: reproduces ../shared/seeds/001_95cdd99ed94a81f9.txt on our GPU.
+"""lrpe-cosine benchmark suite: reproduces ../shared/seeds/001_95cdd99ed94a81f9.txt on our GPU, plus
+the model shapes users run (kernelkit.shared.bench.MODEL_SHAPES).
 
-x = (12, N, 12, 128) bf16 in (B, N, H, D) layout (dim=1 is the sequence), theta = (12, 128)
-float32, offset 0. One test per (case, N, provider); forward and backward time and peak memory,
-GB/s and % of copy bandwidth. `python ci/bench.py lrpe-cosine` runs it on a GPU and renders the
-seed-style tables. Without a GPU (CI smoke mode, --benchmark-disable) every test runs once on a
-tiny shape.
+Seed table: x = (12, N, 12, 128) bf16 in (B, N, H, D) layout, theta = (12, 128) float32,
+int offset 0, theta fixed (as the seed); act none, silu, softmax over D (dim -1) and over the
+sequence (dim 1). Model table: decode, small batch, training and GQA-key shapes with theta fixed
+or learnable (`-dtheta`). Ideal traffic in units of x's bytes: forward read x + write y (3),
+backward read dy (2) + write dx (1) + read x (1) when an act or d(theta) needs it.
+`python ci/bench.py lrpe-cosine` runs it on a GPU and renders the seed-style tables; without a GPU
+(CI smoke mode, --benchmark-disable) every cell runs once on a tiny shape.
 """
 
 import pytest
@@ -12,79 +15,55 @@ import torch
 
 from kernelkit.lrpe_cosine import lrpe_cosine
 from kernelkit.lrpe_cosine.reference import lrpe_cosine_reference
-from kernelkit.shared.bench import provider_fn, record
+from kernelkit.shared.bench import MODEL_SHAPES, OpSuite
 
 GPU = torch.cuda.is_available()
 B, H, D = (12, 12, 128) if GPU else (1, 2, 16)
 NS = [256 * 2**i for i in range(8)] if GPU else [33]
-DTYPE = torch.bfloat16
 CASES = [("none", None), ("silu", None), ("softmax", -1), ("softmax", 1)]
+MODEL_CASES = [  # (direction, act, learnable theta)
+    ("fwd", "none", False),
+    ("fwd", "silu", False),
+    ("bwd", "none", False),
+    ("bwd", "none", True),
+    ("bwd", "silu", False),
+    ("bwd", "silu", True),
+]
 PROVIDERS = ["triton", "torch", "torch_compile"]
 
 
-def fn_for(provider, a, dim):
-    return provider_fn(provider, lrpe_cosine, lrpe_cosine_reference, act=a, dim=dim)
-
-
-def tag_for(a, dim):
-    d = "" if dim is None else f"-dim_{dim}"
-    return f"batch{B}-head{H}-dim{D}-act_{a}{d}-bf16"
-
-
-def make_inputs(n, requires_grad=False):
+def inputs(shape, x_grad, theta_grad):
+    b, n, h, d = shape
     dev = "cuda" if GPU else "cpu"
-    x = torch.randn(B, n, H, D, dtype=DTYPE, device=dev, requires_grad=requires_grad)
-    theta = 10000.0 ** (-torch.arange(D, device=dev, dtype=torch.float32) / D)
-    return x, theta.expand(H, D).contiguous()
+    x = torch.randn(b, n, h, d, dtype=torch.bfloat16, device=dev, requires_grad=x_grad)
+    e = d
+    theta = (10000.0 ** (-torch.arange(e, device=dev, dtype=torch.float32) / e)).repeat(h, 1)
+    return x, theta.requires_grad_(theta_grad)
 
 
-def case_id(c):
-    return c[0] if c[1] is None else f"{c[0]}{c[1]}"
+def traffic(direction, act, x, theta_grad):
+    units = 3 if direction == "fwd" else 2 + 1 + (act != "none" or theta_grad)
+    return units * x.numel() * x.element_size()
 
 
-@pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("n", NS)
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_fwd(benchmark, case, n, provider):
-    a, dim = case
-    x, theta = make_inputs(n)
-    f = fn_for(provider, a, dim)
-    benchmark.group = f"lrpe_cosine-fwd-{tag_for(a, dim)}"
-    # Ideal bytes: read x once, write y (twice x's size). Softmax over the sequence needs a
-    # second read of x for its statistics, which this figure does not credit.
-    nbytes = 3 * x.numel() * x.element_size()
-    record(
-        benchmark,
-        lambda: f(x, theta),
-        op="lrpe_cosine",
-        direction="fwd",
-        tag=tag_for(a, dim),
-        x=n,
-        provider=provider,
-        bytes_moved=nbytes,
-    )
+SUITE = OpSuite(
+    "lrpe_cosine", lrpe_cosine, lrpe_cosine_reference, inputs, traffic, f"batch{B}-head{H}-dim{D}"
+)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("n", NS)
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_bwd(benchmark, case, n, provider):
-    a, dim = case
-    x, theta = make_inputs(n, requires_grad=True)
-    y = fn_for(provider, a, dim)(x, theta)
-    dy = torch.randn_like(y)
-    benchmark.group = f"lrpe_cosine-bwd-{tag_for(a, dim)}"
-    # Ideal bytes: read dy (twice x's size), write dx, and read x back unless act is none.
-    units = 3 if a == "none" else 4
-    nbytes = units * x.numel() * x.element_size()
-    record(
-        benchmark,
-        lambda: y.backward(dy, retain_graph=True),
-        op="lrpe_cosine",
-        direction="bwd",
-        tag=tag_for(a, dim),
-        x=n,
-        provider=provider,
-        bytes_moved=nbytes,
-        grad_to_none=[x],
-    )
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_seed(benchmark, direction, case, n, provider):
+    SUITE.seed_cell(benchmark, direction, case, (B, n, H, D), n, provider)
+
+
+@pytest.mark.parametrize("model", list(MODEL_SHAPES))
+@pytest.mark.parametrize(
+    ("direction", "act", "theta_grad", "provider"),
+    # torch.compile compiles every (shape, case) afresh: only the act-none cases.
+    [(*c, p) for c in MODEL_CASES for p in PROVIDERS if p != "torch_compile" or c[1] == "none"],
+)
+def test_model(benchmark, direction, act, theta_grad, provider, model):
+    SUITE.model_cell(benchmark, direction, act, theta_grad, model, provider)

@@ -9,16 +9,11 @@ import pytest
 import torch
 
 from kernelkit.lrpe_cosine import lrpe_cosine
-from kernelkit.lrpe_cosine.op import (
-    ROWS,
-    SMALL_TILE,
-    batch_groups,
-    interpreting,
-    sequence_chunks,
-    tile_sizes,
-)
+from kernelkit.lrpe_cosine.kernels import PLAN, ROWS, batch_groups, sequence_chunks, tile_sizes
+from kernelkit.lrpe_cosine.op import bwd, fwd
 from kernelkit.lrpe_cosine.reference import lrpe_cosine_reference
-from kernelkit.shared.testing import assert_close
+from kernelkit.shared.runtime import interpreting
+from kernelkit.shared.testing import assert_close, compilations
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ACT_CASES = [
@@ -161,8 +156,8 @@ def test_batch_rows_grouped(case, device):
     partly masked."""
     a, dim = case
     b, n, h, d = 6, 33, 4, 80
-    block_n, _ = tile_sizes(d)
-    rows, groups = batch_groups(b, triton_cdiv(n, block_n) * h, torch.device(device))
+    block_n, _ = tile_sizes(d, PLAN.tile)
+    rows, groups = batch_groups(PLAN, b, triton_cdiv(n, block_n) * h, torch.device(device))
     if interpreting():
         assert (rows, groups) == (8, 1) and ROWS == 4
     check(make((b, n, h, d), torch.float16, device), make_theta(h, d, device), 5, a, dim)
@@ -171,8 +166,8 @@ def test_batch_rows_grouped(case, device):
 def test_softmax_sequence_chunks(device):
     """Softmax over a sequence split into several chunks of several token blocks."""
     b, n, h, d = 2, 200, 8, 24
-    block_n, _ = tile_sizes(d, SMALL_TILE)
-    groups, chunk, num_chunks = sequence_chunks(b, n, h, block_n, torch.device(device))
+    block_n, _ = tile_sizes(d, PLAN.small_tile)
+    groups, chunk, num_chunks = sequence_chunks(PLAN, b, n, h, block_n, torch.device(device))
     assert groups == 1
     if interpreting():
         assert num_chunks > 1 and chunk > block_n
@@ -370,19 +365,20 @@ def test_device_mismatch_errors():
 
 
 @pytest.mark.parametrize(
-    ("act", "per_batch"),
-    [("none", False), ("silu", True), ("softmax", False), ("softmax_seq", True)],
+    ("act", "where"),
+    [("none", "int"), ("silu", "starts"), ("softmax", "int"), ("softmax_seq", "table")],
 )
-def test_opcheck(act, per_batch, device):
+def test_opcheck(act, where, device):
     x = make((2, 19, 2, 8), torch.float32, device).requires_grad_()
     theta = make_theta(2, 8, device).requires_grad_()
-    offsets = torch.tensor([3, 40], device=device) if per_batch else None
-    fwd = torch.ops.kernelkit_lrpe_cosine.lrpe_cosine_fwd
-    torch.library.opcheck(fwd, (x, theta, offsets, 5, act))
-    y, stats = fwd(x.detach(), theta.detach(), offsets, 5, act)
+    starts = torch.tensor([3, 40], device=device) if where == "starts" else None
+    table = torch.randint(0, 999, (1, 19), device=device) if where == "table" else None
+    start = 5 if where == "int" else 0
+    torch.library.opcheck(fwd.op, (x, theta, start, starts, table, act))
+    y, stats = fwd(x.detach(), theta.detach(), start, starts, table, act)
     dy = make(y.shape, y.dtype, device, seed=3)
-    bwd = torch.ops.kernelkit_lrpe_cosine.lrpe_cosine_bwd
-    torch.library.opcheck(bwd, (dy, x.detach(), theta.detach(), offsets, 5, stats, act, True, True))
+    args = (dy, x.detach(), theta.detach(), start, starts, table, stats, act, True, True)
+    torch.library.opcheck(bwd.op, args)
 
 
 @pytest.mark.parametrize("case", [("silu", None), ("softmax", 1), ("softmax", -1)], ids=case_id)
@@ -430,25 +426,13 @@ def test_large_batch_and_heads(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [("silu", None), ("softmax", 1)], ids=case_id)
 def test_no_recompile_on_new_n_b_offset(case, device):
-    """New N, B or offset values reuse the compiled kernels of this package."""
-    from kernelkit.lrpe_cosine import kernels as K
-
-    kernels = [
-        K.lrpe_cosine_fwd_kernel,
-        K.lrpe_cosine_bwd_kernel,
-        K.lrpe_cosine_bwd_seq_sums_kernel,
-        K.seq_stats_finalize_kernel,
-    ]
-
-    def variants():
-        return sum(len(c[0]) for k in kernels for c in k.device_caches.values())
-
+    """New N, B or offset values reuse the compiled kernels."""
     a, dim = case
     theta = make_theta(4, 64, device)
     x = make((2, 100, 4, 64), torch.bfloat16, device).requires_grad_()
     lrpe_cosine(x, theta, 0, a, dim).sum().backward()
-    before = variants()
-    for b, n, off in [(3, 37, 1), (5, 1000, 16), (1, 4097, 123_457), (7, 1, 99)]:
-        x = make((b, n, 4, 64), torch.bfloat16, device).requires_grad_()
-        lrpe_cosine(x, theta, off, a, dim).sum().backward()
-    assert variants() == before
+    with compilations() as compiled:
+        for b, n, off in [(3, 37, 1), (5, 1000, 16), (1, 4097, 123_457), (7, 1, 99)]:
+            x = make((b, n, 4, 64), torch.bfloat16, device).requires_grad_()
+            lrpe_cosine(x, theta, off, a, dim).sum().backward()
+    assert not compiled, dict(compiled)

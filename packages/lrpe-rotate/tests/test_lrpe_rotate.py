@@ -8,11 +8,10 @@ interpreter (the kernelkit pytest plugin switches it on before the kernels are i
 import pytest
 import torch
 
-from kernelkit.lrpe_rotate import kernels as K
 from kernelkit.lrpe_rotate import lrpe_rotate
 from kernelkit.lrpe_rotate.op import bwd, fwd
 from kernelkit.lrpe_rotate.reference import lrpe_rotate_reference
-from kernelkit.shared.testing import assert_close
+from kernelkit.shared.testing import assert_close, compilations
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (act, dim): every activation; softmax over D (dim=-1) and over the sequence (dim=1).
@@ -421,20 +420,9 @@ def test_torch_compile_fullgraph(act, dim, device):
     assert_close(theta.grad, th64.grad, name="compiled dtheta")
 
 
-def compiled_variants(kernel) -> int:
-    return sum(len(cache[0]) for cache in kernel.device_caches.values())
-
-
 @pytest.mark.gpu
 def test_no_recompilation_when_sizes_or_offset_change(device):
     theta = make_theta("full", 4, 128, device).requires_grad_()
-    kernels = [
-        K.rotate_fwd_kernel,
-        K.rotate_bwd_kernel,
-        K.seq_softmax_fwd_kernel,
-        K.seq_softmax_bwd_sums_kernel,
-        K.seq_softmax_bwd_apply_kernel,
-    ]
 
     def run(b, n, offset):
         for case in [("silu", None), ("softmax", 1)]:
@@ -442,10 +430,16 @@ def test_no_recompilation_when_sizes_or_offset_change(device):
             lrpe_rotate(x, theta, offset, *case).sum().backward()
 
     run(2, 64, 0)
-    before = [compiled_variants(k) for k in kernels]
-    for b, n, offset in [(3, 100, 7), (1, 1, 1), (5, 4097, 100_000), (2, 33, 16), (12, 9000, 3)]:
-        run(b, n, offset)
-    assert [compiled_variants(k) for k in kernels] == before
+    with compilations() as compiled:
+        for b, n, offset in [
+            (3, 100, 7),
+            (1, 1, 1),
+            (5, 4097, 100_000),
+            (2, 33, 16),
+            (12, 9000, 3),
+        ]:
+            run(b, n, offset)
+    assert not compiled, dict(compiled)
 
 
 @pytest.mark.gpu

@@ -18,14 +18,27 @@ from collections.abc import Callable, Sequence
 import torch
 
 __all__ = [
+    "MODEL_SHAPES",
+    "OpSuite",
     "bench_ms",
     "copy_bandwidth_gbs",
+    "interleaved_ms",
     "matmul_tflops",
     "peak_memory_mb",
     "provider_fn",
     "record",
+    "time_op",
     "torch_compile",
 ]
+
+# (B, N, H, D) of the shapes users run, beside each seed table (issue: fast at every size):
+# one decoding step, a small batch, a training step, and the key/value side of 32/8 GQA.
+MODEL_SHAPES = {
+    "decode": (8, 1, 32, 128),
+    "small": (1, 256, 32, 128),
+    "train": (8, 4096, 32, 128),
+    "gqa_kv": (8, 4096, 8, 128),
+}
 
 
 def _sync() -> None:
@@ -61,6 +74,24 @@ def bench_ms(
             fn, warmup=10, rep=40, grad_to_none=grad_to_none, return_mode="median"
         )
     )
+
+
+def interleaved_ms(
+    fns: dict[str, Callable[[], object]],
+    rounds: int = 5,
+    *,
+    grad_to_none: Sequence[torch.Tensor] | None = None,
+) -> dict[str, tuple[float, float]]:
+    """A/B timing for decisions: each callable's `bench_ms` in round-robin passes, so drift of
+    the clocks or the machine hits every variant alike. Returns {name: (median ms, spread)},
+    spread = max / min - 1 over the rounds."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():  # compile and warm up outside the rounds
+        fn()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(bench_ms(fn, grad_to_none=grad_to_none))
+    return {name: (sorted(ts)[len(ts) // 2], max(ts) / min(ts) - 1.0) for name, ts in times.items()}
 
 
 def peak_memory_mb(fn: Callable[[], object], setup: Callable[[], None] | None = None) -> float:
@@ -136,6 +167,55 @@ def record(
     benchmark.pedantic(timed, setup=setup, rounds=rounds, warmup_rounds=1, iterations=1)
 
 
+def time_op(
+    benchmark,
+    fn: Callable,
+    inputs: Sequence,
+    *,
+    op: str,
+    direction: str,
+    tag: str,
+    x,
+    provider: str,
+    bytes_moved: float | None = None,
+    flops: float | None = None,
+    xname: str = "n",
+    info: dict | None = None,
+) -> None:
+    """One cell of a suite table: direction "fwd" times fn(*inputs); "bwd" runs it once and
+    times y.backward(dy) (random dy), resetting the gradients of the inputs that require grad
+    between repetitions. The pytest-benchmark group is the table, `<op>-<direction>-<tag>`."""
+    benchmark.group = f"{op}-{direction}-{tag}"
+    grads = None
+    if direction == "fwd":
+
+        def call():
+            return fn(*inputs)
+
+    else:
+        y = fn(*inputs)
+        dy = torch.randn_like(y)
+        grads = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+
+        def call():
+            y.backward(dy, retain_graph=True)
+
+    record(
+        benchmark,
+        call,
+        op=op,
+        direction=direction,
+        tag=tag,
+        x=x,
+        provider=provider,
+        bytes_moved=bytes_moved,
+        flops=flops,
+        grad_to_none=grads,
+        xname=xname,
+        info=info,
+    )
+
+
 def torch_compile(fn: Callable) -> Callable:
     """The `torch_compile` benchmark provider: `torch.compile(fn)` specialised per shape.
 
@@ -173,3 +253,57 @@ def provider_fn(provider: str, ours: Callable, reference: Callable, **kwargs) ->
             _compiled[key] = torch_compile(functools.partial(reference, **kwargs))
         return _compiled[key]
     raise ValueError(f"provider: unknown provider {provider!r}")
+
+
+class OpSuite:
+    """The cells of a memory-bound op's suite: its seed table (sizes x cases) and its model table
+    (MODEL_SHAPES x act x learnable parameters), ours vs PyTorch eager vs torch.compile.
+
+    `inputs(shape, x_grad, param_grad)` makes the op's positional inputs (x first);
+    `traffic(direction, act, x, param_grad)` the ideal bytes of a cell; `fn` and `reference`
+    take (*inputs, act=..., dim=...). A suite file parametrizes two one-line tests over its
+    cases and calls `seed_cell` / `model_cell`.
+    """
+
+    def __init__(self, op: str, fn: Callable, reference: Callable, inputs, traffic, seed_tag):
+        self.op, self.fn, self.reference = op, fn, reference
+        self.inputs, self.traffic, self.seed_tag = inputs, traffic, seed_tag
+
+    def _cell(self, benchmark, direction, provider, shape, act, dim, param_grad, **where):
+        inputs = self.inputs(shape, direction == "bwd", param_grad)
+        time_op(
+            benchmark,
+            provider_fn(provider, self.fn, self.reference, act=act, dim=dim),
+            inputs,
+            op=self.op,
+            direction=direction,
+            provider=provider,
+            bytes_moved=self.traffic(direction, act, inputs[0], param_grad),
+            **where,
+        )
+
+    def seed_cell(self, benchmark, direction, case, shape, x, provider) -> None:
+        """A seed-table cell: `case` = (act, dim) at `shape`, row label `x`."""
+        act, dim = case
+        dims = "" if dim is None else f"-dim_{dim}"
+        tag = f"{self.seed_tag}-act_{act}{dims}-bf16"
+        self._cell(benchmark, direction, provider, shape, act, dim, False, tag=tag, x=x)
+
+    def model_cell(self, benchmark, direction, act, param_grad, model, provider) -> None:
+        """A model-table cell: MODEL_SHAPES[model] (or a stand-in off the GPU), act without dim,
+        learnable parameters (theta) when `param_grad` (tag suffix `-dtheta`)."""
+        shape = MODEL_SHAPES[model] if torch.cuda.is_available() else (2, 5, 2, 16)
+        tag = f"model-act_{act}{'-dtheta' if param_grad else ''}-bf16"
+        label = f"{model} {'x'.join(map(str, shape))}"
+        self._cell(
+            benchmark,
+            direction,
+            provider,
+            shape,
+            act,
+            None,
+            param_grad,
+            tag=tag,
+            x=label,
+            xname="shape",
+        )

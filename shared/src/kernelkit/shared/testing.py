@@ -9,14 +9,16 @@ NaN or Inf where the float64 reference is finite always fails.
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+
 import torch
 
 __all__ = [
     "DTYPE_BOUND",
     "assert_close",
     "assert_graph_replays",
-    "device",
-    "on_gpu",
+    "compilations",
     "rel_err",
 ]
 
@@ -27,14 +29,6 @@ DTYPE_BOUND = {
     torch.float16: 2e-3,
     torch.bfloat16: 1.2e-2,
 }
-
-
-def on_gpu() -> bool:
-    return torch.cuda.is_available()
-
-
-def device() -> torch.device:
-    return torch.device("cuda" if on_gpu() else "cpu")
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -131,3 +125,25 @@ def assert_graph_replays(fn, inputs, new_inputs, *, warmup: int = 2, name: str =
                     f"{name} {j}: replay {i} differs from eager (max abs diff {diff:.3e})"
                 )
     return graph
+
+
+@contextlib.contextmanager
+def compilations():
+    """Count the Triton kernels compiled inside the block, by kernel name, through Triton's
+    public `knobs.runtime.jit_post_compile_hook` (the tests that check that new sizes, offsets
+    or shapes reuse the compiled kernels)."""
+    import triton
+
+    counts: Counter[str] = Counter()
+    knobs = triton.knobs.runtime
+    previous = knobs.jit_post_compile_hook
+
+    def hook(*, fn, **kwargs):
+        counts[fn.name] += 1
+        return previous(fn=fn, **kwargs) if previous is not None else None
+
+    knobs.jit_post_compile_hook = hook
+    try:
+        yield counts
+    finally:
+        knobs.jit_post_compile_hook = previous

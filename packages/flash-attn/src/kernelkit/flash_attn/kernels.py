@@ -1,4 +1,5 @@
-"""Triton kernels of flash-attn: FlashAttention-2 forward and backward.
+"""Triton kernels of flash-attn: FlashAttention-2 forward and backward, and a split-KV forward
+for decoding (its own section below).
 
 Layout: q and o are (B, Nq, H, D), k and v (B, Nk, Hkv, D), read through runtime strides with a
 unit stride along D (the host makes D contiguous); the LSE and delta are (B, H, Nq) float32.
@@ -262,6 +263,172 @@ def attn_fwd_kernel(
         tl.store(lse_ptrs, lse)
     else:
         tl.store(lse_ptrs, lse, mask=rows < Nq)
+
+
+# ---------------------------------------------------------------------------------------------
+# Split-KV forward (decoding: few query rows, long key sequences)
+# ---------------------------------------------------------------------------------------------
+#
+# When the query side cannot fill the GPU (decoding: Nq = 1..16 against a long KV cache), the
+# keys are split across programs. A program owns one split of one kv head and packs the GROUP
+# query heads that read that head, times the Nq queries, into the M rows of its tile (packed row
+# r = query (r // GROUP) of query head hk * GROUP + r % GROUP), so each K/V byte is read once per
+# kv head rather than once per query head. It writes a float32 partial (o normalised by its own
+# sum, and its LSE in log2 units) per packed row; `attn_fwd_combine_kernel` merges the splits of
+# a row through their LSEs in split order (deterministic). A split in which a row sees no key
+# (causal) leaves the neutral partial o = 0, LSE = -inf, which the merge weighs by exp2(-inf) = 0.
+#
+# Partials: OP (B * Hkv, SPLITS, ROWS_PAD, BLOCK_D) and LP (B * Hkv, SPLITS, ROWS_PAD), float32
+# and contiguous, ROWS_PAD = GROUP * Nq rounded up to BLOCK_M: every program writes its whole
+# tile unmasked (rows past GROUP * Nq are padding the merge never stores).
+
+
+@triton.jit(do_not_specialize=["Nq", "Nk", "num_splits", "split_len", "rows_pad"])
+def attn_fwd_split_kernel(
+    Q,
+    K,
+    V,
+    OP,
+    LP,
+    stride_qb,
+    stride_qn,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    Hkv,
+    GROUP,
+    Nq,
+    Nk,
+    qk_scale,
+    num_splits,
+    split_len,
+    rows_pad,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """Partial attention of BLOCK_M packed query rows of one kv head over the keys of one split,
+    [split * split_len, (split + 1) * split_len) (split_len: a multiple of BLOCK_N)."""
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    # Program order: row block fastest, then split, then (batch, kv head): the row blocks that
+    # read one split's keys run together (L2).
+    pid = tl.program_id(0)
+    n_rows = GROUP * Nq
+    row_blocks = tl.cdiv(n_rows, BLOCK_M)
+    mb = pid % row_blocks
+    split = (pid // row_blocks) % num_splits
+    bhk = pid // (row_blocks * num_splits)
+    b = (bhk // Hkv).to(tl.int64)
+    hk = (bhk % Hkv).to(tl.int64)
+    start_r = mb * BLOCK_M
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    r = start_r + offs_m
+    qi = r // GROUP  # query index of each packed row (>= Nq on padding rows)
+
+    q_off = (qi.to(tl.int64) * stride_qn + (r % GROUP).to(tl.int64) * stride_qh)[:, None]
+    q_ptrs = Q + b * stride_qb + hk * GROUP * stride_qh + q_off + offs_d[None, :]
+    q = _load_rows(q_ptrs, r, n_rows, offs_d, True, HEAD_DIM)
+    k_src = _head_source(K + b * stride_kb + hk * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM,
+                         BLOCK_D, TMA)  # fmt: skip
+    v_src = _head_source(V + b * stride_vb + hk * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM,
+                         BLOCK_D, TMA)  # fmt: skip
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+    shift = Nk - Nq
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, Nk)
+    if CAUSAL:
+        # Keys past the last real row's diagonal are skipped (a split beyond it runs no step and
+        # keeps the neutral partial); keys before the first row's diagonal need no mask.
+        last_q = tl.minimum((start_r + BLOCK_M - 1) // GROUP, Nq - 1)
+        hi = tl.minimum(hi, last_q + shift + 1)
+        full_hi = tl.minimum(start_r // GROUP + shift + 1, hi)
+    else:
+        full_hi = hi
+    full_hi = lo + tl.maximum(full_hi - lo, 0) // BLOCK_N * BLOCK_N
+    acc, l_i, m_i = _fwd_steps(
+        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, qi, lo, full_hi, Nk, shift,
+        qk_scale, False, CAUSAL, False, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
+    )  # fmt: skip
+    acc, l_i, m_i = _fwd_steps(
+        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, qi, full_hi, hi, Nk, shift,
+        qk_scale, True, CAUSAL, True, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
+    )  # fmt: skip
+
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse2 = tl.where(empty, -float("inf"), m_i + tl.math.log2(l_i))
+    part = (bhk.to(tl.int64) * num_splits + split) * rows_pad + start_r + offs_m
+    tl.store(OP + part[:, None] * BLOCK_D + offs_d[None, :], o)
+    tl.store(LP + part, lse2)
+
+
+@triton.jit(do_not_specialize=["Nq", "num_splits", "rows_pad"])
+def attn_fwd_combine_kernel(
+    OP,
+    LP,
+    O,
+    LSE,
+    stride_ob,
+    stride_on,
+    stride_oh,
+    H,
+    Hkv,
+    GROUP,
+    Nq,
+    num_splits,
+    rows_pad,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """o and the natural-log LSE of BLOCK_R packed rows of one kv head: the splits' partials
+    weighted by exp2(lse_s - max_s lse_s), summed in split order. A row no split saw (all
+    partials neutral) gets o = 0, LSE = -inf."""
+    pid = tl.program_id(0)
+    n_rows = GROUP * Nq
+    row_blocks = tl.cdiv(n_rows, BLOCK_R)
+    bhk = pid // row_blocks
+    start_r = (pid % row_blocks) * BLOCK_R
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    r = start_r + offs_r
+    base = bhk.to(tl.int64) * num_splits * rows_pad + r  # BLOCK_R divides the padded row count
+
+    m = tl.full([BLOCK_R], -float("inf"), dtype=tl.float32)
+    for s in range(num_splits):
+        m = tl.maximum(m, tl.load(LP + base + s * rows_pad))
+    m = tl.where(m == -float("inf"), 0.0, m)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for s in range(num_splits):
+        row = base + s * rows_pad
+        w = tl.math.exp2(tl.load(LP + row) - m)
+        l_i += w
+        acc += w[:, None] * tl.load(OP + row[:, None] * BLOCK_D + offs_d[None, :])
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, -float("inf"), (m + tl.math.log2(l_i)) * LN2)
+
+    b = (bhk // Hkv).to(tl.int64)
+    hk = bhk % Hkv
+    qi = r // GROUP
+    h = hk * GROUP + r % GROUP
+    o_off = (qi.to(tl.int64) * stride_on + h.to(tl.int64) * stride_oh)[:, None]
+    o_ptrs = O + b * stride_ob + o_off + offs_d[None, :]
+    _store_rows(o_ptrs, o.to(O.dtype.element_ty), r, n_rows, offs_d, True, HEAD_DIM)
+    tl.store(LSE + (b * H + h) * Nq + qi, lse, mask=r < n_rows)
 
 
 # ---------------------------------------------------------------------------------------------

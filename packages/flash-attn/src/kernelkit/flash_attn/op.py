@@ -15,6 +15,7 @@ from kernelkit.shared.runtime import (
     interpreting,
     launch,
     next_power_of_2,
+    num_sms,
     use_triton,
 )
 
@@ -149,6 +150,31 @@ INTERPRETER_FWD = Tile(32, 16, 4, 1, tma=True)
 INTERPRETER_DKDV = Tile(16, 32, 4, 1, tma=True)
 INTERPRETER_DQ = Tile(32, 16, 4, 1, tma=True)
 
+# Split-KV forward (decoding), by BLOCK_D: (BLOCK_N, warps, stages, tma) of the tile whose
+# BLOCK_M rows hold the packed (query head of the group, query) rows of one kv head, 16..64 of
+# them; more rows take the dense forward's tile. Memory-bound: the bytes in flight set the time,
+# so TMA loads, two stages of K/V ahead, and little shared memory (d = 128, 16 x 64: 70 KB,
+# 80 registers, three programs per SM; NOTES.md). To be measured: benchmarks/tune_decode.py.
+SPLIT_TILES = {16: (128, 4, 3, True), 32: (128, 4, 3, True), 64: (128, 4, 3, True),
+               128: (128, 4, 2, True), 256: (32, 8, 3, True)}  # fmt: skip
+SPLIT_FP32_TILES = {16: (32, 4, 2, True), 32: (32, 4, 2, True), 64: (32, 4, 2, True),
+                    128: (32, 4, 2, True), 256: (16, 8, 2, True)}  # fmt: skip
+# The number of splits (`split_plan`): as many as keep the launch within SPLIT_WAVES programs per
+# SM (one wave of resident programs, no tail), at most SPLIT_MAX, and every split at least
+# max(SPLIT_MIN_KEYS, SPLIT_KEYS_PER_ROW * padded rows) keys:
+# its float32 partial (8 bytes per row and head-dim element, written and read back) then costs
+# at most 1/8 of the K/V bytes it reads (4 per key and element in half precision).
+SPLIT_WAVES, SPLIT_MIN_KEYS, SPLIT_KEYS_PER_ROW, SPLIT_MAX = 1, 256, 16, 128
+# Nq up to this always takes the split kernel (even unsplit): the dense one would read each K/V
+# byte once per query head and fill 128-row tiles with a few rows.
+DECODE_MAX_NQ = 16
+# Under the interpreter (4 stand-in SMs): small tiles and splits, so that tests with a few dozen
+# keys already take several splits.
+INTERPRETER_SPLIT = (16, 4, 1, True)
+INTERPRETER_SPLIT_RULE = (2, 32, 1, 128)
+# Packed rows per program of the merge (at most the split tile's BLOCK_M, which it divides).
+COMBINE_BLOCK_R = 16
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -170,6 +196,58 @@ def plan_for(d: int, causal: bool, dtype: torch.dtype) -> Plan:
         return Plan(*FP32_TILES[bd])
     fwd, dkdv, dq = CAUSAL_TILES.get(bd, (None, None, None)) if causal else (None, None, None)
     return Plan(fwd or FWD_TILES[bd], dkdv or DKDV_TILES[bd], dq or DQ_TILES[bd])
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """Split-KV forward: `tile` (BLOCK_M packed query rows, BLOCK_N keys per step) over
+    `splits` runs of `split_len` keys (a multiple of BLOCK_N; the last run may be shorter)."""
+
+    tile: Tile
+    splits: int
+    split_len: int
+
+
+def split_tile(rows: int, d: int, dtype: torch.dtype) -> Tile:
+    """The split kernel's tile for `rows` packed query rows per kv head (GROUP * Nq)."""
+    bm = max(16, next_power_of_2(rows))
+    if interpreting():
+        return Tile(min(bm, 32), *INTERPRETER_SPLIT)
+    dense = plan_for(d, False, dtype).fwd
+    if bm >= dense.block_m:  # many rows: the dense forward's tile
+        return dense
+    table = SPLIT_FP32_TILES if dtype == torch.float32 else SPLIT_TILES
+    return Tile(bm, *table[block_d_for(d)])
+
+
+def split_plan(q, k, num_splits: int | None = None, tile: Tile | None = None):
+    """The split-KV plan for q (B, Nq, H, D), k (B, Nk, Hkv, D), or None for the dense forward.
+
+    Automatic (num_splits None): when T = B * Hkv * ceil(GROUP * Nq / BLOCK_M) query tiles (the
+    GROUP query heads of a kv head packed into one tile) cannot fill the GPU, the keys are split
+    into S = min(SPLIT_WAVES * SMs // T, Nk // max(SPLIT_MIN_KEYS, SPLIT_KEYS_PER_ROW * padded
+    rows), SPLIT_MAX) runs. The split path is taken when S >= 2, and always (S >= 1) for
+    Nq <= DECODE_MAX_NQ. num_splits forces at most that many splits (runs of whole key blocks of
+    equal length, so 5 blocks in 4 splits are 3 runs of 2, 2, 1); tile forces the tile."""
+    b, nq, h, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    rows = (h // hkv) * nq
+    tile = tile or split_tile(rows, int(d), q.dtype)
+    key_blocks = cdiv(nk, tile.block_n)
+    if num_splits is None:
+        waves, min_keys, keys_per_row, most = (
+            INTERPRETER_SPLIT_RULE
+            if interpreting()
+            else (SPLIT_WAVES, SPLIT_MIN_KEYS, SPLIT_KEYS_PER_ROW, SPLIT_MAX)
+        )
+        row_tiles = cdiv(rows, tile.block_m)
+        tiles = b * hkv * row_tiles
+        per_split = max(min_keys, keys_per_row * row_tiles * tile.block_m)
+        num_splits = min(waves * num_sms(q.device) // tiles, nk // per_split, most)
+        if num_splits < 2 and nq > DECODE_MAX_NQ:
+            return None
+    blocks = cdiv(key_blocks, max(1, min(num_splits, key_blocks)))
+    return SplitPlan(tile, cdiv(key_blocks, blocks), blocks * tile.block_n)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -232,8 +310,14 @@ def _strides3(t: torch.Tensor):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def forward(q, k, v, causal: bool, scale: float, plan: Plan | None = None):
-    """(o, lse) for 4-D q (B, Nq, H, D), k/v (B, Nk, Hkv, D); launches only (no autograd)."""
+def forward(
+    q, k, v, causal: bool, scale: float, plan: Plan | None = None, split: SplitPlan | None = None
+):
+    """(o, lse) for 4-D q (B, Nq, H, D), k/v (B, Nk, Hkv, D); launches only (no autograd).
+
+    With neither `plan` nor `split` given, `split_plan` chooses between the dense forward and
+    the split-KV one; a `plan` alone runs the dense forward with its tile, a `split` the split-KV
+    forward."""
     q, k, v = _unit_d(q), _unit_d(k), _unit_d(v)
     b, nq, h, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
@@ -241,6 +325,11 @@ def forward(q, k, v, causal: bool, scale: float, plan: Plan | None = None):
     o = torch.empty((b, nq, h, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
     if b == 0:
+        return o, lse
+    if plan is None and split is None:
+        split = split_plan(q, k)
+    if split is not None:
+        _forward_split(q, k, v, o, lse, causal, scale, split)
         return o, lse
     plan = plan or plan_for(d, causal, q.dtype)
     t = plan.fwd
@@ -273,6 +362,66 @@ def forward(q, k, v, causal: bool, scale: float, plan: Plan | None = None):
         num_stages=t.stages,
     )
     return o, lse
+
+
+def _forward_split(q, k, v, o, lse, causal: bool, scale: float, split: SplitPlan) -> None:
+    """Split-KV forward into o and lse: float32 partials per (split, packed query row), then
+    their merge (kernels.py, "Split-KV forward")."""
+    b, nq, h, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    group = h // hkv
+    t, bd = split.tile, block_d_for(d)
+    row_blocks = cdiv(group * nq, t.block_m)
+    rows_pad = row_blocks * t.block_m
+    o_part = torch.empty(
+        (b * hkv, split.splits, rows_pad, bd), dtype=torch.float32, device=q.device
+    )
+    lse_part = torch.empty((b * hkv, split.splits, rows_pad), dtype=torch.float32, device=q.device)
+    launch(K.attn_fwd_split_kernel)[(row_blocks * split.splits * b * hkv,)](
+        q,
+        k,
+        v,
+        o_part,
+        lse_part,
+        *_strides3(q),
+        *_strides3(k),
+        *_strides3(v),
+        hkv,
+        group,
+        nq,
+        nk,
+        scale * LOG2E,
+        split.splits,
+        split.split_len,
+        rows_pad,
+        HEAD_DIM=d,
+        BLOCK_D=bd,
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        CAUSAL=causal,
+        DOT_PREC=dot_precision(q.dtype),
+        TMA=_tma_flag(t, k, v),
+        num_warps=t.warps,
+        num_stages=t.stages,
+    )
+    block_r = min(t.block_m, COMBINE_BLOCK_R, max(2, next_power_of_2(group * nq)))
+    launch(K.attn_fwd_combine_kernel)[(cdiv(group * nq, block_r) * b * hkv,)](
+        o_part,
+        lse_part,
+        o,
+        lse,
+        *_strides3(o),
+        h,
+        hkv,
+        group,
+        nq,
+        split.splits,
+        rows_pad,
+        HEAD_DIM=d,
+        BLOCK_D=bd,
+        BLOCK_R=block_r,
+        num_warps=4,
+    )
 
 
 def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan | None = None):
@@ -452,6 +601,7 @@ def flash_attn(
     causal: query i sees keys j <= i + Nk - Nq; a row that sees no key outputs zeros.
     Returns o like q, and with return_lse=True also the natural-log LSE (B, H, Nq) float32
     ((B, Nq) for 3-D inputs; -inf on rows that see no key).
+    Decoding shapes (few query rows, long key sequences) run a split-KV forward (`split_plan`).
     """
     scale = validate(q, k, v, causal, softmax_scale)
     three_d = q.dim() == 3
@@ -465,4 +615,13 @@ def flash_attn(
     return (o, lse) if return_lse else o
 
 
-__all__ = ["attn_bwd", "attn_fwd", "backward", "flash_attn", "forward", "plan_for", "validate"]
+__all__ = [
+    "attn_bwd",
+    "attn_fwd",
+    "backward",
+    "flash_attn",
+    "forward",
+    "plan_for",
+    "split_plan",
+    "validate",
+]

@@ -55,9 +55,12 @@ def cos_sin(angle):
 
 
 @triton.jit
-def token_positions(offset, positions, b, t, stride_pb, stride_pn):
+def token_positions(offset, positions, b, t, n, stride_pb, stride_pn):
     """int64 positions of tokens `t` of batch rows `b` (shaped by the caller to broadcast, e.g.
-    t [BLOCK_N, 1] with b [1, ROWS], or a scalar b); see the module docstring for the forms."""
+    t [BLOCK_N, 1] with b [1, ROWS], or a scalar b; every b must be a valid row), see the
+    module docstring for the forms. Tokens t >= n (masked lanes) get the last token's position,
+    so that no lane reads past the tables."""
+    t = tl.minimum(t, n - 1)
     if positions is not None:
         p = tl.load(positions + b.to(tl.int64) * stride_pb + t.to(tl.int64) * stride_pn)
         p = p.to(tl.int64)

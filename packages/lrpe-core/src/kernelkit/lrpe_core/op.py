@@ -19,6 +19,7 @@ __all__ = [
     "KINDS",
     "SEQ",
     "act_and_dim",
+    "per_row_positions",
     "position_args",
     "programs_target",
     "reduce_dtheta",
@@ -82,7 +83,9 @@ def validate_positions(x: torch.Tensor, offset, positions=None, cu_seqlens=None)
     an int start, a (B,) int64 tensor of per-row starts, or a (B|1, N) integer table (explicit
     `positions`, or built from `cu_seqlens` for packed sequences restarting at 0)."""
     b, n = x.shape[0], x.shape[1]
-    given = [name for name, v in (("positions", positions), ("cu_seqlens", cu_seqlens)) if v is not None]
+    given = [
+        name for name, v in (("positions", positions), ("cu_seqlens", cu_seqlens)) if v is not None
+    ]
     if len(given) == 2:
         raise ValueError("positions: give positions or cu_seqlens, not both")
     if given and not (_is_int(offset) and offset == 0):
@@ -164,11 +167,22 @@ def act_and_dim(kind: str) -> tuple[str, int | None]:
 # ---------------------------------------------------------------------------------------------
 
 
+def per_row_positions(pos) -> bool:
+    """Whether the positions (start, starts, table) differ between batch rows: kernels then
+    compute cos/sin per row instead of once per program."""
+    return pos[1] is not None or pos[2] is not None
+
+
 def position_args(start: int, starts: torch.Tensor | None, table: torch.Tensor | None) -> dict:
     """Keyword arguments `offset`, `positions`, `stride_pb`, `stride_pn` of an LRPE kernel."""
     if table is not None:
         stride_b = table.stride(0) if table.shape[0] > 1 else 0
-        return {"offset": 0, "positions": table, "stride_pb": stride_b, "stride_pn": table.stride(1)}
+        return {
+            "offset": 0,
+            "positions": table,
+            "stride_pb": stride_b,
+            "stride_pn": table.stride(1),
+        }
     return {
         "offset": start if starts is None else starts,
         "positions": None,

@@ -1,10 +1,12 @@
 """kernelkit-lrpe-cosine: the LRPE cosine feature map with a fused activation, in Triton.
 
-Device-level building blocks (the position -> angle mapping among them) live in
-`kernelkit.lrpe_cosine.kernels`.
+The kernels (`kernelkit.lrpe_cosine.kernels`) also take tokens on a grid and an angle cache:
+kernelkit-md-lrpe-cosine launches them that way.
 """
 
-from .op import ACTS, lrpe_cosine
+from kernelkit.act import ACTS
 
-__version__ = "0.1.0"
+from .op import lrpe_cosine
+
+__version__ = "0.2.0"
 __all__ = ["ACTS", "__version__", "lrpe_cosine"]

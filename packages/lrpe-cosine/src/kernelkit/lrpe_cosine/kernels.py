@@ -1,23 +1,30 @@
-"""Triton code of lrpe-cosine.
+"""Triton kernels of lrpe-cosine, each followed by the host function that plans and launches it.
 
-Tiles are 3-D: [BLOCK_N tokens, ROWS batch rows, BLOCK_D >= D features] of one head. With an
-int offset the angles do not depend on the batch row, so cos/sin are a [BLOCK_N, 1, BLOCK_D]
-tile computed once per program and reused by every row it handles: B times less trigonometry,
-and the ROWS rows of one load multiply the bytes in flight without holding more cos/sin. (Rows
-sit on axis 1: Triton spreads threads and warps over the feature axis and then axis 0, so the
-rows of a token stay in one thread's registers next to that token's cos/sin.)
+Tiles are 3-D: [BLOCK_N tokens, ROWS batch rows, BLOCK_D >= D features] of one head. When the
+positions are shared by all batch rows, cos/sin are a [BLOCK_N, 1, BLOCK_D] tile computed once
+per program and reused by every row it handles: B times less trigonometry, and the ROWS rows of
+one load multiply the bytes in flight without holding more cos/sin. (Rows sit on axis 1: Triton
+spreads threads and warps over the feature axis and then axis 0, so the rows of a token stay in
+one thread's registers next to that token's cos/sin.)
 
 Layout: x (B, N, H, D), y and dy (B, N, H, 2D) with the cos half first, all with runtime strides.
 ACT is a tl.constexpr string: none / relu / sigmoid / silu (element-wise, from kernelkit-act),
-softmax (over the D features of each token) or softmax_seq (over the sequence, from float32
-per-(b, h, k) (max, sum) stats computed beforehand).
+softmax (over the D features of each token) or softmax_seq (over the sequence, from the
+per-chunk (max, sum) stats of kernelkit-lrpe-core's `sequence_softmax_stats`).
 
-Extension point. The position -> angle mapping is the device functions `positions`,
-`frequencies` and `angles`; `activate`, `activate_grad` and the kernels' load/store code do not
-know where the angles come from. md-lrpe-cosine maps tokens to grid coordinates instead of
-`offset + t` and reuses the rest.
+Where the angles come from (kernelkit-lrpe-core): GRID_AXES == 0, a sequence: position
+(`offset`, `positions`) times the slot frequency of each feature; GRID_AXES = m > 0, tokens on an
+m-axis grid behind `extra` leading tokens (md-lrpe-cosine): feature k turns with the coordinate
+of its axis k // E at frequency theta[k mod E]. With `angles` (not None) the forward also writes
+the float32 angle table (N, H, D) and the backward reads it instead of recomputing the angles
+(md-lrpe-cosine's cache=True: the same float32 values, so identical results).
 """
 
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
 
@@ -25,60 +32,185 @@ from kernelkit.act.kernels import (
     apply_act,
     apply_act_grad,
     combine_chunk_stats,
+    combine_chunk_sums,
     softmax_grad,
     softmax_normalize,
     softmax_stats,
 )
+from kernelkit.lrpe_core.kernels import (
+    cos_sin,
+    grid_positions,
+    slot_frequencies,
+    store_dtheta_partial,
+    token_positions,
+    wrapped_frequencies,
+)
+from kernelkit.lrpe_core.op import (
+    SEQ,
+    per_row_positions,
+    position_args,
+    programs_target,
+    theta_args,
+)
+from kernelkit.shared.runtime import cdiv, launch, next_power_of_2
 
-# Sizes, offsets and batch-group sizes change with every call: never specialise on them.
-_RUNTIME = ["B", "N", "offset", "rows_per_program", "stats_part"]
+# Sizes, offsets, grid sizes and batch-group sizes change with every call: never specialise.
+RUNTIME = [
+    "B",
+    "N",
+    "offset",
+    "rows_per_program",
+    "num_stat_chunks",
+    "num_chunks",
+    "chunk",
+    "stride_pb",
+    "stride_pn",
+    "extra",
+    "size_a",
+    "size_b",
+    "size_c",
+]
+
+ROWS = 4  # batch rows per tile (axis 1)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Launch parameters. Memory-bound tiles [BLOCK_N tokens, ROWS rows, BLOCK_D >= D] of about
+    `tile` elements, 32 per thread at 4 warps. Per-row positions need cos/sin per row (as many
+    registers as the x tile) and the softmax_seq sums kernel keeps [BLOCK_N, ROWS, D] sums per
+    thread: both use `small_tile` to avoid spills. Batch rows are grouped only while
+    `programs_per_sm` programs remain; the sums kernel's long programs (a chunk of tokens x
+    ROWS rows) are split until `sums_programs_per_sm`."""
+
+    tile: int = 4096
+    small_tile: int = 2048
+    warps: int = 4
+    programs_per_sm: int = 4
+    sums_programs_per_sm: int = 16
+
+
+PLAN = Plan()
+_GRID_AXIS_LIMIT = 65535  # grid axes 1 and 2 (heads, batch groups)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Tokens on a row-major grid `shape` (1 to 4 axes, last fastest) behind `extra` leading
+    tokens; `e` frequencies per axis (feature k uses axis k // e and theta[:, k mod e])."""
+
+    shape: tuple[int, ...]
+    extra: int
+    e: int
+
+
+def tile_sizes(d, tile) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_D): a whole head (BLOCK_D >= D) by as many tokens as fit in `tile` with
+    ROWS batch rows. Depends on D only: a new N, B or offset never compiles a new kernel."""
+    block_d = next_power_of_2(int(d))
+    return max(1, tile // (ROWS * block_d)), block_d
+
+
+def batch_groups(plan, b, programs, device) -> tuple[int, int]:
+    """(rows per program, number of batch groups): batch rows (sharing cos/sin) are grouped, in
+    multiples of ROWS, as long as `programs` x groups still fills the device."""
+    groups = max(
+        1, min(cdiv(b, ROWS), cdiv(programs_target(device, plan.programs_per_sm), programs))
+    )
+    rows = cdiv(cdiv(b, groups), ROWS) * ROWS
+    rows = max(rows, cdiv(b, _GRID_AXIS_LIMIT))
+    return rows, cdiv(b, rows)
+
+
+def sequence_chunks(plan, b, n, heads, block_n, device) -> tuple[int, int, int]:
+    """(groups, chunk, num_chunks) of the softmax_seq sums kernel: programs of ROWS batch rows
+    and a chunk of whole token blocks, chunks added until there are enough programs."""
+    groups = cdiv(b, ROWS)
+    n_blocks = cdiv(n, block_n)
+    target = programs_target(device, plan.sums_programs_per_sm)
+    chunks = max(1, min(n_blocks, cdiv(target, heads * groups)))
+    chunk = cdiv(n_blocks, chunks) * block_n
+    return groups, chunk, cdiv(n, chunk)
+
+
+def _angle_args(theta, d, grid: Grid | None) -> dict:
+    """Theta and grid keyword arguments of the kernels."""
+    if grid is None:
+        return {
+            **theta_args(theta, d),
+            "extra": None,
+            "size_a": None,
+            "size_b": None,
+            "size_c": None,
+            "GRID_AXES": 0,
+        }
+    inner = [*reversed(grid.shape[1:]), 1, 1, 1]  # last axis first
+    return {
+        "stride_th": 0 if theta.shape[0] == 1 else theta.stride(0),
+        "stride_te": theta.stride(1),
+        "n_freq": grid.e,
+        "extra": grid.extra,
+        "size_a": inner[0],
+        "size_b": inner[1],
+        "size_c": inner[2],
+        "GRID_AXES": len(grid.shape),
+    }
+
+
+def _strides(name: str, t: torch.Tensor | None) -> dict:
+    """stride_<name>{b,n,h,d} keyword arguments (zeros for an absent tensor)."""
+    st = t.stride() if t is not None else (0, 0, 0, 0)
+    return {f"stride_{name}{a}": v for a, v in zip("bnhd", st)}
+
 
 # --------------------------------------------------------------------------------------------
-# Position -> angle mapping (the extension point)
+# Device helpers
 # --------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def positions(tokens, offset):
-    """Integer positions (int64) of the token indices `tokens` of sequences starting at
-    `offset` (the int offset, or a block of per-batch-row offsets broadcastable to tokens)."""
-    return tokens.to(tl.int64) + offset
+def tile_positions(
+    offset,
+    positions,
+    b,
+    t,
+    N,
+    stride_pb,
+    stride_pn,
+    feats,
+    extra,
+    E,
+    size_a,
+    size_b,
+    size_c,
+    GRID_AXES: tl.constexpr,
+):
+    """float32 positions broadcastable to [BLOCK_N, ROWS, BLOCK_D]: per token ([BLOCK_N, 1, 1],
+    or [BLOCK_N, ROWS, 1] when they depend on the rows `b` [ROWS]) for a sequence, per feature
+    ([BLOCK_N, 1, BLOCK_D]) on a grid."""
+    if GRID_AXES == 0:
+        if b is None:
+            pos = token_positions(offset, positions, 0, t, N, stride_pb, stride_pn)[:, None]
+        else:
+            pos = token_positions(
+                offset, positions, b[None, :], t[:, None], N, stride_pb, stride_pn
+            )
+        pos = pos.to(tl.float32)[:, :, None]
+    else:
+        pos = grid_positions(t, feats, extra, E, size_a, size_b, size_c, GRID_AXES)
+        pos = pos.to(tl.float32)[:, None, :]
+    return pos
 
 
 @triton.jit
-def frequencies(theta_row_ptr, feats, D, E, stride_e):
-    """theta[h, k] (float32) for the features `feats` of one head, whose row starts at
-    `theta_row_ptr`: E == D one per feature, E == 1 one for all features, 1 < E < D zero
-    (angle 0: cos part = x, sin part = 0) for the features k >= E."""
-    single = E == 1
-    cols = tl.where(single, 0, feats)
-    ok = (feats < D) & (single | (feats < E))
-    return tl.load(theta_row_ptr + cols * stride_e, mask=ok, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def angles(pos, freqs):
-    """float32(freq) * float32(position), exactly the reference's angles; `pos` and `freqs`
-    are already shaped to broadcast (e.g. [1, BLOCK_N, 1] x [1, 1, BLOCK_D])."""
-    return pos.to(tl.float32) * freqs
-
-
-@triton.jit
-def token_angles(tokens, offset, freqs):
-    """[BLOCK_N, 1, BLOCK_D] angles of a block of tokens for an int offset."""
-    return angles(positions(tokens, offset)[:, None, None], freqs[None, None, :])
-
-
-@triton.jit
-def row_positions(offsets_ptr, b, row_ok, tokens):
-    """[BLOCK_N, ROWS, 1] positions of the tokens of batch rows `b` with per-row offsets."""
-    off = tl.load(offsets_ptr + b, mask=row_ok, other=0)
-    return positions(tokens[:, None], off[None, :])[:, :, None]
-
-
-# --------------------------------------------------------------------------------------------
-# Activation in front of the feature map (forward and backward), on [tokens, rows, features]
-# --------------------------------------------------------------------------------------------
+def head_frequencies(theta, h, stride_th, stride_te, n_freq, feats, D, GRID_AXES: tl.constexpr):
+    """[1, 1, BLOCK_D] float32 frequency of each feature of head h."""
+    row = theta + h * stride_th
+    if GRID_AXES == 0:
+        freqs = slot_frequencies(row, stride_te, feats, n_freq)
+    else:
+        freqs = wrapped_frequencies(row, stride_te, feats, n_freq, D)
+    return freqs[None, None, :]
 
 
 @triton.jit
@@ -111,151 +243,261 @@ def activate_grad(x, xbar, dxbar, tot, ACT: tl.constexpr):
 
 
 @triton.jit
-def feature_rows(ptr, b, row_ok, h, H, D, feats, feat_ok, other):
-    """[rows, features] entries (b, h, feats) of a float32 (B, H, D) buffer (stats or sums)."""
-    offs = ((b * H + h).to(tl.int64) * D)[:, None] + feats[None, :]
-    return tl.load(ptr + offs, mask=row_ok[:, None] & feat_ok[None, :], other=other)
+def sequence_stats(m, s, b, h, H, C, D, feats, mask):
+    """[rows, features] softmax-over-the-sequence (max, sum), combined from C chunks."""
+    offs = ((b * H + h).to(tl.int64) * C * D)[:, None] + feats[None, :]
+    return combine_chunk_stats(m, s, C, D, offs, mask)
+
+
+@triton.jit
+def angle_table_offsets(t, h, H, D, feats):
+    """[BLOCK_N, 1, BLOCK_D] offsets into the float32 angle table (N, H, D)."""
+    return ((t.to(tl.int64) * H + h) * D)[:, None, None] + feats[None, None, :]
 
 
 # --------------------------------------------------------------------------------------------
-# Kernels. Grid: (token blocks or chunks, H, batch groups). A program of the forward/backward
-# kernels loops over its `rows_per_program` batch rows ROWS at a time.
+# Forward. Grid: (token blocks, H, batch groups); a program loops over its `rows_per_program`
+# batch rows ROWS at a time.
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=_RUNTIME)
-def lrpe_cosine_fwd_kernel(
-    x_ptr,
-    theta_ptr,
-    offsets_ptr,
-    stats_ptr,
-    y_ptr,
+@triton.jit(do_not_specialize=RUNTIME)
+def cosine_fwd_kernel(
+    x,
+    y,
+    theta,
+    offset,
+    positions,
+    m,
+    s,
+    angles,
     B,
     N,
-    H,
     D,
-    E,
-    offset,
     rows_per_program,
-    stats_part,
-    sxb,
-    sxn,
-    sxh,
-    sxd,
-    syb,
-    syn,
-    syh,
-    syd,
-    sth,
-    ste,
+    num_stat_chunks,
+    stride_xb,
+    stride_xn,
+    stride_xh,
+    stride_xd,
+    stride_yb,
+    stride_yn,
+    stride_yh,
+    stride_yd,
+    stride_th,
+    stride_te,
+    n_freq,
+    stride_pb,
+    stride_pn,
+    extra,
+    size_a,
+    size_b,
+    size_c,
     ACT: tl.constexpr,
-    PER_BATCH: tl.constexpr,
+    GRID_AXES: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     h = tl.program_id(1)
-    tokens = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    H = tl.num_programs(1)
+    t = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     feats = tl.arange(0, BLOCK_D)
     feat_ok = feats < D
-    tile_ok = (tokens < N)[:, None, None] & feat_ok[None, None, :]
-    freqs = frequencies(theta_ptr + h * sth, feats, D, E, ste)
-    if not PER_BATCH:
-        theta_t = token_angles(tokens, offset, freqs)
-        cos_t = tl.cos(theta_t)
-        sin_t = tl.sin(theta_t)
-    x_tile = (tokens.to(tl.int64) * sxn)[:, None, None] + (feats * sxd)[None, None, :]
-    y_tile = (tokens.to(tl.int64) * syn)[:, None, None] + (feats * syd)[None, None, :]
-    x_head = x_ptr + h.to(tl.int64) * sxh
-    y_head = y_ptr + h.to(tl.int64) * syh
-    m = tl.zeros([ROWS, BLOCK_D], tl.float32)  # sequence stats: only softmax_seq reads them
-    s = tl.full([ROWS, BLOCK_D], 1.0, tl.float32)
+    tile_ok = (t < N)[:, None, None] & feat_ok[None, None, :]
+    freqs = head_frequencies(theta, h, stride_th, stride_te, n_freq, feats, D, GRID_AXES)
+    per_row: tl.constexpr = positions is not None or offset.dtype.is_ptr()
+    if not per_row:
+        ang = freqs * tile_positions(
+            offset,
+            positions,
+            None,
+            t,
+            N,
+            stride_pb,
+            stride_pn,
+            feats,
+            extra,
+            n_freq,
+            size_a,
+            size_b,
+            size_c,
+            GRID_AXES,
+        )
+        if angles is not None:  # batch group 0 writes the table
+            keep = tile_ok & (tl.program_id(2) == 0)
+            tl.store(angles + angle_table_offsets(t, h, H, D, feats), ang, mask=keep)
+        cos_t, sin_t = cos_sin(ang)
+    x_tile = (t.to(tl.int64) * stride_xn)[:, None, None] + (feats * stride_xd)[None, None, :]
+    y_tile = (t.to(tl.int64) * stride_yn)[:, None, None] + (feats * stride_yd)[None, None, :]
+    x_head = x + h.to(tl.int64) * stride_xh
+    y_head = y + h.to(tl.int64) * stride_yh
+    m_t = tl.zeros([ROWS, BLOCK_D], tl.float32)  # sequence stats: only softmax_seq reads them
+    s_t = tl.full([ROWS, BLOCK_D], 1.0, tl.float32)
     b_lo = tl.program_id(2) * rows_per_program
     b_hi = tl.minimum(b_lo + rows_per_program, B)
     for b0 in range(b_lo, b_hi, ROWS):
         b = b0 + tl.arange(0, ROWS)
         row_ok = b < b_hi
         mask = row_ok[None, :, None] & tile_ok
-        if PER_BATCH:
-            pos = row_positions(offsets_ptr, b, row_ok, tokens)
-            theta_t = angles(pos, freqs[None, None, :])
-            cos_t = tl.cos(theta_t)
-            sin_t = tl.sin(theta_t)
+        if per_row:
+            pos = tile_positions(
+                offset,
+                positions,
+                tl.minimum(b, B - 1),
+                t,
+                N,
+                stride_pb,
+                stride_pn,
+                feats,
+                extra,
+                n_freq,
+                size_a,
+                size_b,
+                size_c,
+                GRID_AXES,
+            )
+            cos_t, sin_t = cos_sin(pos * freqs)
         if ACT == "softmax_seq":
-            m = feature_rows(stats_ptr, b, row_ok, h, H, D, feats, feat_ok, 0.0)
-            s = feature_rows(stats_ptr + stats_part, b, row_ok, h, H, D, feats, feat_ok, 1.0)
-        x_rows = x_head + (b.to(tl.int64) * sxb)[None, :, None] + x_tile
-        x = tl.load(x_rows, mask=mask, other=0.0).to(tl.float32)
-        xbar = activate(x, feat_ok[None, None, :], m, s, ACT)
-        y_rows = y_head + (b.to(tl.int64) * syb)[None, :, None] + y_tile
-        tl.store(y_rows, (xbar * cos_t).to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(y_rows + D * syd, (xbar * sin_t).to(y_ptr.dtype.element_ty), mask=mask)
+            stat_ok = row_ok[:, None] & feat_ok[None, :]
+            m_t, s_t = sequence_stats(m, s, b, h, H, num_stat_chunks, D, feats, stat_ok)
+        x_rows = x_head + (b.to(tl.int64) * stride_xb)[None, :, None] + x_tile
+        xv = tl.load(x_rows, mask=mask, other=0.0).to(tl.float32)
+        xbar = activate(xv, feat_ok[None, None, :], m_t, s_t, ACT)
+        y_rows = y_head + (b.to(tl.int64) * stride_yb)[None, :, None] + y_tile
+        tl.store(y_rows, (xbar * cos_t).to(y.dtype.element_ty), mask=mask)
+        tl.store(y_rows + D * stride_yd, (xbar * sin_t).to(y.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=_RUNTIME)
-def lrpe_cosine_bwd_kernel(
-    x_ptr,
-    theta_ptr,
-    offsets_ptr,
-    stats_ptr,
-    sums_ptr,
-    dy_ptr,
-    dx_ptr,
-    dtheta_ptr,
+def cosine_fwd(
+    x, theta, pos, kind, stats=None, *, grid: Grid | None = None, angles=None, plan: Plan = PLAN
+) -> torch.Tensor:
+    """y (B, N, H, 2D) = [act(x) cos, act(x) sin]; pos = (start, starts, table) of a sequence
+    (ignored with a `grid`); `stats` for softmax_seq; `angles` (N, H, D) float32 to fill."""
+    b, n, heads, d = x.shape
+    y = x.new_empty((b, n, heads, 2 * d))
+    per_row = per_row_positions(pos) and grid is None
+    block_n, block_d = tile_sizes(d, plan.small_tile if per_row else plan.tile)
+    n_blocks = cdiv(n, block_n)
+    rows, groups = batch_groups(plan, b, n_blocks * heads, x.device)
+    launch(cosine_fwd_kernel)[(n_blocks, heads, groups)](
+        x=x,
+        y=y,
+        theta=theta,
+        **position_args(*pos),
+        m=stats[0] if stats is not None else None,
+        s=stats[1] if stats is not None else None,
+        angles=angles,
+        B=b,
+        N=n,
+        D=d,
+        rows_per_program=rows,
+        num_stat_chunks=stats.shape[2] if stats is not None else 0,
+        **_strides("x", x),
+        **_strides("y", y),
+        **_angle_args(theta, d, grid),
+        ACT=kind,
+        ROWS=ROWS,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=plan.warps,
+    )
+    return y
+
+
+# --------------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=RUNTIME)
+def cosine_bwd_kernel(
+    x,
+    dy,
+    dx,
+    theta,
+    offset,
+    positions,
+    m,
+    s,
+    sums,
+    angles,
+    dtheta_partials,
     B,
     N,
-    H,
     D,
-    E,
-    offset,
     rows_per_program,
-    stats_part,
-    sxb,
-    sxn,
-    sxh,
-    sxd,
-    sgb,
-    sgn,
-    sgh,
-    sgd,
-    sdb,
-    sdn,
-    sdh,
-    sdd,
-    sth,
-    ste,
+    num_stat_chunks,
+    num_chunks,
+    stride_xb,
+    stride_xn,
+    stride_xh,
+    stride_xd,
+    stride_gb,
+    stride_gn,
+    stride_gh,
+    stride_gd,
+    stride_db,
+    stride_dn,
+    stride_dh,
+    stride_dd,
+    stride_th,
+    stride_te,
+    n_freq,
+    stride_pb,
+    stride_pn,
+    extra,
+    size_a,
+    size_b,
+    size_c,
     ACT: tl.constexpr,
-    PER_BATCH: tl.constexpr,
-    NEED_DX: tl.constexpr,
-    NEED_DTHETA: tl.constexpr,
+    GRID_AXES: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """dx̄ = dy_cos cos + dy_sin sin, then the act backward (softmax_seq: the apply pass, with
-    the sums of the first pass). With NEED_DTHETA each program also writes its float32 partial
-    of dtheta[h, :] = sum pos * x̄ * (dy_sin cos - dy_cos sin) to dtheta_ptr[program, h, :]
-    (summed by the host: deterministic)."""
+    """dx̄ = dy_cos cos + dy_sin sin, then the act backward (softmax_seq: with the per-chunk
+    sums of the first pass). With `dtheta_partials` each program also writes its float32
+    partial of dtheta[h, :] = sum pos * x̄ * (dy_sin cos - dy_cos sin). `dx` None: d(theta)
+    only; `x` None: act none without d(theta) (dx needs no x)."""
+    NEED_DTHETA: tl.constexpr = dtheta_partials is not None
     h = tl.program_id(1)
-    tokens = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    H = tl.num_programs(1)
+    t = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     feats = tl.arange(0, BLOCK_D)
     feat_ok = feats < D
-    tile_ok = (tokens < N)[:, None, None] & feat_ok[None, None, :]
-    freqs = frequencies(theta_ptr + h * sth, feats, D, E, ste)
-    if not PER_BATCH:
-        pos = positions(tokens, offset)[:, None, None]
-        theta_t = angles(pos, freqs[None, None, :])
-        cos_t = tl.cos(theta_t)
-        sin_t = tl.sin(theta_t)
-    x_tile = (tokens.to(tl.int64) * sxn)[:, None, None] + (feats * sxd)[None, None, :]
-    g_tile = (tokens.to(tl.int64) * sgn)[:, None, None] + (feats * sgd)[None, None, :]
-    d_tile = (tokens.to(tl.int64) * sdn)[:, None, None] + (feats * sdd)[None, None, :]
-    x_head = x_ptr + h.to(tl.int64) * sxh
-    g_head = dy_ptr + h.to(tl.int64) * sgh
-    d_head = dx_ptr + h.to(tl.int64) * sdh
+    tile_ok = (t < N)[:, None, None] & feat_ok[None, None, :]
+    freqs = head_frequencies(theta, h, stride_th, stride_te, n_freq, feats, D, GRID_AXES)
+    per_row: tl.constexpr = positions is not None or offset.dtype.is_ptr()
+    if not per_row:
+        pos = tile_positions(
+            offset,
+            positions,
+            None,
+            t,
+            N,
+            stride_pb,
+            stride_pn,
+            feats,
+            extra,
+            n_freq,
+            size_a,
+            size_b,
+            size_c,
+            GRID_AXES,
+        )
+        if angles is not None:
+            ang = tl.load(angles + angle_table_offsets(t, h, H, D, feats), mask=tile_ok, other=0.0)
+        else:
+            ang = pos * freqs
+        cos_t, sin_t = cos_sin(ang)
+    x_tile = (t.to(tl.int64) * stride_xn)[:, None, None] + (feats * stride_xd)[None, None, :]
+    g_tile = (t.to(tl.int64) * stride_gn)[:, None, None] + (feats * stride_gd)[None, None, :]
+    d_tile = (t.to(tl.int64) * stride_dn)[:, None, None] + (feats * stride_dd)[None, None, :]
+    g_head = dy + h.to(tl.int64) * stride_gh
     acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    m = tl.zeros([ROWS, BLOCK_D], tl.float32)  # stats and sums: only softmax_seq reads them
-    s = tl.full([ROWS, BLOCK_D], 1.0, tl.float32)
+    m_t = tl.zeros([ROWS, BLOCK_D], tl.float32)  # stats and sums: only softmax_seq reads them
+    s_t = tl.full([ROWS, BLOCK_D], 1.0, tl.float32)
     tot = tl.zeros([ROWS, BLOCK_D], tl.float32)
     b_lo = tl.program_id(2) * rows_per_program
     b_hi = tl.minimum(b_lo + rows_per_program, B)
@@ -263,127 +505,232 @@ def lrpe_cosine_bwd_kernel(
         b = b0 + tl.arange(0, ROWS)
         row_ok = b < b_hi
         mask = row_ok[None, :, None] & tile_ok
-        if PER_BATCH:
-            pos = row_positions(offsets_ptr, b, row_ok, tokens)
-            theta_t = angles(pos, freqs[None, None, :])
-            cos_t = tl.cos(theta_t)
-            sin_t = tl.sin(theta_t)
-        g_rows = g_head + (b.to(tl.int64) * sgb)[None, :, None] + g_tile
+        if per_row:
+            pos = tile_positions(
+                offset,
+                positions,
+                tl.minimum(b, B - 1),
+                t,
+                N,
+                stride_pb,
+                stride_pn,
+                feats,
+                extra,
+                n_freq,
+                size_a,
+                size_b,
+                size_c,
+                GRID_AXES,
+            )
+            cos_t, sin_t = cos_sin(pos * freqs)
+        g_rows = g_head + (b.to(tl.int64) * stride_gb)[None, :, None] + g_tile
         dy_cos = tl.load(g_rows, mask=mask, other=0.0).to(tl.float32)
-        dy_sin = tl.load(g_rows + D * sgd, mask=mask, other=0.0).to(tl.float32)
+        dy_sin = tl.load(g_rows + D * stride_gd, mask=mask, other=0.0).to(tl.float32)
         dxbar = dy_cos * cos_t + dy_sin * sin_t
         if ACT != "none" or NEED_DTHETA:
             if ACT == "softmax_seq":
-                m = feature_rows(stats_ptr, b, row_ok, h, H, D, feats, feat_ok, 0.0)
-                s = feature_rows(stats_ptr + stats_part, b, row_ok, h, H, D, feats, feat_ok, 1.0)
-                tot = feature_rows(sums_ptr, b, row_ok, h, H, D, feats, feat_ok, 0.0)
-            x_rows = x_head + (b.to(tl.int64) * sxb)[None, :, None] + x_tile
-            x = tl.load(x_rows, mask=mask, other=0.0).to(tl.float32)
-            xbar = activate(x, feat_ok[None, None, :], m, s, ACT)
+                stat_ok = row_ok[:, None] & feat_ok[None, :]
+                m_t, s_t = sequence_stats(m, s, b, h, H, num_stat_chunks, D, feats, stat_ok)
+                offs = ((b * H + h).to(tl.int64) * num_chunks * D)[:, None] + feats[None, :]
+                tot = combine_chunk_sums(sums, num_chunks, D, offs, stat_ok)
+            x_rows = x + h.to(tl.int64) * stride_xh + (b.to(tl.int64) * stride_xb)[None, :, None]
+            xv = tl.load(x_rows + x_tile, mask=mask, other=0.0).to(tl.float32)
+            xbar = activate(xv, feat_ok[None, None, :], m_t, s_t, ACT)
         else:
-            x = dxbar
+            xv = dxbar
             xbar = dxbar
         if NEED_DTHETA:
-            dang = pos.to(tl.float32) * xbar * (dy_sin * cos_t - dy_cos * sin_t)
-            acc += tl.sum(dang, axis=1)
-        if NEED_DX:
-            dx = activate_grad(x, xbar, dxbar, tot, ACT)
-            d_rows = d_head + (b.to(tl.int64) * sdb)[None, :, None] + d_tile
-            tl.store(d_rows, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            acc += tl.sum(pos * xbar * (dy_sin * cos_t - dy_cos * sin_t), axis=1)
+        if dx is not None:
+            dxv = activate_grad(xv, xbar, dxbar, tot, ACT)
+            d_rows = dx + h.to(tl.int64) * stride_dh + (b.to(tl.int64) * stride_db)[None, :, None]
+            tl.store(d_rows + d_tile, dxv.to(dx.dtype.element_ty), mask=mask)
     if NEED_DTHETA:
         part = tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)
-        out = dtheta_ptr + (part.to(tl.int64) * H + h) * D + feats
-        tl.store(out, tl.sum(acc, axis=0), mask=feat_ok)
+        store_dtheta_partial(dtheta_partials, part, H, h, feats, D, tl.sum(acc, axis=0))
 
 
-@triton.jit(do_not_specialize=[*_RUNTIME, "chunk", "num_chunks"])
-def lrpe_cosine_bwd_seq_sums_kernel(
-    x_ptr,
-    theta_ptr,
-    offsets_ptr,
-    stats_ptr,
-    dy_ptr,
-    sums_ptr,
-    dtheta_ptr,
+@triton.jit(do_not_specialize=RUNTIME)
+def cosine_bwd_seq_sums_kernel(
+    x,
+    dy,
+    theta,
+    offset,
+    positions,
+    m,
+    s,
+    sums,
+    angles,
+    dtheta_partials,
     B,
     N,
-    H,
     D,
-    E,
-    offset,
-    rows_per_program,
     chunk,
     num_chunks,
-    stats_part,
-    sxb,
-    sxn,
-    sxh,
-    sxd,
-    sgb,
-    sgn,
-    sgh,
-    sgd,
-    sth,
-    ste,
-    PER_BATCH: tl.constexpr,
-    NEED_DTHETA: tl.constexpr,
+    num_stat_chunks,
+    stride_xb,
+    stride_xn,
+    stride_xh,
+    stride_xd,
+    stride_gb,
+    stride_gn,
+    stride_gh,
+    stride_gd,
+    stride_th,
+    stride_te,
+    n_freq,
+    stride_pb,
+    stride_pn,
+    extra,
+    size_a,
+    size_b,
+    size_c,
+    GRID_AXES: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """First pass of the softmax-over-the-sequence backward. A program (chunk of tokens, h,
-    ROWS batch rows) writes the float32 partial sums over its tokens of y * dx̄
-    (y = softmax(x) over the sequence) to sums_ptr[b, chunk, h, :], and its dtheta partial (it
-    has x̄ and dy at hand). `rows_per_program` is ROWS: the grid covers B in groups of ROWS."""
+    ROWS batch rows) writes the float32 sums over its tokens of y * dx̄ (y = softmax of x over
+    the sequence) to sums[b * H + h, chunk, :], and its d(theta) partial (it has x̄ and dy)."""
+    NEED_DTHETA: tl.constexpr = dtheta_partials is not None
     h = tl.program_id(1)
+    H = tl.num_programs(1)
     feats = tl.arange(0, BLOCK_D)
     feat_ok = feats < D
-    b = tl.program_id(2) * rows_per_program + tl.arange(0, ROWS)
+    b = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
     row_ok = b < B
-    freqs = frequencies(theta_ptr + h * sth, feats, D, E, ste)
-    m = feature_rows(stats_ptr, b, row_ok, h, H, D, feats, feat_ok, 0.0)
-    s = feature_rows(stats_ptr + stats_part, b, row_ok, h, H, D, feats, feat_ok, 1.0)
-    x_rows = x_ptr + h.to(tl.int64) * sxh + (b.to(tl.int64) * sxb)[None, :, None]
-    g_rows = dy_ptr + h.to(tl.int64) * sgh + (b.to(tl.int64) * sgb)[None, :, None]
+    b_pos = tl.minimum(b, B - 1)
+    freqs = head_frequencies(theta, h, stride_th, stride_te, n_freq, feats, D, GRID_AXES)
+    stat_ok = row_ok[:, None] & feat_ok[None, :]
+    m_t, s_t = sequence_stats(m, s, b, h, H, num_stat_chunks, D, feats, stat_ok)
+    x_rows = x + h.to(tl.int64) * stride_xh + (b.to(tl.int64) * stride_xb)[None, :, None]
+    g_rows = dy + h.to(tl.int64) * stride_gh + (b.to(tl.int64) * stride_gb)[None, :, None]
+    per_row: tl.constexpr = positions is not None or offset.dtype.is_ptr()
     # Element-wise accumulators, reduced once at the end: no cross-warp reduction per block.
-    sums = tl.zeros([BLOCK_N, ROWS, BLOCK_D], tl.float32)
+    acc_sums = tl.zeros([BLOCK_N, ROWS, BLOCK_D], tl.float32)
     acc = tl.zeros([BLOCK_N, ROWS, BLOCK_D], tl.float32)
     t_start = tl.program_id(0) * chunk
     for t0 in range(t_start, tl.minimum(t_start + chunk, N), BLOCK_N):
-        tokens = t0 + tl.arange(0, BLOCK_N)
-        mask = (tokens < N)[:, None, None] & row_ok[None, :, None] & feat_ok[None, None, :]
-        if PER_BATCH:
-            pos = row_positions(offsets_ptr, b, row_ok, tokens)
+        t = t0 + tl.arange(0, BLOCK_N)
+        mask = (t < N)[:, None, None] & row_ok[None, :, None] & feat_ok[None, None, :]
+        pos = tile_positions(
+            offset,
+            positions,
+            b_pos if per_row else None,
+            t,
+            N,
+            stride_pb,
+            stride_pn,
+            feats,
+            extra,
+            n_freq,
+            size_a,
+            size_b,
+            size_c,
+            GRID_AXES,
+        )
+        if angles is not None:
+            tab_ok = (t < N)[:, None, None] & feat_ok[None, None, :]
+            ang = tl.load(angles + angle_table_offsets(t, h, H, D, feats), mask=tab_ok, other=0.0)
         else:
-            pos = positions(tokens, offset)[:, None, None]
-        theta_t = angles(pos, freqs[None, None, :])
-        cos_t = tl.cos(theta_t)
-        sin_t = tl.sin(theta_t)
-        x_tile = (tokens.to(tl.int64) * sxn)[:, None, None] + (feats * sxd)[None, None, :]
-        g_tile = (tokens.to(tl.int64) * sgn)[:, None, None] + (feats * sgd)[None, None, :]
-        x = tl.load(x_rows + x_tile, mask=mask, other=0.0).to(tl.float32)
+            ang = pos * freqs
+        cos_t, sin_t = cos_sin(ang)
+        x_tile = (t.to(tl.int64) * stride_xn)[:, None, None] + (feats * stride_xd)[None, None, :]
+        g_tile = (t.to(tl.int64) * stride_gn)[:, None, None] + (feats * stride_gd)[None, None, :]
+        xv = tl.load(x_rows + x_tile, mask=mask, other=0.0).to(tl.float32)
         dy_cos = tl.load(g_rows + g_tile, mask=mask, other=0.0).to(tl.float32)
-        dy_sin = tl.load(g_rows + g_tile + D * sgd, mask=mask, other=0.0).to(tl.float32)
-        xbar = activate(x, feat_ok[None, None, :], m, s, "softmax_seq")
-        sums += xbar * (dy_cos * cos_t + dy_sin * sin_t)
+        dy_sin = tl.load(g_rows + g_tile + D * stride_gd, mask=mask, other=0.0).to(tl.float32)
+        xbar = softmax_normalize(xv, m_t, s_t, 0)
+        acc_sums += xbar * (dy_cos * cos_t + dy_sin * sin_t)
         if NEED_DTHETA:
-            acc += pos.to(tl.float32) * xbar * (dy_sin * cos_t - dy_cos * sin_t)
-    out_rows = b.to(tl.int64) * num_chunks + tl.program_id(0)
-    out = sums_ptr + (out_rows[:, None] * H + h) * D + feats[None, :]
-    tl.store(out, tl.sum(sums, axis=0), mask=row_ok[:, None] & feat_ok[None, :])
+            acc += pos * xbar * (dy_sin * cos_t - dy_cos * sin_t)
+    out = ((b * H + h).to(tl.int64) * num_chunks + tl.program_id(0))[:, None] * D + feats[None, :]
+    tl.store(sums + out, tl.sum(acc_sums, axis=0), mask=stat_ok)
     if NEED_DTHETA:
         part = tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)
-        out_t = dtheta_ptr + (part.to(tl.int64) * H + h) * D + feats
-        tl.store(out_t, tl.sum(tl.sum(acc, axis=1), axis=0), mask=feat_ok)
+        store_dtheta_partial(
+            dtheta_partials, part, H, h, feats, D, tl.sum(tl.sum(acc, axis=1), axis=0)
+        )
 
 
-@triton.jit(do_not_specialize=["total", "num_chunks"])
-def seq_stats_finalize_kernel(m_ptr, s_ptr, out_ptr, total, I, num_chunks, BLOCK: tl.constexpr):
-    """Combine per-chunk (max, sum) of kernelkit-act's `softmax_chunk_stats`, shape (O, C, I),
-    into the final float32 stats out[0, o * I + i] = max, out[1, o * I + i] = sum."""
-    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = idx < total
-    base = (idx // I) * num_chunks * I
-    m, s = combine_chunk_stats(m_ptr + base, s_ptr + base, num_chunks, I, idx % I, ok)
-    tl.store(out_ptr + idx, m, mask=ok)
-    tl.store(out_ptr + total + idx, s, mask=ok)
+def cosine_bwd(
+    dy,
+    x,
+    theta,
+    pos,
+    kind,
+    stats=None,
+    *,
+    need_dx=True,
+    need_dtheta=False,
+    grid: Grid | None = None,
+    angles=None,
+    plan: Plan = PLAN,
+):
+    """(dx or None, float32 d(theta) partials (programs, H, D) or None). x may be None for act
+    none without d(theta); `stats` for softmax_seq; `angles` the forward's table or None."""
+    b, n, heads, d2 = dy.shape
+    d = d2 // 2
+    dx = (
+        (torch.empty_like(x) if x is not None else dy.new_empty((b, n, heads, d)))
+        if need_dx
+        else None
+    )
+    per_row = per_row_positions(pos) and grid is None
+    common = dict(
+        theta=theta,
+        **position_args(*pos),
+        m=stats[0] if stats is not None else None,
+        s=stats[1] if stats is not None else None,
+        angles=angles,
+        B=b,
+        N=n,
+        D=d,
+        num_stat_chunks=stats.shape[2] if stats is not None else 0,
+        **_strides("x", x),
+        **_strides("g", dy),
+        **_angle_args(theta, d, grid),
+        ROWS=ROWS,
+        num_warps=plan.warps,
+    )
+    sums, partials, num_chunks = None, None, 0
+    if kind == SEQ:
+        block_n, block_d = tile_sizes(d, plan.small_tile)
+        groups, chunk, num_chunks = sequence_chunks(plan, b, n, heads, block_n, dy.device)
+        sums = dy.new_empty((b * heads, num_chunks, d), dtype=torch.float32)
+        if need_dtheta:
+            partials = dy.new_empty((num_chunks * groups, heads, d), dtype=torch.float32)
+        launch(cosine_bwd_seq_sums_kernel)[(num_chunks, heads, groups)](
+            x=x,
+            dy=dy,
+            sums=sums,
+            dtheta_partials=partials,
+            chunk=chunk,
+            num_chunks=num_chunks,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            **common,
+        )
+    fuse_dtheta = need_dtheta and kind != SEQ
+    if need_dx or fuse_dtheta:
+        block_n, block_d = tile_sizes(d, plan.small_tile if per_row else plan.tile)
+        n_blocks = cdiv(n, block_n)
+        rows, groups = batch_groups(plan, b, n_blocks * heads, dy.device)
+        if fuse_dtheta:
+            partials = dy.new_empty((n_blocks * groups, heads, d), dtype=torch.float32)
+        launch(cosine_bwd_kernel)[(n_blocks, heads, groups)](
+            x=x,
+            dy=dy,
+            dx=dx,
+            sums=sums,
+            dtheta_partials=partials if fuse_dtheta else None,
+            rows_per_program=rows,
+            num_chunks=num_chunks,
+            **_strides("d", dx),
+            ACT=kind,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            **common,
+        )
+    return dx, partials

@@ -35,7 +35,13 @@ from kernelkit.lrpe_core.kernels import (
     store_dtheta_partial,
     token_positions,
 )
-from kernelkit.lrpe_core.op import SEQ, position_args, programs_target, theta_args
+from kernelkit.lrpe_core.op import (
+    SEQ,
+    per_row_positions,
+    position_args,
+    programs_target,
+    theta_args,
+)
 from kernelkit.shared.runtime import cdiv, launch, next_power_of_2
 
 # Never specialised (Triton would otherwise make values of 1 constants and key on divisibility
@@ -92,12 +98,6 @@ def _seq_chunks(plan, batch, n, heads, block_n, device) -> tuple[int, int]:
     return chunk, cdiv(n, chunk)
 
 
-def _per_row(pos) -> bool:
-    """Whether positions differ between batch rows (pointer offset or positions table)."""
-    start, starts, table = pos
-    return starts is not None or table is not None
-
-
 def _strides(name: str, t: torch.Tensor) -> dict:
     return {f"stride_{name}{a}": s for a, s in zip("bnhd", t.stride())}
 
@@ -150,9 +150,9 @@ def tile_offsets(t, j, s_n, s_d):
 
 
 @triton.jit
-def rotation(freqs, offset, positions, b, t, stride_pb, stride_pn):
-    """cos and sin [BLOCK_N, BLOCK_E] of the angles of tokens t of batch row b."""
-    pos = token_positions(offset, positions, b, t, stride_pb, stride_pn).to(tl.float32)
+def rotation(freqs, offset, positions, b, t, n, stride_pb, stride_pn):
+    """cos and sin [BLOCK_N, BLOCK_E] of the angles of tokens t (< n) of batch row b."""
+    pos = token_positions(offset, positions, b, t, n, stride_pb, stride_pn).to(tl.float32)
     return cos_sin(pos[:, None] * freqs[None, :])
 
 
@@ -165,13 +165,32 @@ def rotation(freqs, offset, positions, b, t, stride_pb, stride_pn):
 
 @triton.jit(do_not_specialize=RUNTIME)
 def rotate_fwd_kernel(
-    x, y, theta, offset, positions,
-    B, N, rows_per_program,
-    stride_xb, stride_xn, stride_xh, stride_xd,
-    stride_yb, stride_yn, stride_yh, stride_yd,
-    stride_th, stride_te, n_freq, stride_pb, stride_pn,
-    KIND: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-):  # fmt: skip
+    x,
+    y,
+    theta,
+    offset,
+    positions,
+    B,
+    N,
+    rows_per_program,
+    stride_xb,
+    stride_xn,
+    stride_xh,
+    stride_xd,
+    stride_yb,
+    stride_yn,
+    stride_yh,
+    stride_yd,
+    stride_th,
+    stride_te,
+    n_freq,
+    stride_pb,
+    stride_pn,
+    KIND: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
     n_tiles = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(0)
     b0 = (pid // n_tiles).to(tl.int64) * rows_per_program  # b * stride_b may pass 2**31
@@ -182,12 +201,12 @@ def rotate_fwd_kernel(
     freqs = slot_frequencies(theta + h * stride_th, stride_te, j, n_freq)
     per_row: tl.constexpr = positions is not None or offset.dtype.is_ptr()
     if not per_row:
-        cos, sin = rotation(freqs, offset, positions, 0, t, stride_pb, stride_pn)
+        cos, sin = rotation(freqs, offset, positions, 0, t, N, stride_pb, stride_pn)
     x_off = h.to(tl.int64) * stride_xh + tile_offsets(t, j, stride_xn, stride_xd)
     y_off = h.to(tl.int64) * stride_yh + tile_offsets(t, j, stride_yn, stride_yd)
     for b in range(b0, tl.minimum(b0 + rows_per_program, B)):
         if per_row:
-            cos, sin = rotation(freqs, offset, positions, b, t, stride_pb, stride_pn)
+            cos, sin = rotation(freqs, offset, positions, b, t, N, stride_pb, stride_pn)
         x1, x2 = activated_halves(x + b * stride_xb, x_off, HALF * stride_xd, mask, KIND)
         y1 = x1 * cos - x2 * sin
         y2 = x1 * sin + x2 * cos
@@ -202,26 +221,61 @@ def rotate_fwd(x, theta, pos, kind, plan: Plan = PLAN) -> torch.Tensor:
     half = d // 2
     block_n, block_e, warps = _tile(plan, kind, half)
     n_tiles = cdiv(n, block_n)
-    per_group, groups = _batch_groups(plan, batch, n_tiles, heads, x.device, _per_row(pos))
+    per_group, groups = _batch_groups(plan, batch, n_tiles, heads, x.device, per_row_positions(pos))
     launch(rotate_fwd_kernel)[(n_tiles * groups, heads)](
-        x=x, y=y, theta=theta, **position_args(*pos),
-        B=batch, N=n, rows_per_program=per_group,
-        **_strides("x", x), **_strides("y", y), **theta_args(theta, half),
-        KIND=kind, HALF=half, BLOCK_N=block_n, BLOCK_E=block_e, num_warps=warps,
-    )  # fmt: skip
+        x=x,
+        y=y,
+        theta=theta,
+        **position_args(*pos),
+        B=batch,
+        N=n,
+        rows_per_program=per_group,
+        **_strides("x", x),
+        **_strides("y", y),
+        **theta_args(theta, half),
+        KIND=kind,
+        HALF=half,
+        BLOCK_N=block_n,
+        BLOCK_E=block_e,
+        num_warps=warps,
+    )
     return y
 
 
 @triton.jit(do_not_specialize=RUNTIME)
 def rotate_bwd_kernel(
-    x, dy, dx, theta, offset, positions, dtheta_partials,
-    B, N, rows_per_program,
-    stride_xb, stride_xn, stride_xh, stride_xd,
-    stride_gb, stride_gn, stride_gh, stride_gd,
-    stride_db, stride_dn, stride_dh, stride_dd,
-    stride_th, stride_te, n_freq, stride_pb, stride_pn,
-    KIND: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-):  # fmt: skip
+    x,
+    dy,
+    dx,
+    theta,
+    offset,
+    positions,
+    dtheta_partials,
+    B,
+    N,
+    rows_per_program,
+    stride_xb,
+    stride_xn,
+    stride_xh,
+    stride_xd,
+    stride_gb,
+    stride_gn,
+    stride_gh,
+    stride_gd,
+    stride_db,
+    stride_dn,
+    stride_dh,
+    stride_dd,
+    stride_th,
+    stride_te,
+    n_freq,
+    stride_pb,
+    stride_pn,
+    KIND: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
     """dx = act'(x) applied to the inverse rotation of dy. With `dtheta_partials` (not None)
     this program's share of dtheta[h, j] = sum pos * (xbar1 * dxbar2 - xbar2 * dxbar1), summed
     element-wise over its rows and reduced once at the end; `x` is None when the backward needs
@@ -237,16 +291,16 @@ def rotate_bwd_kernel(
     freqs = slot_frequencies(theta + h * stride_th, stride_te, j, n_freq)
     per_row: tl.constexpr = positions is not None or offset.dtype.is_ptr()
     if not per_row:
-        cos, sin = rotation(freqs, offset, positions, 0, t, stride_pb, stride_pn)
-        pos = token_positions(offset, positions, 0, t, stride_pb, stride_pn).to(tl.float32)
+        cos, sin = rotation(freqs, offset, positions, 0, t, N, stride_pb, stride_pn)
+        pos = token_positions(offset, positions, 0, t, N, stride_pb, stride_pn).to(tl.float32)
     x_off = h.to(tl.int64) * stride_xh + tile_offsets(t, j, stride_xn, stride_xd)
     g_off = h.to(tl.int64) * stride_gh + tile_offsets(t, j, stride_gn, stride_gd)
     d_off = h.to(tl.int64) * stride_dh + tile_offsets(t, j, stride_dn, stride_dd)
     acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
     for b in range(b0, tl.minimum(b0 + rows_per_program, B)):
         if per_row:
-            cos, sin = rotation(freqs, offset, positions, b, t, stride_pb, stride_pn)
-            pos = token_positions(offset, positions, b, t, stride_pb, stride_pn).to(tl.float32)
+            cos, sin = rotation(freqs, offset, positions, b, t, N, stride_pb, stride_pn)
+            pos = token_positions(offset, positions, b, t, N, stride_pb, stride_pn).to(tl.float32)
         dy1, dy2 = load_halves(dy + b * stride_gb, g_off, HALF * stride_gd, mask, 0.0)
         g1 = cos * dy1 + sin * dy2  # gradient w.r.t. act(x): the inverse rotation of dy
         g2 = cos * dy2 - sin * dy1
@@ -282,17 +336,32 @@ def rotate_bwd(dy, x, theta, pos, kind, need_dtheta, plan: Plan = PLAN):
     half = d // 2
     block_n, block_e, warps = _tile(plan, kind, half)
     n_tiles = cdiv(n, block_n)
-    per_group, groups = _batch_groups(plan, batch, n_tiles, heads, dy.device, _per_row(pos))
+    per_group, groups = _batch_groups(
+        plan, batch, n_tiles, heads, dy.device, per_row_positions(pos)
+    )
     partials = None
     if need_dtheta:
         partials = dy.new_empty((n_tiles * groups, heads, half), dtype=torch.float32)
     launch(rotate_bwd_kernel)[(n_tiles * groups, heads)](
-        x=x, dy=dy, dx=dx, theta=theta, **position_args(*pos), dtheta_partials=partials,
-        B=batch, N=n, rows_per_program=per_group,
-        **_strides("x", x if x is not None else dy), **_strides("g", dy), **_strides("d", dx),
+        x=x,
+        dy=dy,
+        dx=dx,
+        theta=theta,
+        **position_args(*pos),
+        dtheta_partials=partials,
+        B=batch,
+        N=n,
+        rows_per_program=per_group,
+        **_strides("x", x if x is not None else dy),
+        **_strides("g", dy),
+        **_strides("d", dx),
         **theta_args(theta, half),
-        KIND=kind, HALF=half, BLOCK_N=block_n, BLOCK_E=block_e, num_warps=warps,
-    )  # fmt: skip
+        KIND=kind,
+        HALF=half,
+        BLOCK_N=block_n,
+        BLOCK_E=block_e,
+        num_warps=warps,
+    )
     return dx, partials
 
 
@@ -325,13 +394,34 @@ def seq_coords(pid, num_chunks, chunk, N):
 
 @triton.jit(do_not_specialize=SEQ_RUNTIME)
 def seq_softmax_fwd_kernel(
-    x, y, theta, offset, positions, m, s,
-    N, chunk, num_chunks, num_stat_chunks,
-    stride_xb, stride_xn, stride_xh, stride_xd,
-    stride_yb, stride_yn, stride_yh, stride_yd,
-    stride_th, stride_te, n_freq, stride_pb, stride_pn,
-    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-):  # fmt: skip
+    x,
+    y,
+    theta,
+    offset,
+    positions,
+    m,
+    s,
+    N,
+    chunk,
+    num_chunks,
+    num_stat_chunks,
+    stride_xb,
+    stride_xn,
+    stride_xh,
+    stride_xd,
+    stride_yb,
+    stride_yn,
+    stride_yh,
+    stride_yd,
+    stride_th,
+    stride_te,
+    n_freq,
+    stride_pb,
+    stride_pn,
+    HALF: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     b, t_lo, t_hi = seq_coords(pid, num_chunks, chunk, N)
@@ -343,14 +433,16 @@ def seq_softmax_fwd_kernel(
     for t_start in range(t_lo, t_hi, BLOCK_N):
         t = t_start + tl.arange(0, BLOCK_N)
         mask = (t < t_hi)[:, None] & (j < HALF)[None, :]
-        cos, sin = rotation(freqs, offset, positions, b, t, stride_pb, stride_pn)
-        x1, x2 = load_halves(x_base, tile_offsets(t, j, stride_xn, stride_xd), HALF * stride_xd,
-                             mask, 0.0)  # fmt: skip
+        cos, sin = rotation(freqs, offset, positions, b, t, N, stride_pb, stride_pn)
+        x1, x2 = load_halves(
+            x_base, tile_offsets(t, j, stride_xn, stride_xd), HALF * stride_xd, mask, 0.0
+        )
         x1 = softmax_normalize(x1, m1, s1, 0)
         x2 = softmax_normalize(x2, m2, s2, 0)
         y_off = tile_offsets(t, j, stride_yn, stride_yd)
-        store_halves(y_base, y_off, HALF * stride_yd, x1 * cos - x2 * sin, x1 * sin + x2 * cos,
-                     mask)  # fmt: skip
+        store_halves(
+            y_base, y_off, HALF * stride_yd, x1 * cos - x2 * sin, x1 * sin + x2 * cos, mask
+        )
 
 
 def seq_softmax_fwd(x, theta, pos, stats, plan: Plan = PLAN) -> torch.Tensor:
@@ -361,11 +453,24 @@ def seq_softmax_fwd(x, theta, pos, stats, plan: Plan = PLAN) -> torch.Tensor:
     block_n, block_e, warps = _tile(plan, SEQ, half)
     chunk, chunks = _seq_chunks(plan, batch, n, heads, block_n, x.device)
     launch(seq_softmax_fwd_kernel)[(chunks * batch, heads)](
-        x=x, y=y, theta=theta, **position_args(*pos), m=stats[0], s=stats[1],
-        N=n, chunk=chunk, num_chunks=chunks, num_stat_chunks=stats.shape[2],
-        **_strides("x", x), **_strides("y", y), **theta_args(theta, half),
-        HALF=half, BLOCK_N=block_n, BLOCK_E=block_e, num_warps=warps,
-    )  # fmt: skip
+        x=x,
+        y=y,
+        theta=theta,
+        **position_args(*pos),
+        m=stats[0],
+        s=stats[1],
+        N=n,
+        chunk=chunk,
+        num_chunks=chunks,
+        num_stat_chunks=stats.shape[2],
+        **_strides("x", x),
+        **_strides("y", y),
+        **theta_args(theta, half),
+        HALF=half,
+        BLOCK_N=block_n,
+        BLOCK_E=block_e,
+        num_warps=warps,
+    )
     return y
 
 
@@ -374,14 +479,16 @@ def seq_tile(x_base, dy_base, t, j, mask, stats, freqs, pos_args, strides, HALF:
     """softmax(x) halves, dxbar halves (inverse rotation of dy) and float32 positions of one
     tile. Invalid lanes: x = 0 gives a finite softmax value, dy = 0 gives dxbar = 0."""
     m1, s1, m2, s2 = stats
-    offset, positions, b, stride_pb, stride_pn = pos_args
+    offset, positions, b, n, stride_pb, stride_pn = pos_args
     stride_xn, stride_xd, stride_gn, stride_gd = strides
-    pos = token_positions(offset, positions, b, t, stride_pb, stride_pn).to(tl.float32)
+    pos = token_positions(offset, positions, b, t, n, stride_pb, stride_pn).to(tl.float32)
     cos, sin = cos_sin(pos[:, None] * freqs[None, :])
-    x1, x2 = load_halves(x_base, tile_offsets(t, j, stride_xn, stride_xd), HALF * stride_xd,
-                         mask, 0.0)  # fmt: skip
-    dy1, dy2 = load_halves(dy_base, tile_offsets(t, j, stride_gn, stride_gd), HALF * stride_gd,
-                           mask, 0.0)  # fmt: skip
+    x1, x2 = load_halves(
+        x_base, tile_offsets(t, j, stride_xn, stride_xd), HALF * stride_xd, mask, 0.0
+    )
+    dy1, dy2 = load_halves(
+        dy_base, tile_offsets(t, j, stride_gn, stride_gd), HALF * stride_gd, mask, 0.0
+    )
     xb1 = softmax_normalize(x1, m1, s1, 0)
     xb2 = softmax_normalize(x2, m2, s2, 0)
     return xb1, xb2, cos * dy1 + sin * dy2, cos * dy2 - sin * dy1, pos
@@ -389,13 +496,35 @@ def seq_tile(x_base, dy_base, t, j, mask, stats, freqs, pos_args, strides, HALF:
 
 @triton.jit(do_not_specialize=SEQ_RUNTIME)
 def seq_softmax_bwd_sums_kernel(
-    x, dy, theta, offset, positions, m, s, sums,
-    N, chunk, num_chunks, num_stat_chunks,
-    stride_xb, stride_xn, stride_xh, stride_xd,
-    stride_gb, stride_gn, stride_gh, stride_gd,
-    stride_th, stride_te, n_freq, stride_pb, stride_pn,
-    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-):  # fmt: skip
+    x,
+    dy,
+    theta,
+    offset,
+    positions,
+    m,
+    s,
+    sums,
+    N,
+    chunk,
+    num_chunks,
+    num_stat_chunks,
+    stride_xb,
+    stride_xn,
+    stride_xh,
+    stride_xd,
+    stride_gb,
+    stride_gn,
+    stride_gh,
+    stride_gd,
+    stride_th,
+    stride_te,
+    n_freq,
+    stride_pb,
+    stride_pn,
+    HALF: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
     """sums[b*H + h, chunk, d] = sum over the chunk's tokens of softmax(x) * dxbar (float32)."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -412,10 +541,17 @@ def seq_softmax_bwd_sums_kernel(
         t = t_start + tl.arange(0, BLOCK_N)
         mask = (t < t_hi)[:, None] & (j < HALF)[None, :]
         xb1, xb2, g1, g2, _pos = seq_tile(
-            x_base, dy_base, t, j, mask, stats, freqs,
-            (offset, positions, b, stride_pb, stride_pn),
-            (stride_xn, stride_xd, stride_gn, stride_gd), HALF,
-        )  # fmt: skip
+            x_base,
+            dy_base,
+            t,
+            j,
+            mask,
+            stats,
+            freqs,
+            (offset, positions, b, N, stride_pb, stride_pn),
+            (stride_xn, stride_xd, stride_gn, stride_gd),
+            HALF,
+        )
         p1 += xb1 * g1
         p2 += xb2 * g2
     out = (o.to(tl.int64) * num_chunks + pid % num_chunks) * (2 * HALF) + j
@@ -425,14 +561,41 @@ def seq_softmax_bwd_sums_kernel(
 
 @triton.jit(do_not_specialize=SEQ_RUNTIME)
 def seq_softmax_bwd_apply_kernel(
-    x, dy, dx, theta, offset, positions, m, s, sums, dtheta_partials,
-    N, chunk, num_chunks, num_stat_chunks,
-    stride_xb, stride_xn, stride_xh, stride_xd,
-    stride_gb, stride_gn, stride_gh, stride_gd,
-    stride_db, stride_dn, stride_dh, stride_dd,
-    stride_th, stride_te, n_freq, stride_pb, stride_pn,
-    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-):  # fmt: skip
+    x,
+    dy,
+    dx,
+    theta,
+    offset,
+    positions,
+    m,
+    s,
+    sums,
+    dtheta_partials,
+    N,
+    chunk,
+    num_chunks,
+    num_stat_chunks,
+    stride_xb,
+    stride_xn,
+    stride_xh,
+    stride_xd,
+    stride_gb,
+    stride_gn,
+    stride_gh,
+    stride_gd,
+    stride_db,
+    stride_dn,
+    stride_dh,
+    stride_dd,
+    stride_th,
+    stride_te,
+    n_freq,
+    stride_pb,
+    stride_pn,
+    HALF: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
     """dx = softmax(x) * (dxbar - sum_t softmax(x) * dxbar); d(theta) partials as
     rotate_bwd_kernel."""
     pid = tl.program_id(0)
@@ -453,10 +616,17 @@ def seq_softmax_bwd_apply_kernel(
         t = t_start + tl.arange(0, BLOCK_N)
         mask = (t < t_hi)[:, None] & (j < HALF)[None, :]
         xb1, xb2, g1, g2, pos = seq_tile(
-            x_base, dy_base, t, j, mask, stats, freqs,
-            (offset, positions, b, stride_pb, stride_pn),
-            (stride_xn, stride_xd, stride_gn, stride_gd), HALF,
-        )  # fmt: skip
+            x_base,
+            dy_base,
+            t,
+            j,
+            mask,
+            stats,
+            freqs,
+            (offset, positions, b, N, stride_pb, stride_pn),
+            (stride_xn, stride_xd, stride_gn, stride_gd),
+            HALF,
+        )
         d_off = tile_offsets(t, j, stride_dn, stride_dd)
         store_halves(dx_base, d_off, HALF * stride_dd, xb1 * (g1 - dot1), xb2 * (g2 - dot2), mask)
         if dtheta_partials is not None:
@@ -478,11 +648,23 @@ def seq_softmax_bwd(dy, x, theta, pos, stats, need_dtheta, plan: Plan = PLAN):
     if need_dtheta:
         partials = dy.new_empty((chunks * batch, heads, half), dtype=torch.float32)
     common = dict(
-        theta=theta, **position_args(*pos), m=stats[0], s=stats[1], sums=sums,
-        N=n, chunk=chunk, num_chunks=chunks, num_stat_chunks=stats.shape[2],
-        **_strides("x", x), **_strides("g", dy), **theta_args(theta, half),
-        HALF=half, BLOCK_N=block_n, BLOCK_E=block_e, num_warps=warps,
-    )  # fmt: skip
+        theta=theta,
+        **position_args(*pos),
+        m=stats[0],
+        s=stats[1],
+        sums=sums,
+        N=n,
+        chunk=chunk,
+        num_chunks=chunks,
+        num_stat_chunks=stats.shape[2],
+        **_strides("x", x),
+        **_strides("g", dy),
+        **theta_args(theta, half),
+        HALF=half,
+        BLOCK_N=block_n,
+        BLOCK_E=block_e,
+        num_warps=warps,
+    )
     launch(seq_softmax_bwd_sums_kernel)[grid](x=x, dy=dy, **common)
     launch(seq_softmax_bwd_apply_kernel)[grid](
         x=x, dy=dy, dx=dx, dtheta_partials=partials, **_strides("d", dx), **common

@@ -71,7 +71,9 @@ def bwd(
     """(dx, dtheta float32, empty unless need_dtheta); x is None for act none without dtheta."""
     pos = (start, starts, positions)
     if dy.numel() == 0:
-        return torch.empty_like(dy), torch.zeros_like(theta) if need_dtheta else theta.new_empty((0, 0))
+        return torch.empty_like(dy), torch.zeros_like(theta) if need_dtheta else theta.new_empty(
+            (0, 0)
+        )
     if kind == SEQ:
         dx, partials = K.seq_softmax_bwd(dy, x, theta, pos, stats, need_dtheta)
     else:

@@ -1,0 +1,156 @@
+"""kernelkit-lrpe-core: the shared device helpers against the reference side (through small test
+kernels), the reference helpers against brute force, the d(theta) reduction and validation.
+
+The LRPE ops' own tests cover these pieces end to end; these pin each piece down on its own.
+"""
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kernelkit.lrpe_core.kernels import cos_sin, grid_positions, token_positions
+from kernelkit.lrpe_core.op import position_args, reduce_dtheta, validate_positions
+from kernelkit.lrpe_core.reference import (
+    grid_positions as grid_positions_ref,
+)
+from kernelkit.lrpe_core.reference import (
+    packed_positions,
+    sequence_positions,
+    slot_frequencies,
+    wrap_frequencies,
+)
+from kernelkit.shared.runtime import launch
+
+
+@triton.jit
+def _cos_sin_kernel(angle, cos_out, sin_out, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    c, s = cos_sin(tl.load(angle + i, mask=ok, other=0.0))
+    tl.store(cos_out + i, c, mask=ok)
+    tl.store(sin_out + i, s, mask=ok)
+
+
+@triton.jit
+def _positions_kernel(out, offset, positions, N, stride_pb, stride_pn, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    t = tl.arange(0, BLOCK)
+    p = token_positions(offset, positions, b, t, N, stride_pb, stride_pn)
+    tl.store(out + b * N + t, p, mask=t < N)
+
+
+@triton.jit
+def _grid_kernel(out, N, D, extra, E, size_a, size_b, size_c, AXES: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    t = tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_D)
+    p = grid_positions(t, k, extra, E, size_a, size_b, size_c, AXES)
+    tl.store(out + t[:, None] * D + k[None, :], p, mask=(t < N)[:, None] & (k < D)[None, :])
+
+
+def test_cos_sin_accuracy(device):
+    """Within a few float32 ulps of float64 cos/sin of the same float32 angle, up to 1e8 rad."""
+    g = torch.Generator().manual_seed(0)
+    mags = 10.0 ** (torch.rand(4096, generator=g, dtype=torch.float64) * 16 - 8)
+    signs = torch.where(torch.rand(4096, generator=g) < 0.5, -1.0, 1.0)
+    angle = (mags * signs).float()
+    angle[:8] = torch.tensor([0.0, math.pi / 4, math.pi / 2, math.pi, 1e5, -1e5, 3e7, 1e8])
+    c, s = torch.empty_like(angle), torch.empty_like(angle)
+    a = angle.to(device)
+    c, s = torch.empty_like(a), torch.empty_like(a)
+    launch(_cos_sin_kernel)[(triton.cdiv(4096, 1024),)](a, c, s, 4096, BLOCK=1024)
+    exact = angle.double()
+    assert (c.cpu().double() - torch.cos(exact)).abs().max() < 2.5e-7
+    assert (s.cpu().double() - torch.sin(exact)).abs().max() < 2.5e-7
+
+
+@pytest.mark.parametrize("form", ["int", "starts", "table", "shared_table"])
+def test_token_positions_forms(form, device):
+    b, n = 3, 13
+    table = torch.randint(-50, 10**6, (1 if form == "shared_table" else b, n))
+    offset = {"int": 123_456, "starts": torch.tensor([0, 7, -3]), "table": 0, "shared_table": 0}
+    offset = offset[form]
+    start, starts, tab = validate_positions(
+        torch.empty(b, n, 1, 2, device=device),
+        offset.to(device) if isinstance(offset, torch.Tensor) else offset,
+        table.to(device) if "table" in form else None,
+    )
+    out = torch.empty(b, n, dtype=torch.int64, device=device)
+    launch(_positions_kernel)[(b,)](out=out, N=n, BLOCK=16, **position_args(start, starts, tab))
+    ref = sequence_positions(table if "table" in form else offset, n, "cpu").expand(b, n)
+    assert torch.equal(out.cpu(), ref)
+
+
+@pytest.mark.parametrize(("shape", "extra", "e"), [((9,), 0, 4), ((3, 4), 2, 3), ((2, 3, 4), 5, 2),
+                                                   ((2, 1, 3, 2), 1, 2)])  # fmt: skip
+def test_grid_positions_match_reference(shape, extra, e, device):
+    m, n = len(shape), extra + math.prod(shape)
+    d = e * m
+    inner = [*reversed(shape[1:]), 1, 1, 1]
+    out = torch.full((n, d), -1, dtype=torch.int32, device=device)
+    launch(_grid_kernel)[(1,)](out, n, d, extra, e, *inner[:3], AXES=m, BLOCK_N=32, BLOCK_D=16)
+    ref = grid_positions_ref(shape, extra, e, d, "cpu")
+    brute = torch.zeros(n, d, dtype=torch.int64)
+    for t in range(extra, n):
+        coords = [int(c) for c in torch.unravel_index(torch.tensor(t - extra), shape)]
+        for k in range(d):
+            brute[t, k] = coords[k // e]
+    assert torch.equal(ref, brute)
+    assert torch.equal(out.cpu().long(), brute)
+
+
+def test_packed_positions_restart_per_sequence():
+    cu = torch.tensor([0, 3, 3, 4, 9], dtype=torch.int32)
+    assert packed_positions(cu, 9).tolist() == [[0, 1, 2, 0, 0, 1, 2, 3, 4]]
+
+
+def test_frequency_forms():
+    theta = torch.arange(1.0, 7.0).view(2, 3)
+    assert torch.equal(slot_frequencies(theta, 3), theta)
+    assert slot_frequencies(theta[:, :1], 4).tolist() == [[1.0] * 4, [4.0] * 4]
+    assert slot_frequencies(theta[:, :2], 4).tolist() == [[1, 2, 0, 0], [4, 5, 0, 0]]
+    assert wrap_frequencies(theta, 7).tolist()[0] == [1, 2, 3, 1, 2, 3, 1]
+
+
+def test_reduce_dtheta_forms():
+    p = torch.arange(2 * 3 * 4, dtype=torch.float32).view(2, 3, 4)  # (programs, H, slots)
+    g = p.sum(0)
+    assert torch.equal(reduce_dtheta(p, (3, 4)), g)
+    assert torch.equal(reduce_dtheta(p, (3, 2)), g[:, :2])
+    assert torch.equal(reduce_dtheta(p, (3, 1)), g.sum(1, keepdim=True))
+    assert torch.equal(reduce_dtheta(p, (1, 4)), g.sum(0, keepdim=True))
+    wrapped = reduce_dtheta(p, (3, 3), wrap=True)  # slot k -> column k mod 3
+    assert torch.equal(wrapped[:, 0], g[:, 0] + g[:, 3])
+    assert torch.equal(wrapped[:, 1:], g[:, 1:3])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"offset": 3, "positions": torch.zeros(2, 5, dtype=torch.int64)}, "offset: must be 0"),
+        ({"positions": torch.zeros(2, 5)}, "positions: expected an integer tensor"),
+        ({"positions": torch.zeros(2, 4, dtype=torch.int64)}, r"positions: expected shape"),
+        ({"cu_seqlens": torch.tensor([0, 5])}, "cu_seqlens: expected an int32 tensor"),
+        ({"cu_seqlens": torch.tensor([5], dtype=torch.int32)}, r"cu_seqlens: expected shape"),
+        (
+            {
+                "cu_seqlens": torch.tensor([0, 5], dtype=torch.int32),
+                "positions": torch.zeros(1, 5, dtype=torch.int64),
+            },
+            "give positions or cu_seqlens",
+        ),
+    ],
+)
+def test_position_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        validate_positions(torch.empty(2, 5, 1, 4), kwargs.pop("offset", 0), **kwargs)
+
+
+def test_packed_needs_one_row():
+    with pytest.raises(ValueError, match="x: packed sequences"):
+        validate_positions(
+            torch.empty(2, 5, 1, 4), 0, None, torch.tensor([0, 5], dtype=torch.int32)
+        )

@@ -1,0 +1,180 @@
+"""Validation, torch.library registration and autograd of `md_lrpe_cosine`. The kernels are
+kernelkit-lrpe-cosine's, launched with grid positions (`kernelkit.lrpe_cosine.kernels.Grid`);
+the registered ops only launch."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernelkit.lrpe_core.op import (
+    SEQ,
+    reduce_dtheta,
+    sequence_softmax_stats,
+    validate_act,
+    validate_theta,
+    validate_x,
+)
+from kernelkit.lrpe_cosine import kernels as K
+from kernelkit.shared.runtime import define_op, use_triton
+
+from .reference import md_lrpe_cosine_reference
+
+MAX_AXES = 4
+_SEQUENCE = (0, None, None)  # (start, starts, table): unused with a grid
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool)
+
+
+def validate(x, theta, shape, l, act, dim, cache) -> tuple[str, tuple[int, ...]]:
+    """Check the arguments of `md_lrpe_cosine`; returns (kernel kind, shape as a tuple)."""
+    validate_x(x)
+    if not isinstance(shape, (tuple, list, torch.Size)) or not all(_is_int(s) for s in shape):
+        raise ValueError(f"shape: expected a tuple of ints (the grid), got {shape!r}")
+    shape = tuple(shape)
+    if not 1 <= len(shape) <= MAX_AXES:
+        raise ValueError(f"shape: expected 1 to {MAX_AXES} axes, got {len(shape)}: {shape}")
+    if any(s < 1 for s in shape):
+        raise ValueError(f"shape: every side must be positive, got {shape}")
+    if not _is_int(l) or l < 0:
+        raise ValueError(f"l: expected a non-negative int (extra leading tokens), got {l!r}")
+    n = x.shape[1]
+    if n != l + math.prod(shape):
+        raise ValueError(
+            f"x: N = {n} tokens, expected l + prod(shape) = {l} + {math.prod(shape)} "
+            f"= {l + math.prod(shape)}"
+        )
+    e = validate_theta(x, theta)
+    d = x.shape[-1]
+    if e * len(shape) < d:
+        raise ValueError(
+            f"theta: E = {e} frequencies per axis cover E * m = {e * len(shape)} < D = {d} "
+            f"features of a {len(shape)}-axis grid (need E >= ceil(D / m) = {-(-d // len(shape))})"
+        )
+    if not isinstance(cache, bool):
+        raise ValueError(f"cache: expected a bool, got {cache!r}")
+    return validate_act(x, act, dim), shape
+
+
+def _stats_or_none(stats: torch.Tensor) -> torch.Tensor | None:
+    return stats if stats.dim() == 4 else None
+
+
+def _grid(theta, shape, extra) -> K.Grid:
+    return K.Grid(tuple(shape), extra, theta.shape[1])
+
+
+@define_op("kernelkit_md_lrpe_cosine::fwd")
+def fwd(
+    x: torch.Tensor, theta: torch.Tensor, shape: list[int], extra: int, kind: str, cache: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y (B, N, H, 2D), stats, angles): softmax-over-N chunk stats (else empty) and, with
+    `cache`, the float32 angle table (N, H, D) the backward reads (else empty)."""
+    b, n, heads, d = x.shape
+    stats = x.new_empty((0,), dtype=torch.float32)
+    angles = x.new_empty((n, heads, d) if cache else (0,), dtype=torch.float32)
+    if x.numel() == 0:
+        return x.new_empty((b, n, heads, 2 * d)), stats, angles
+    if kind == SEQ:
+        stats = sequence_softmax_stats(x)
+    y = K.cosine_fwd(
+        x,
+        theta,
+        _SEQUENCE,
+        kind,
+        _stats_or_none(stats),
+        grid=_grid(theta, shape, extra),
+        angles=angles if cache else None,
+    )
+    return y, stats, angles
+
+
+@define_op("kernelkit_md_lrpe_cosine::bwd")
+def bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor | None,
+    theta: torch.Tensor,
+    shape: list[int],
+    extra: int,
+    stats: torch.Tensor,
+    angles: torch.Tensor,
+    kind: str,
+    need_dx: bool,
+    need_dtheta: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dtheta float32); each is an empty tensor when not needed. x is None for act none
+    without dtheta; `angles` is the forward's table or empty."""
+    b, n, heads, d2 = dy.shape
+    if dy.numel() == 0:
+        dx = dy.new_zeros((b, n, heads, d2 // 2)) if need_dx else dy.new_empty((0,))
+        return dx, (torch.zeros_like(theta) if need_dtheta else theta.new_empty((0, 0)))
+    dx, partials = K.cosine_bwd(
+        dy,
+        x,
+        theta,
+        _SEQUENCE,
+        kind,
+        _stats_or_none(stats),
+        need_dx=need_dx,
+        need_dtheta=need_dtheta,
+        grid=_grid(theta, shape, extra),
+        angles=angles if angles.numel() else None,
+    )
+    dx = dx if need_dx else dy.new_empty((0,))
+    if not need_dtheta:
+        return dx, theta.new_empty((0, 0))
+    return dx, reduce_dtheta(partials, theta.shape, wrap=True)
+
+
+def _setup_context(ctx, inputs, output):
+    x, theta, shape, extra, kind, _cache = inputs
+    ctx.kind, ctx.shape, ctx.extra = kind, shape, extra
+    keep_x = kind != "none" or ctx.needs_input_grad[1]
+    ctx.save_for_backward(x if keep_x else None, theta, output[1], output[2])
+
+
+def _backward(ctx, dy, _dstats, _dangles):
+    x, theta, stats, angles = ctx.saved_tensors
+    need_dx, need_dtheta = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx, dtheta = bwd(
+        dy, x, theta, ctx.shape, ctx.extra, stats, angles, ctx.kind, need_dx, need_dtheta
+    )
+    return (dx if need_dx else None), (dtheta if need_dtheta else None), None, None, None, None
+
+
+fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def md_lrpe_cosine(
+    x: torch.Tensor,
+    theta: torch.Tensor,
+    shape,
+    l: int = 0,
+    act: str = "none",
+    dim: int | None = None,
+    cache: bool = False,
+) -> torch.Tensor:
+    """LRPE cosine over a 1-D to 4-D token grid with `l` extra leading tokens.
+
+    x: (B, N, H, D) or (B, N, D) with N = l + prod(shape), any strides, float32/float16/bfloat16.
+    shape: the grid (n_0, ..., n_{m-1}), row-major, last axis fastest. theta: (H, E) or (1, E)
+    with E * m >= D: feature k turns with the coordinate of axis k // E at frequency
+    theta[h, k mod E]; the l extra tokens get angle 0 (output [act(x), 0]). act: none / relu /
+    sigmoid / silu / softmax with dim=-1 (over D) or dim=1 (over all N tokens, extra ones
+    included). cache=True keeps the float32 angle table (N, H, D) from the forward for the
+    backward (more memory, identical results). Output (B, N, H, 2D) or (B, N, 2D) in x's dtype;
+    gradients flow to x and to theta (when it requires grad).
+    """
+    kind, shape = validate(x, theta, shape, l, act, dim, cache)
+    if not use_triton(x):
+        return md_lrpe_cosine_reference(x, theta, shape, l, act, dim)
+    three_d = x.dim() == 3
+    x4 = x.unsqueeze(2) if three_d else x
+    y, _, _ = fwd(x4, theta.to(torch.float32), list(shape), l, kind, cache)
+    return y.squeeze(2) if three_d else y
+
+
+__all__ = ["bwd", "fwd", "md_lrpe_cosine", "validate"]
