@@ -261,7 +261,13 @@ class _Launcher:
 
     def __init__(self, kernel):
         self._kernel = kernel
-        self._wrapped = torch.library.wrap_triton(kernel)
+        # wrap_triton returns the bare kernel when called with wrapping switched off, as it is
+        # inside a triton_op's eager body; the first launch may come from there, and the wrapper
+        # is kept for the fake/traced calls that need it.
+        from torch._library.triton import set_wrap_triton_enabled
+
+        with set_wrap_triton_enabled(True):
+            self._wrapped = torch.library.wrap_triton(kernel)
         self._bind = _make_binder(kernel)
         self._cache: dict = {}
 

@@ -210,18 +210,13 @@ class _StatsPlan(_SplitLaunches):
     def __init__(self, x: torch.Tensor, view: SoftmaxView, plan=None):
         super().__init__(x, view, plan)
         stats = self.new.new_empty(self.shape)
-        # The kernel takes the maxima's and the sums' base pointers: stats itself (where
-        # stats[0] starts) and stats[1].
-        self.launch = self.prepare(
-            K.softmax_chunk_stats_kernel, x, stats, stats[1], strides=view.strides[0]
-        )
+        self.launch = self.prepare(K.softmax_chunk_stats_kernel, x, stats, strides=view.strides[0])
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(stats, stats[1])"""
+        """(stats, stats[1]): the maxima start where stats does."""
         stats = self.new.new_empty(self.shape)
-        sums = stats[1]
-        self.launch(x, stats, sums)
-        return stats, sums
+        self.launch(x, stats)
+        return stats, stats[1]
 
 
 def softmax_chunk_stats(x: torch.Tensor, dim: int, *, view=None, plan=None) -> torch.Tensor:
