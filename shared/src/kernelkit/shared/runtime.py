@@ -31,6 +31,7 @@ from .compile_check import record_launch
 
 __all__ = [
     "KernelOp",
+    "PlanCache",
     "cdiv",
     "define_op",
     "interpreting",
@@ -62,6 +63,29 @@ def num_sms(device: torch.device) -> int:
     """Multiprocessors of a CUDA device (cached); a small stand-in (4) for CPU tensors, whose
     kernels run under the interpreter, so launch plans stay small there."""
     return _sm_count(device.index or 0) if device.type == "cuda" else 4
+
+
+class PlanCache:
+    """Launch plans (grids and the non-tensor kernel arguments) per layout key, so a repeated
+    call with the same shapes and strides costs a dict lookup. Traced calls (fake tensors,
+    symbolic sizes) must not be cached: build their plan and use it once (`cacheable`)."""
+
+    def __init__(self, size: int = 4096):
+        self.size = size
+        self._plans: dict = {}
+
+    def get(self, key, build: Callable, *args):
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= self.size:  # distinct layouts kept; then start over
+                self._plans.clear()
+            plan = self._plans[key] = build(*args)
+        return plan
+
+    @staticmethod
+    def cacheable(*tensors) -> bool:
+        """Plain tensors (or None) only: no fake, functional or symbolic-size tensors."""
+        return all(t is None or t.__class__ is torch.Tensor for t in tensors)
 
 
 def interpreting() -> bool:

@@ -6,6 +6,7 @@ import torch
 
 from kernelkit.shared.layout import collapse_dims, is_dense
 from kernelkit.shared.runtime import (
+    PlanCache,
     cdiv,
     define_op,
     interpreting,
@@ -79,17 +80,7 @@ def _strided4(shape, strides):
 # Plans (grid, sizes, strides, prepared launches) depend only on shapes and strides: eager calls
 # keep them in `_PLANS`, so a repeated call costs a dict lookup. Traced calls (fake tensors,
 # symbolic sizes) build a plan and use it once.
-_PLANS: dict = {}
-PLAN_CACHE_SIZE = 4096  # distinct layouts kept; the cache starts over when full
-
-
-def _plan(key, build, *tensors):
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= PLAN_CACHE_SIZE:
-            _PLANS.clear()
-        plan = _PLANS[key] = build(*tensors)
-    return plan
+_PLANS = PlanCache()
 
 
 def _elementwise_plan(kernel, act: str, *tensors: torch.Tensor):
@@ -132,14 +123,11 @@ def _elementwise(kernel, out: torch.Tensor, *tensors: torch.Tensor, act: str) ->
             break
     else:  # plain and contiguous: the plan depends on the size only
         # (id: a JITFunction hashes its source's cache key, ~0.3 us)
-        plan = _PLANS.get((id(kernel), act, n))
-        if plan is None:
-            plan = _plan((id(kernel), act, n), _elementwise_plan, kernel, act, *ts)
-        plan(*ts)
+        _PLANS.get((id(kernel), act, n), _elementwise_plan, kernel, act, *ts)(*ts)
         return out
     if all(t.__class__ is torch.Tensor for t in ts):
         key = (id(kernel), act, out.shape, *(t.stride() for t in ts))
-        _plan(key, _elementwise_plan, kernel, act, *ts)(*ts)
+        _PLANS.get(key, _elementwise_plan, kernel, act, *ts)(*ts)
     else:  # traced: fake tensors, maybe symbolic sizes
         _elementwise_plan(kernel, act, *ts)(*ts)
     return out
@@ -232,7 +220,7 @@ def softmax_chunk_stats(x: torch.Tensor, dim: int, *, view=None, plan=None) -> t
     """
     if view is None and plan is None and x.__class__ is torch.Tensor:
         key = ("stats", dim, x.get_device(), x.shape, x.stride())
-        return _plan(key, _stats_plan, x, dim)(x)[0]
+        return _PLANS.get(key, _stats_plan, x, dim)(x)[0]
     view = view or SoftmaxView(x.shape, dim, [x.stride()])
     if not view.ok:
         raise ValueError("x: layout not supported by the split softmax (collapse failed)")
@@ -332,7 +320,7 @@ def _softmax_fwd(x: torch.Tensor, dim: int) -> torch.Tensor:
         return y
     if x.__class__ is torch.Tensor:
         key = ("fwd", dim, x.get_device(), x.shape, x.stride(), y.stride())
-        _plan(key, _softmax_fwd_plan, x, y, dim)(x, y)
+        _PLANS.get(key, _softmax_fwd_plan, x, y, dim)(x, y)
     else:
         _softmax_fwd_plan(x, y, dim)(x, y)
     return y
@@ -344,7 +332,7 @@ def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
         return dx
     if y.__class__ is torch.Tensor and dy.__class__ is torch.Tensor:
         key = ("bwd", dim, y.get_device(), y.shape, y.stride(), dy.stride(), dx.stride())
-        _plan(key, _softmax_bwd_plan, y, dy, dx, dim)(y, dy, dx)
+        _PLANS.get(key, _softmax_bwd_plan, y, dy, dx, dim)(y, dy, dx)
     else:
         _softmax_bwd_plan(y, dy, dx, dim)(y, dy, dx)
     return dx
