@@ -194,7 +194,12 @@ def render_plot(runs: list[dict], path, title: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    groups = collect(runs)
+    # Tables whose rows are labels (the model-shape tables) stay in the markdown only.
+    groups = OrderedDict(
+        (k, g)
+        for k, g in collect(runs).items()
+        if any(isinstance(x, (int, float)) for x, _ in g["cells"])
+    )
     if not groups:
         return False
     panels = _plot_panels(runs)
