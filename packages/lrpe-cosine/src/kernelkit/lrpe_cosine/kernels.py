@@ -244,10 +244,13 @@ def activate_grad(x, xbar, dxbar, tot, ACT: tl.constexpr):
 
 
 @triton.jit
-def sequence_stats(m, s, b, h, H, C, D, feats, mask):
-    """[rows, features] softmax-over-the-sequence (max, sum), combined from C chunks."""
+def sequence_stats(stats, b, h, B, H, C, D, feats, mask):
+    """[rows, features] softmax-over-the-sequence (max, sum), combined from the C chunks of the
+    (2, B * H, C, D) stats: one pointer, maxima first (a traced launch must not see two views of
+    one buffer)."""
+    part = (B * H).to(tl.int64) * C * D
     offs = ((b * H + h).to(tl.int64) * C * D)[:, None] + feats[None, :]
-    return combine_chunk_stats(m, s, C, D, offs, mask)
+    return combine_chunk_stats(stats, stats + part, C, D, offs, mask)
 
 
 @triton.jit
@@ -269,8 +272,7 @@ def cosine_fwd_kernel(
     theta,
     offset,
     positions,
-    m,
-    s,
+    stats,
     angles,
     B,
     N,
@@ -361,7 +363,7 @@ def cosine_fwd_kernel(
             cos_t, sin_t = cos_sin(pos * freqs)
         if ACT == "softmax_seq":
             stat_ok = row_ok[:, None] & feat_ok[None, :]
-            m_t, s_t = sequence_stats(m, s, b, h, H, num_stat_chunks, D, feats, stat_ok)
+            m_t, s_t = sequence_stats(stats, b, h, B, H, num_stat_chunks, D, feats, stat_ok)
         x_rows = x_head + (b.to(tl.int64) * stride_xb)[None, :, None] + x_tile
         xv = tl.load(x_rows, mask=mask, other=0.0).to(tl.float32)
         xbar = activate(xv, feat_ok[None, None, :], m_t, s_t, ACT)
@@ -410,8 +412,7 @@ def cosine_fwd(
         y=y,
         theta=theta,
         **position_args(*pos),
-        m=stats[0] if stats is not None else None,
-        s=stats[1] if stats is not None else None,
+        stats=stats,
         angles=angles,
         **kwargs,
     )
@@ -431,8 +432,7 @@ def cosine_bwd_kernel(
     theta,
     offset,
     positions,
-    m,
-    s,
+    stats,
     sums,
     angles,
     dtheta_partials,
@@ -543,7 +543,7 @@ def cosine_bwd_kernel(
         if ACT != "none" or NEED_DTHETA:
             if ACT == "softmax_seq":
                 stat_ok = row_ok[:, None] & feat_ok[None, :]
-                m_t, s_t = sequence_stats(m, s, b, h, H, num_stat_chunks, D, feats, stat_ok)
+                m_t, s_t = sequence_stats(stats, b, h, B, H, num_stat_chunks, D, feats, stat_ok)
                 offs = ((b * H + h).to(tl.int64) * num_chunks * D)[:, None] + feats[None, :]
                 tot = combine_chunk_sums(sums, num_chunks, D, offs, stat_ok)
             x_rows = x + h.to(tl.int64) * stride_xh + (b.to(tl.int64) * stride_xb)[None, :, None]
@@ -570,8 +570,7 @@ def cosine_bwd_seq_sums_kernel(
     theta,
     offset,
     positions,
-    m,
-    s,
+    stats,
     sums,
     angles,
     dtheta_partials,
@@ -616,7 +615,7 @@ def cosine_bwd_seq_sums_kernel(
     b_pos = tl.minimum(b, B - 1)
     freqs = head_frequencies(theta, h, stride_th, stride_te, n_freq, feats, D, GRID_AXES)
     stat_ok = row_ok[:, None] & feat_ok[None, :]
-    m_t, s_t = sequence_stats(m, s, b, h, H, num_stat_chunks, D, feats, stat_ok)
+    m_t, s_t = sequence_stats(stats, b, h, B, H, num_stat_chunks, D, feats, stat_ok)
     x_rows = x + h.to(tl.int64) * stride_xh + (b.to(tl.int64) * stride_xb)[None, :, None]
     g_rows = dy + h.to(tl.int64) * stride_gh + (b.to(tl.int64) * stride_gb)[None, :, None]
     per_row: tl.constexpr = positions is not None or offset.dtype.is_ptr()
@@ -735,8 +734,7 @@ def cosine_bwd(
     tensor_args = dict(
         theta=theta,
         **position_args(*pos),
-        m=stats[0] if stats is not None else None,
-        s=stats[1] if stats is not None else None,
+        stats=stats,
         angles=angles,
     )
     sums, partials = None, None

@@ -373,13 +373,17 @@ def rotate_bwd(dy, x, theta, pos, kind, need_dtheta, plan: Plan = PLAN):
 
 
 @triton.jit
-def seq_stats(m, s, o, num_stat_chunks, j, HALF: tl.constexpr):
+def seq_stats(stats, o, num_chunks, num_stat_chunks, j, HALF: tl.constexpr):
     """Global softmax-over-N (max, sum) of columns j and j + D/2 of outer index o (= b * H + h)
-    from the per-chunk stats of kernelkit-lrpe-core's `sequence_softmax_stats`."""
-    base = o.to(tl.int64) * num_stat_chunks * (2 * HALF)
+    from the per-chunk stats (2, B * H, C, D) of kernelkit-lrpe-core's `sequence_softmax_stats`:
+    one pointer, maxima first (a traced launch must not see two views of one buffer). The grid
+    is (num_chunks * B, H)."""
+    rows = (tl.num_programs(0) // num_chunks) * tl.num_programs(1)  # B * H
+    part = rows.to(tl.int64) * num_stat_chunks * (2 * HALF)
+    m = stats + o.to(tl.int64) * num_stat_chunks * (2 * HALF)
     ok = j < HALF
-    m1, s1 = combine_chunk_stats(m + base, s + base, num_stat_chunks, 2 * HALF, j, ok)
-    m2, s2 = combine_chunk_stats(m + base, s + base, num_stat_chunks, 2 * HALF, j + HALF, ok)
+    m1, s1 = combine_chunk_stats(m, m + part, num_stat_chunks, 2 * HALF, j, ok)
+    m2, s2 = combine_chunk_stats(m, m + part, num_stat_chunks, 2 * HALF, j + HALF, ok)
     return m1, s1, m2, s2
 
 
@@ -397,8 +401,7 @@ def seq_softmax_fwd_kernel(
     theta,
     offset,
     positions,
-    m,
-    s,
+    stats,
     N,
     chunk,
     num_chunks,
@@ -424,7 +427,9 @@ def seq_softmax_fwd_kernel(
     h = tl.program_id(1)
     b, t_lo, t_hi = seq_coords(pid, num_chunks, chunk, N)
     j = tl.arange(0, BLOCK_E)
-    m1, s1, m2, s2 = seq_stats(m, s, b * tl.num_programs(1) + h, num_stat_chunks, j, HALF)
+    m1, s1, m2, s2 = seq_stats(
+        stats, b * tl.num_programs(1) + h, num_chunks, num_stat_chunks, j, HALF
+    )
     freqs = slot_frequencies(theta + h * stride_th, stride_te, j, n_freq)
     x_base = x + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh
     y_base = y + b.to(tl.int64) * stride_yb + h.to(tl.int64) * stride_yh
@@ -473,8 +478,7 @@ def seq_softmax_fwd(x, theta, pos, stats, plan: Plan = PLAN) -> torch.Tensor:
         y=y,
         theta=theta,
         **position_args(*pos),
-        m=stats[0],
-        s=stats[1],
+        stats=stats,
         **_strides("x", x),
         **_strides("y", y),
         **kwargs,
@@ -483,10 +487,10 @@ def seq_softmax_fwd(x, theta, pos, stats, plan: Plan = PLAN) -> torch.Tensor:
 
 
 @triton.jit
-def seq_tile(x_base, dy_base, t, j, mask, stats, freqs, pos_args, strides, HALF: tl.constexpr):
+def seq_tile(x_base, dy_base, t, j, mask, row_stats, freqs, pos_args, strides, HALF: tl.constexpr):
     """softmax(x) halves, dxbar halves (inverse rotation of dy) and float32 positions of one
     tile. Invalid lanes: x = 0 gives a finite softmax value, dy = 0 gives dxbar = 0."""
-    m1, s1, m2, s2 = stats
+    m1, s1, m2, s2 = row_stats
     offset, positions, b, n, stride_pb, stride_pn = pos_args
     stride_xn, stride_xd, stride_gn, stride_gd = strides
     pos = token_positions(offset, positions, b, t, n, stride_pb, stride_pn).to(tl.float32)
@@ -509,8 +513,7 @@ def seq_softmax_bwd_sums_kernel(
     theta,
     offset,
     positions,
-    m,
-    s,
+    stats,
     sums,
     N,
     chunk,
@@ -539,7 +542,7 @@ def seq_softmax_bwd_sums_kernel(
     b, t_lo, t_hi = seq_coords(pid, num_chunks, chunk, N)
     j = tl.arange(0, BLOCK_E)
     o = b * tl.num_programs(1) + h
-    stats = seq_stats(m, s, o, num_stat_chunks, j, HALF)
+    row_stats = seq_stats(stats, o, num_chunks, num_stat_chunks, j, HALF)
     freqs = slot_frequencies(theta + h * stride_th, stride_te, j, n_freq)
     x_base = x + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh
     dy_base = dy + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
@@ -554,7 +557,7 @@ def seq_softmax_bwd_sums_kernel(
             t,
             j,
             mask,
-            stats,
+            row_stats,
             freqs,
             (offset, positions, b, N, stride_pb, stride_pn),
             (stride_xn, stride_xd, stride_gn, stride_gd),
@@ -575,8 +578,7 @@ def seq_softmax_bwd_apply_kernel(
     theta,
     offset,
     positions,
-    m,
-    s,
+    stats,
     sums,
     dtheta_partials,
     N,
@@ -611,7 +613,7 @@ def seq_softmax_bwd_apply_kernel(
     b, t_lo, t_hi = seq_coords(pid, num_chunks, chunk, N)
     j = tl.arange(0, BLOCK_E)
     o = b * tl.num_programs(1) + h
-    stats = seq_stats(m, s, o, num_stat_chunks, j, HALF)
+    row_stats = seq_stats(stats, o, num_chunks, num_stat_chunks, j, HALF)
     sums_base = sums + o.to(tl.int64) * num_chunks * (2 * HALF)
     dot1 = combine_chunk_sums(sums_base, num_chunks, 2 * HALF, j, j < HALF)[None, :]
     dot2 = combine_chunk_sums(sums_base, num_chunks, 2 * HALF, j + HALF, j < HALF)[None, :]
@@ -629,7 +631,7 @@ def seq_softmax_bwd_apply_kernel(
             t,
             j,
             mask,
-            stats,
+            row_stats,
             freqs,
             (offset, positions, b, N, stride_pb, stride_pn),
             (stride_xn, stride_xd, stride_gn, stride_gd),
@@ -655,8 +657,7 @@ def seq_softmax_bwd(dy, x, theta, pos, stats, need_dtheta, plan: Plan = PLAN):
     common = dict(
         theta=theta,
         **position_args(*pos),
-        m=stats[0],
-        s=stats[1],
+        stats=stats,
         sums=sums,
         **_strides("x", x),
         **_strides("g", dy),
