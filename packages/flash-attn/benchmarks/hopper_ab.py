@@ -2,26 +2,30 @@
 
     PYTHONPATH=packages/flash-attn/src:shared/src python packages/flash-attn/benchmarks/hopper_ab.py
     ... hopper_ab.py --screen          # on CPU, no GPU: compile every launch below for sm_90a
+    TRITON_INTERPRET=1 ... hopper_ab.py --dry-run --workers 2   # on CPU: the script's own logic
 
-The GPU run (about 3 minutes on an H100, --budget caps the timing part):
-1. compile + correctness: worker processes (--workers) run every candidate on the correctness
-   shapes (the timed layout at N = 1024, and a ragged GQA shape with Nq != Nk) and print the max
-   abs difference of o, lse, dq, dk, dv from the current plan, beside the current plan's own
-   difference from a float32 evaluation of the reference (the rounding noise to compare with);
-   their compiles land in Triton's on-disk cache, which then serves the timing process;
+The GPU run (about 3 minutes on an H100; --budget caps the timing part):
+1. compile + correctness (--workers processes, killed after --warm-timeout s): every candidate
+   against the current plan on the timed layout at N = 1024 and on a ragged GQA shape with
+   Nq != Nk: max abs differences of o, lse, dq, dk, dv, beside the current plan's own difference
+   from a float32 evaluation of the reference; PASS when each is within 3x that noise (+1e-3).
+   A candidate that fails or does not finish (a hang) is excluded from the timing. Their
+   compiles land in Triton's on-disk cache, which then serves the timing process.
 2. timing: forward and backward apart, ms medians of round-robin passes
    (kernelkit.shared.bench.interleaved_ms, as tune.py --ab) of the current plan, every candidate
-   that changes that direction's kernels, SDPA flash and SDPA cuDNN, at N = 16k and 4k
-   (B = 16384 / N, H = 2048 / d) for d64/d128 causal/non-causal, and the leaderboard shape
-   (B = 16, H = 1, N = 16k, d = 64, causal); a compact TFLOP/s table at the end.
+   that changes that direction's kernels, SDPA flash and SDPA cuDNN, at N = 16k, the leaderboard
+   shape (B = 16, H = 1, N = 16k, d = 64, causal), then N = 4k (B = 16384 / N, H = 2048 / d) for
+   d64/d128 causal/non-causal; a compact TFLOP/s table and the leaderboard fwd+bwd sums at the end.
 
-Candidates (`CANDIDATES`): the warp-specialised kernels of kernels_hopper.py (Tile.ws) for one
-kernel at a time, the current tiles for the others; the backward's two kernels are independent,
-so the best dk/dv and the best dq candidate add up (bwd(KVi + Qj) ~ bwd(KVi) + bwd(Qj) - current).
-`--screen` compiles each launch of the run in a child process (the Hopper warp-specialisation
-pass aborts the process on loops it cannot handle) and prints registers, spill stack, shared
-memory, warps, whether the loop was specialised and the setmaxnreg counts: every launch of the
-GPU run must show no failure there first.
+Candidates (`CANDIDATES`): one kernel at a time on a Hopper path, the current tiles for the
+others: F* the warp-specialised forward, KV* / Q* the warp-specialised dk/dv / dq
+(kernels_hopper.py, Tile.ws), G* the Gluon forward (kernels_gluon.py, Tile.gluon). The
+backward's two kernels are independent, so the best KV and Q add up:
+bwd(KVi + Qj) ~ bwd(KVi) + bwd(Qj) - bwd(current).
+`--screen` compiles each launch of the run in a child process (Triton's Hopper
+warp-specialisation pass aborts the process on loops it cannot handle) and prints registers,
+spill stack, shared memory, warps, whether the kernel was warp-specialised and its setmaxnreg
+counts: every launch of the GPU run compiles there first (NOTES.md).
 """
 
 from __future__ import annotations
@@ -55,6 +59,11 @@ def ws(bm, bn, stages):
     return Tile(bm, bn, 4, stages, tma=True, ws=True)
 
 
+def gluon(bm, bn, stages):
+    """A tile of the Gluon forward (kernels_gluon.py): 2 x 64 rows, a `stages`-deep K/V ring."""
+    return Tile(bm, bn, 4, stages, tma=True, gluon=True)
+
+
 # name -> {d: (fwd, dk/dv, dq)}, None = the current plan's tile. Screened for sm_90a
 # (--screen; NOTES.md "Hopper warp specialisation"): no spills, shared memory <= 227 KB.
 CANDIDATES = {
@@ -65,6 +74,8 @@ CANDIDATES = {
     "KV2": {64: (None, ws(32, 128, 3), None), 128: (None, ws(32, 128, 3), None)},
     "Q1": {64: (None, None, ws(128, 64, 2)), 128: (None, None, ws(128, 64, 2))},
     "Q2": {64: (None, None, ws(128, 128, 2)), 128: (None, None, ws(128, 64, 3))},
+    "G1": {64: (gluon(128, 128, 2), None, None), 128: (gluon(128, 128, 2), None, None)},
+    "G2": {64: (gluon(128, 64, 3), None, None), 128: (gluon(128, 64, 3), None, None)},
 }
 PEERS = ("sdpa flash", "sdpa cudnn")
 
@@ -81,9 +92,8 @@ def plans_for(d, causal):
 
 
 def tile_str(t):
-    return f"{t.block_m}x{t.block_n} w{t.warps} s{t.stages}{' tma' if t.tma else ''}" + (
-        " WS" if t.ws else ""
-    )
+    kind = " WS" if t.ws else " Gluon" if t.gluon else ""
+    return f"{t.block_m}x{t.block_n} w{t.warps} s{t.stages}{' tma' if t.tma else ''}{kind}"
 
 
 def fwd_flops(b, h, nq, nk, d, causal):
@@ -103,7 +113,7 @@ def shapes(d, causal):
 # --screen: compile for sm_90a on CPU
 # ---------------------------------------------------------------------------------------------
 
-KINDS = {"attn_fwd": "fwd", "attn_bwd_dkdv": "dkdv", "attn_bwd_dq": "dq"}
+KINDS = {"attn_fwd": "fwd", "attn_bwd_dkdv": "dkdv", "attn_bwd_dq": "dq"}  # by kernel name stem
 
 
 class _Capture:
@@ -122,8 +132,9 @@ def captured_launches(plan, causal, b, nq, nk, h, hkv, d):
     """(kernel, args, kwargs) of one forward and one backward with `plan` on CPU tensors of these
     shapes, taken as on a Hopper GPU (TMA-aligned, warp-specialised kernels allowed): what
     Triton's launcher would specialise on."""
-    launch, use_tma, ws_device = fa_op.launch, fa_op.use_tma, fa_op._ws_device
-    fa_op.launch, fa_op.use_tma, fa_op._ws_device = _Capture, lambda *t: True, lambda d: True
+    saved = fa_op.launch, fa_op.use_tma, fa_op._ws_device, fa_op._gluon_device
+    fa_op.launch, fa_op.use_tma = _Capture, lambda *t: True
+    fa_op._ws_device = fa_op._gluon_device = lambda device: True
     _Capture.calls = []
     try:
         q, do = (torch.randn(b, nq, h, d, dtype=torch.bfloat16) for _ in range(2))
@@ -132,7 +143,7 @@ def captured_launches(plan, causal, b, nq, nk, h, hkv, d):
         fa_op.backward(do, q, k, v, o, lse, None, causal, 1 / math.sqrt(d), plan)
         return list(_Capture.calls)
     finally:
-        fa_op.launch, fa_op.use_tma, fa_op._ws_device = launch, use_tma, ws_device
+        fa_op.launch, fa_op.use_tma, fa_op._ws_device, fa_op._gluon_device = saved
 
 
 def _compile_sm90(kernel, args, kwargs, out, log):
@@ -151,6 +162,8 @@ def _compile_sm90(kernel, args, kwargs, out, log):
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, spec, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, spec, options)
+    if kernel.is_gluon():
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     compiled = triton.compile(
         ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__
     )
@@ -207,7 +220,8 @@ def screen(cases, names=None):
                 continue
             for b, nq, nk, h, hkv in layouts:
                 for kernel, args, kwargs in captured_launches(plan, causal, b, nq, nk, h, hkv, d):
-                    kind = KINDS.get(kernel.fn.__name__.removesuffix("_kernel").removesuffix("_ws"))
+                    stem = re.sub(r"(_ws|_gluon)?_kernel$", "", kernel.fn.__name__)
+                    kind = KINDS.get(stem)
                     if kind is None:
                         continue
                     # Launches that specialise alike compile alike: key on what differs.
@@ -245,19 +259,27 @@ def _run(plan, q, k, v, do, causal):
 
 
 def _maxdiff(a, b):
+    """[(name, max abs difference, same non-finite pattern)] of o, lse, dq, dk, dv."""
     out = []
     for name, x, y in zip(("o", "lse", "dq", "dk", "dv"), a, b):
         x, y = x.float(), y.float()
-        same_inf = torch.equal(torch.isfinite(x), torch.isfinite(y))
         fin = torch.isfinite(x) & torch.isfinite(y)
         err = (x[fin] - y[fin]).abs().max().item() if fin.any() else 0.0
-        out.append(f"{name} {err:.1e}" + ("" if same_inf else " NONFINITE-DIFFERS"))
-    return "  ".join(out)
+        out.append((name, err, torch.equal(torch.isfinite(x), torch.isfinite(y))))
+    return out
 
 
-def check(d, causal, names):
-    """Printable lines: max abs differences of each named candidate from the current plan, and
-    of the current plan from a float32 evaluation of the reference, on `shapes(d, causal)`."""
+def _fmt(diffs):
+    return "  ".join(
+        f"{n} {e:.1e}" + ("" if same else " NONFINITE-DIFFERS") for n, e, same in diffs
+    )
+
+
+def check(d, causal, name):
+    """Printable lines: on each of `shapes(d, causal)` the max abs differences of o, lse, dq, dk,
+    dv between plan `name` and the current plan, and between the current plan and a float32
+    evaluation of the reference (the rounding noise). PASS when every difference of the
+    candidate is within 3x that noise (+1e-3) and non-finite values sit alike."""
     from kernelkit.flash_attn.reference import attention_reference
 
     plans = plans_for(d, causal)
@@ -266,39 +288,41 @@ def check(d, causal, names):
         q, do = _rand(b, nq, h, d, seed=1), _rand(b, nq, h, d, seed=4)
         k, v = _rand(b, nk, hkv, d, seed=2), _rand(b, nk, hkv, d, seed=3)
         cur = _run(plans["current"], q, k, v, do, causal)
-        tag = f"d{d} causal{int(causal)} {label:10s}"
-        if "current" in names:
-            leaves = [t.float().requires_grad_() for t in (q, k, v)]
-            o32, lse32 = attention_reference(*leaves, causal=causal, return_lse=True)
-            ref = (o32, lse32, *torch.autograd.grad(o32, leaves, do.float()))
-            lines.append(f"{tag} current vs fp32 ref: {_maxdiff(cur, ref)}")
-        for name in names:
-            if name != "current":
-                diff = _maxdiff(_run(plans[name], q, k, v, do, causal), cur)
-                lines.append(f"{tag} {name:7s} vs current: {diff}")
+        leaves = [t.float().requires_grad_() for t in (q, k, v)]
+        o32, lse32 = attention_reference(*leaves, causal=causal, return_lse=True)
+        noise = _maxdiff(cur, (o32, lse32, *torch.autograd.grad(o32, leaves, do.float())))
+        tag = f"d{d} causal{int(causal)} {name:7s} {label:10s}"
+        if name == "current":
+            lines.append(f"{tag} vs fp32 ref: {_fmt(noise)}")
+            continue
+        diff = _maxdiff(_run(plans[name], q, k, v, do, causal), cur)
+        ok = all(s and e <= 3 * en + 1e-3 for (_, e, s), (_, en, _) in zip(diff, noise))
+        lines.append(f"{tag} vs current: {_fmt(diff)}  {'PASS' if ok else 'FAIL'}")
     return lines
 
 
 def warm(shard, nshards):
     """Worker process: the correctness checks of its share of (case, plan), which also fills
-    Triton's on-disk cache for the timing process; the leaderboard layout (H = 1) too."""
+    Triton's on-disk cache for the timing process, then the leaderboard layout (H = 1). The
+    Gluon candidates come last: a hang there (a barrier protocol bug) stops nothing else."""
     jobs = [(d, c, name) for d, c in CASES for name in plans_for(d, c)]
-    jobs.append("leaderboard")
-    for i, job in enumerate(jobs):
-        if i % nshards != shard:
-            continue
-        if job == "leaderboard":
+    jobs.sort(key=lambda job: plans_for(job[0], job[1])[job[2]].fwd.gluon)
+    jobs = jobs[shard::nshards] + ([("leaderboard",)] if shard == nshards - 1 else [])
+    for job in jobs:
+        if job == ("leaderboard",):
             b, h, _, d = LEADERBOARD
             q, k, v, do = (_rand(b, CHECK_N, h, d, seed=s) for s in range(4))
             for plan in plans_for(d, True).values():
                 _run(plan, q, k, v, do, True)
         else:
-            for line in check(job[0], job[1], [job[2]]):
+            for line in check(*job):
                 print(line, flush=True)
+        print("DONE", *job, flush=True)
 
 
-def warm_all(workers, extra=()):
-    """`warm` in `workers` processes at once; their output lines, sorted."""
+def warm_all(workers, timeout, extra=()):
+    """`warm` in `workers` processes at once, killed after `timeout` seconds. Returns the check
+    lines (sorted) and the (d, causal, name) jobs that passed."""
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "--warm", f"{i}/{workers}", *extra],
@@ -309,13 +333,30 @@ def warm_all(workers, extra=()):
         )
         for i in range(workers)
     ]
-    lines = []
+    deadline = time.time() + timeout
+    lines, done = [], set()
     for p in procs:
-        out = p.communicate()[0].splitlines()
-        lines += [x for x in out if " vs " in x]
+        try:
+            out = p.communicate(timeout=max(1.0, deadline - time.time()))[0]
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out = p.communicate()[0] + "\nWORKER KILLED (timeout)"
+        out = out.splitlines()
+        for x in out:
+            if x.startswith("DONE "):
+                done.add(x)
+            elif " vs " in x:
+                lines.append(x)
         if p.returncode:
-            lines.append(f"WORKER FAILED rc={p.returncode}: " + " | ".join(out[-6:]))
-    return sorted(lines)
+            lines.append(f"WORKER rc={p.returncode}: " + " | ".join(out[-8:]))
+    failed = {tuple(x.split()[:3]) for x in lines if x.endswith("FAIL")}
+    passed = {
+        (d, c, name)
+        for d, c in CASES
+        for name in plans_for(d, c)
+        if f"DONE {d} {c} {name}" in done and (f"d{d}", f"causal{int(c)}", name) not in failed
+    }
+    return sorted(lines), passed
 
 
 def _sdpa(q, k, v, do, causal, backend):
@@ -334,9 +375,10 @@ def _sdpa(q, k, v, do, causal, backend):
     return fwd, lambda: o.backward(dot, retain_graph=True), [qt, kt, vt]
 
 
-def time_cell(b, h, n, d, causal, rounds):
+def time_cell(b, h, n, d, causal, rounds, passed=None):
     """{(direction, provider): ms}: the current plan, every candidate that changes that
-    direction's kernels, SDPA flash and cuDNN, timed in round-robin passes."""
+    direction's kernels (and passed the checks, when `passed` is given), SDPA flash and cuDNN,
+    timed in round-robin passes."""
     from torch.nn.attention import SDPBackend
 
     from kernelkit.shared.bench import interleaved_ms
@@ -344,6 +386,8 @@ def time_cell(b, h, n, d, causal, rounds):
     q, k, v, do = (_rand(b, n, h, d, seed=s) for s in range(4))
     scale = 1 / math.sqrt(d)
     plans = plans_for(d, causal)
+    if passed is not None:
+        plans = {k: p for k, p in plans.items() if k == "current" or (d, causal, k) in passed}
     cur = plans["current"]
     peers = {}
     for name, backend in zip(PEERS, (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION)):
@@ -423,9 +467,17 @@ def run_gpu(args):
         print(
             f"\n== compile + correctness (max abs differences; {args.workers} workers)", flush=True
         )
-        for line in warm_all(args.workers, ["--dry-run"] if args.dry_run else []):
+        lines, passed = warm_all(
+            args.workers, args.warm_timeout, ["--dry-run"] if args.dry_run else []
+        )
+        for line in lines:
             print(line)
+        every = {(d, c, n) for d, c in args.cases for n in plans_for(d, c)}
+        for d, c, name in sorted(every - passed):
+            print(f"EXCLUDED from timing: d{d} causal{int(c)} {name} (failed or did not finish)")
         print(f"({time.time() - t_start:.0f} s)", flush=True)
+    else:
+        passed = None
     print("\n== timing: ms medians of round-robin passes", flush=True)
     b_lb, h_lb, n_lb, d_lb = LEADERBOARD
     cells = [(max(1, TOKENS // n), HIDDEN // d, n, d, c) for n in args.n for d, c in args.cases]
@@ -437,7 +489,8 @@ def run_gpu(args):
             print(f"{tag}: skipped (--budget {args.budget:.0f} s spent)")
             continue
         print(tag, flush=True)
-        results[tag, fwd_flops(b, h, n, n, d, causal)] = time_cell(b, h, n, d, causal, args.rounds)
+        res = time_cell(b, h, n, d, causal, args.rounds, passed)
+        results[tag, fwd_flops(b, h, n, n, d, causal)] = res
     table(results)
     lb = next((r for (tag, _), r in results.items() if tag.endswith(f"B{b_lb} H{h_lb}")), None)
     if lb:
@@ -480,7 +533,8 @@ def main():
     ap.add_argument("--n", default=",".join(map(str, NS)), help="sequence lengths to time")
     ap.add_argument("--rounds", type=int, default=5, help="round-robin passes per cell")
     ap.add_argument("--workers", type=int, default=12, help="compile/check processes (0: none)")
-    ap.add_argument("--budget", type=float, default=200, help="seconds; later cells are skipped")
+    ap.add_argument("--budget", type=float, default=210, help="seconds; later cells are skipped")
+    ap.add_argument("--warm-timeout", type=float, default=120, help="seconds for the checks")
     ap.add_argument("--warm", help=argparse.SUPPRESS)
     ap.add_argument(
         "--dry-run",

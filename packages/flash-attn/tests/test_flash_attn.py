@@ -492,6 +492,34 @@ def test_hopper_ws_fallbacks(device, monkeypatch):
     assert not set(launched) & WS_KERNELS
 
 
+def test_gluon_forward_launches_are_compile_checked(monkeypatch):
+    """The Gluon forward (kernels_gluon.py) runs only on an sm_90 GPU (Gluon has no interpreter):
+    here its launches are captured as on one (CPU tensors taken as TMA-aligned on Hopper) and
+    recorded for the end-of-session compile check, which lowers them to TTGIR for sm_90.
+    GQA, Nq != Nk, ragged ends, a padded head dim, causal and not."""
+    from kernelkit.shared.compile_check import record_launch
+
+    calls = []
+
+    class Capture:  # stands in for launch(kernel)[grid](*args, **kwargs)
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((self.kernel, args, kwargs))
+
+    monkeypatch.setattr(fa_op, "launch", Capture)
+    monkeypatch.setattr(fa_op, "use_tma", lambda *t: True)
+    monkeypatch.setattr(fa_op, "_gluon_device", lambda device: True)
+    for d, causal, tile in [(64, True, (128, 64, 3)), (80, False, (128, 128, 2))]:
+        q, k, v = qkv(2, 300, 260, 4, 2, d, torch.bfloat16, "cpu")
+        plan = fa_op.Plan(fa_op.Tile(*tile[:2], 4, tile[2], tma=True, gluon=True), *([None] * 2))
+        fa_op.forward(q, k, v, causal, 0.125, plan)
+    assert [kernel.fn.__name__ for kernel, _, _ in calls] == ["attn_fwd_gluon_kernel"] * 2
+    for kernel, args, kwargs in calls:
+        record_launch(kernel, args, kwargs)
+
+
 # ------------------------------------------------------------------------------------------
 # The course assignment's interface
 # ------------------------------------------------------------------------------------------
@@ -754,19 +782,20 @@ WS_GPU_PLANS = {  # BLOCK_D -> the warp-specialised candidates' tiles (benchmark
         (128, ((128, 128, 2), (64, 128, 2), (128, 64, 2))),
     )
 }
+# GQA/MQA, Nq != Nk both ways, ragged ends, a padded head dim, one short sequence.
+HOPPER_GPU_SHAPES = [
+    (2, 1024, 1024, 8, 2, 128),
+    (1, 1000, 2048, 4, 1, 64),
+    (1, 2048, 1000, 4, 4, 64),
+    (2, 780, 777, 3, 3, 80),
+    (1, 100, 100, 2, 2, 64),
+]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(
-    "shape",
-    [
-        (2, 1024, 1024, 8, 2, 128),
-        (1, 1000, 2048, 4, 1, 64),
-        (1, 2048, 1000, 4, 4, 64),
-        (2, 780, 777, 3, 3, 80),
-    ],
-    ids=lambda s: "b{}-q{}-k{}-h{}-hkv{}-d{}".format(*s),
+    "shape", HOPPER_GPU_SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}-hkv{}-d{}".format(*s)
 )
 def test_gpu_hopper_ws_kernels(shape, causal, device, monkeypatch):
     """The warp-specialised kernels with their real tiles (12 warps on Hopper)."""
@@ -776,3 +805,21 @@ def test_gpu_hopper_ws_kernels(shape, causal, device, monkeypatch):
     _check_plan(plan, q, k, v, causal)
     if torch.cuda.get_device_capability()[0] == 9:
         assert set(launched) >= WS_KERNELS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape", HOPPER_GPU_SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}-hkv{}-d{}".format(*s)
+)
+@pytest.mark.parametrize("stages", [2, 3])
+def test_gpu_gluon_forward(shape, causal, stages, device, monkeypatch):
+    """The Gluon forward (kernels_gluon.py) with 128 x 64 key tiles, 2- and 3-deep K/V rings
+    (its backward: the current kernels)."""
+    launched = _launched_kernels(monkeypatch)
+    q, k, v = qkv(*shape, torch.bfloat16, device)
+    base = fa_op.plan_for(shape[-1], causal, q.dtype)
+    tile = fa_op.Tile(128, 64, 4, stages, tma=True, gluon=True)
+    _check_plan(fa_op.Plan(tile, base.dkdv, base.dq), q, k, v, causal)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert "attn_fwd_gluon_kernel" in launched
