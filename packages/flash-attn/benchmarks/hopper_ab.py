@@ -307,13 +307,14 @@ def warm(shard, nshards):
     Gluon candidates come last: a hang there (a barrier protocol bug) stops nothing else."""
     jobs = [(d, c, name) for d, c in CASES for name in plans_for(d, c)]
     jobs.sort(key=lambda job: plans_for(job[0], job[1])[job[2]].fwd.gluon)
-    jobs = jobs[shard::nshards] + ([("leaderboard",)] if shard == nshards - 1 else [])
+    jobs = ([("leaderboard",)] if shard == nshards - 1 else []) + jobs[shard::nshards]
     for job in jobs:
-        if job == ("leaderboard",):
+        if job == ("leaderboard",):  # compiles only (the Gluon plans' are left to the timing)
             b, h, _, d = LEADERBOARD
             q, k, v, do = (_rand(b, CHECK_N, h, d, seed=s) for s in range(4))
             for plan in plans_for(d, True).values():
-                _run(plan, q, k, v, do, True)
+                if not plan.fwd.gluon:
+                    _run(plan, q, k, v, do, True)
         else:
             for line in check(*job):
                 print(line, flush=True)
