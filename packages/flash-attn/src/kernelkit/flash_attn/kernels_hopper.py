@@ -9,7 +9,8 @@ such a loop: with num_warps = 4 it makes one producer warpgroup that issues the 
 its ping-pong scheduling. What the pass needs, found by compiling for sm_90a (NOTES.md):
 
 - every tile read through a TMA descriptor, the tiles loaded before the loop included (a
-  pointer-loaded q aborts the compiler in WSLowerToken);
+  pointer-loaded q aborts the compiler in WSLowerToken), and no loop-invariant pointer load
+  (dq's LSE and delta rows, which LICM would hoist: read through descriptors too);
 - one loop in the kernel (a second one, even unmarked, aborts it in the dominance check; a
   nested loop aborts it in WSDataPartition) and no run-time branch in its body (that silently
   turns the specialisation off).
@@ -17,8 +18,10 @@ its ping-pong scheduling. What the pass needs, found by compiling for sm_90a (NO
 Hence the shape of these kernels: a masked problem (causal, or a ragged last key block in the
 forward) applies its mask on every step instead of only on the diagonal blocks, and dk/dv walks
 the (query head of the GQA group, query block) pairs in one flattened loop through 3-D (H, N, D)
-descriptors. The host launches them only where every tensor the kernel reads is TMA-aligned
-(`op.use_tma`); under the interpreter the flag is ignored and they run as plain loops.
+descriptors. The host (`op._ws_flag`) launches them only on sm_90, for half precision, where
+every tensor the kernel reads is TMA-aligned (`op.use_tma`), and dq only where Nq % 4 == 0
+(16-byte LSE rows); under the interpreter the flag is ignored and they run as plain loops. They
+take the portable kernels' arguments (DOT_PREC, TMA included), so the host swaps the kernel only.
 """
 
 import triton
