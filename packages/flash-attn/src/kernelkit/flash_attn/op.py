@@ -20,8 +20,12 @@ from kernelkit.shared.runtime import (
 )
 
 from . import kernels as K
-from . import kernels_gluon as KG
 from . import kernels_hopper as KH
+
+try:  # Gluon (triton.experimental.gluon) is newer than the oldest Triton this package accepts
+    from . import kernels_gluon as KG
+except ImportError:  # pragma: no cover
+    KG = None
 from .reference import attention_reference
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -336,6 +340,7 @@ def _gluon_flag(tile: Tile, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     every tensor TMA-aligned."""
     return (
         tile.gluon
+        and KG is not None
         and q.dtype != torch.float32
         and block_d_for(q.shape[-1]) in (64, 128)
         and _gluon_device(q.device)
