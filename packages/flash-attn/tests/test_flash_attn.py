@@ -431,6 +431,105 @@ def test_split_kv_torch_compile_fullgraph(device):
 
 
 # ------------------------------------------------------------------------------------------
+# Hopper warp-specialised kernels (kernels_hopper.py, chosen by Tile.ws): one loop per kernel
+# with the masks on every step, dk/dv's flattened (query head, query block) loop over a GQA
+# group, dq's LSE rows through descriptors. The interpreter ignores the warp_specialize flag;
+# the end-of-session compile check lowers these launches through Triton's Hopper pass (64-row
+# tiles, which it specialises).
+# ------------------------------------------------------------------------------------------
+
+WS_KERNELS = {"attn_fwd_ws_kernel", "attn_bwd_dkdv_ws_kernel", "attn_bwd_dq_ws_kernel"}
+WS_PLAN = fa_op.Plan(
+    *(fa_op.Tile(bm, bn, 4, 1, tma=True, ws=True) for bm, bn in ((64, 32), (32, 64), (64, 32)))
+)
+
+
+def _launched_kernels(monkeypatch):
+    """The names of the kernels the op launches from now on."""
+    names, launch = [], fa_op.launch
+    monkeypatch.setattr(fa_op, "launch", lambda k: names.append(k.fn.__name__) or launch(k))
+    return names
+
+
+def _check_plan(plan, q, k, v, causal):
+    """fa_op.forward/backward with `plan` against the float64 reference and, no worse than twice
+    its error, the reference evaluated in q's dtype."""
+    do = make(q.shape, q.dtype, q.device, seed=9)
+    scale = 1 / math.sqrt(q.shape[-1])
+    o, lse = fa_op.forward(q, k, v, causal, scale, plan)
+    grads = fa_op.backward(do, q, k, v, o, lse, None, causal, scale, plan)
+    o64, lse64, grads64 = _run(
+        attention_reference, q.double(), k.double(), v.double(), do, None, causal=causal
+    )
+    o_l, _, grads_l = _run(attention_reference, q, k, v, do, None, causal=causal)
+    assert_close(o, o64, ref_lowp=o_l, name="o")
+    assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(lse64.cpu()))
+    assert_close(_finite(lse), _finite(lse64), bound=2e-5, name="lse")
+    for g, g64, gl, name in zip(grads, grads64, grads_l, ("dq", "dk", "dv")):
+        assert_close(g, g64, ref_lowp=gl, name=name)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 44, 37, 4, 2, 32), (2, 40, 72, 3, 1, 80)],
+    ids=["nq-gt-nk-gqa", "nq-lt-nk-mqa-d80"],
+)
+def test_hopper_ws_kernels(shape, causal, device, monkeypatch):
+    """Ragged ends, Nq != Nk (causal rows that see no key), GQA/MQA groups, a padded head dim."""
+    launched = _launched_kernels(monkeypatch)
+    q, k, v = qkv(*shape, torch.bfloat16, device)
+    _check_plan(WS_PLAN, q, k, v, causal)
+    if fa_op._ws_flag(WS_PLAN.fwd, q, k, v):  # the interpreter, or a Hopper GPU
+        assert set(launched) >= WS_KERNELS
+
+
+def test_hopper_ws_fallbacks(device, monkeypatch):
+    """Where the warp-specialised kernels cannot run, the portable ones do, with the same tile:
+    float32 inputs, a tensor that TMA cannot read (q offset by one element), and, for dq alone,
+    Nq % 4 != 0 (its LSE rows are read through TMA)."""
+    launched = _launched_kernels(monkeypatch)
+    q, k, v = qkv(1, 45, 37, 2, 1, 32, torch.bfloat16, device)
+    _check_plan(WS_PLAN, q, k, v, True)
+    if fa_op._ws_flag(WS_PLAN.fwd, q, k, v):
+        assert set(launched) & WS_KERNELS == WS_KERNELS - {"attn_bwd_dq_ws_kernel"}
+    launched.clear()
+    buf = torch.empty(q.numel() + 1, dtype=q.dtype, device=device)
+    _check_plan(WS_PLAN, buf[1:].view(q.shape).copy_(q), k, v, False)
+    q32, k32, v32 = qkv(1, 44, 37, 2, 1, 32, torch.float32, device)
+    assert not fa_op._ws_flag(WS_PLAN.fwd, q32, k32, v32)
+    assert not set(launched) & WS_KERNELS
+
+
+def test_gluon_forward_launches_are_compile_checked(monkeypatch):
+    """The Gluon forward (kernels_gluon.py) runs only on an sm_90 GPU (Gluon has no interpreter):
+    here its launches are captured as on one (CPU tensors taken as TMA-aligned on Hopper) and
+    recorded for the end-of-session compile check, which lowers them to TTGIR for sm_90.
+    GQA, Nq != Nk, ragged ends, a padded head dim, causal and not."""
+    from kernelkit.shared.compile_check import record_launch
+
+    calls = []
+
+    class Capture:  # stands in for launch(kernel)[grid](*args, **kwargs)
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((self.kernel, args, kwargs))
+
+    monkeypatch.setattr(fa_op, "launch", Capture)
+    monkeypatch.setattr(fa_op, "use_tma", lambda *t: True)
+    monkeypatch.setattr(fa_op, "_gluon_device", lambda device: True)
+    for d, causal, tile in [(64, True, (128, 64, 3)), (80, False, (128, 128, 2))]:
+        q, k, v = qkv(2, 300, 260, 4, 2, d, torch.bfloat16, "cpu")
+        plan = fa_op.Plan(fa_op.Tile(*tile[:2], 4, tile[2], tma=True, gluon=True), *([None] * 2))
+        fa_op.forward(q, k, v, causal, 0.125, plan)
+    assert [kernel.fn.__name__ for kernel, _, _ in calls] == ["attn_fwd_gluon_kernel"] * 2
+    for kernel, args, kwargs in calls:
+        record_launch(kernel, args, kwargs)
+
+
+# ------------------------------------------------------------------------------------------
 # The course assignment's interface
 # ------------------------------------------------------------------------------------------
 
@@ -683,3 +782,53 @@ def test_gpu_cuda_graph(shape, device):
         torch.cuda.synchronize()
         for a, b in zip(captured, step()):
             assert torch.equal(a, b)
+
+
+WS_GPU_PLANS = {  # BLOCK_D -> the warp-specialised candidates' tiles (benchmarks/hopper_ab.py)
+    bd: fa_op.Plan(*(fa_op.Tile(*t, 4, s, tma=True, ws=True) for *t, s in tiles))
+    for bd, tiles in (
+        (64, ((128, 64, 3), (64, 128, 2), (128, 64, 2))),
+        (128, ((128, 128, 2), (64, 128, 2), (128, 64, 2))),
+    )
+}
+# GQA/MQA, Nq != Nk both ways, ragged ends, a padded head dim, one short sequence.
+HOPPER_GPU_SHAPES = [
+    (2, 1024, 1024, 8, 2, 128),
+    (1, 1000, 2048, 4, 1, 64),
+    (1, 2048, 1000, 4, 4, 64),
+    (2, 780, 777, 3, 3, 80),
+    (1, 100, 100, 2, 2, 64),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape", HOPPER_GPU_SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}-hkv{}-d{}".format(*s)
+)
+def test_gpu_hopper_ws_kernels(shape, causal, device, monkeypatch):
+    """The warp-specialised kernels with their real tiles (12 warps on Hopper)."""
+    launched = _launched_kernels(monkeypatch)
+    q, k, v = qkv(*shape, torch.bfloat16, device)
+    plan = WS_GPU_PLANS[fa_op.block_d_for(shape[-1])]
+    _check_plan(plan, q, k, v, causal)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert set(launched) >= WS_KERNELS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape", HOPPER_GPU_SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}-hkv{}-d{}".format(*s)
+)
+@pytest.mark.parametrize("stages", [2, 3])
+def test_gpu_gluon_forward(shape, causal, stages, device, monkeypatch):
+    """The Gluon forward (kernels_gluon.py) with 128 x 64 key tiles, 2- and 3-deep K/V rings
+    (its backward: the current kernels)."""
+    launched = _launched_kernels(monkeypatch)
+    q, k, v = qkv(*shape, torch.bfloat16, device)
+    base = fa_op.plan_for(shape[-1], causal, q.dtype)
+    tile = fa_op.Tile(128, 64, 4, stages, tma=True, gluon=True)
+    _check_plan(fa_op.Plan(tile, base.dkdv, base.dq), q, k, v, causal)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert "attn_fwd_gluon_kernel" in launched

@@ -20,6 +20,12 @@ from kernelkit.shared.runtime import (
 )
 
 from . import kernels as K
+from . import kernels_hopper as KH
+
+try:  # Gluon (triton.experimental.gluon) is newer than the oldest Triton this package accepts
+    from . import kernels_gluon as KG
+except ImportError:  # pragma: no cover
+    KG = None
 from .reference import attention_reference
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -89,13 +95,18 @@ def validate(q, k, v, causal, softmax_scale) -> float:
 class Tile:
     """Tile of one kernel: BLOCK_M query rows x BLOCK_N keys, warps and pipeline stages; tma:
     read the loop's tiles through TMA descriptors where the inputs allow it (`use_tma`), else
-    with pointer loads."""
+    with pointer loads; ws: the warp-specialised Hopper kernel of kernels_hopper.py (4 warps per
+    tile, which Triton turns into 12) where `_ws_flag` allows it, else the portable one; gluon
+    (forward only): the Gluon kernel of kernels_gluon.py (BLOCK_M = 128, `stages` deep K/V ring)
+    where `_gluon_flag` allows it."""
 
     block_m: int
     block_n: int
     warps: int
     stages: int
     tma: bool = False
+    ws: bool = False
+    gluon: bool = False
 
 
 # Tiles by BLOCK_D for half-precision inputs on Hopper. Candidates were screened by compiling
@@ -301,6 +312,57 @@ def _tma_flag(tile: Tile, *tensors: torch.Tensor) -> bool:
     return flag
 
 
+def _ws_flag(tile: Tile, *tensors: torch.Tensor) -> bool:
+    """Whether a launch takes the warp-specialised kernel of kernels_hopper.py: the tile asks
+    for it, the inputs are half precision (float32's tf32x3 dots are not screened for it), the
+    device suits (`_ws_device`) and every tensor the kernel reads is TMA-aligned (the kernel has
+    no pointer-load path)."""
+    t = tensors[0]
+    return (
+        tile.ws and t.dtype != torch.float32 and _ws_device(t.device) and _tma_flag(tile, *tensors)
+    )
+
+
+def _ws_device(device: torch.device) -> bool:
+    """A Hopper GPU (sm_90: the kernels are shaped for Triton's Hopper warp-specialisation pass;
+    newer GPUs run another pass) or the interpreter (which ignores the specialisation)."""
+    return _sm90(device.index or 0) if device.type == "cuda" else interpreting()
+
+
+@functools.cache
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def _gluon_flag(tile: Tile, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the forward takes the Gluon kernel of kernels_gluon.py: the tile asks for it,
+    half-precision inputs with BLOCK_D 64 or 128 on an sm_90 GPU (Gluon has no interpreter),
+    every tensor TMA-aligned."""
+    return (
+        tile.gluon
+        and KG is not None
+        and q.dtype != torch.float32
+        and block_d_for(q.shape[-1]) in (64, 128)
+        and _gluon_device(q.device)
+        and _tma_flag(tile, q, k, v)
+    )
+
+
+def _gluon_device(device: torch.device) -> bool:
+    return device.type == "cuda" and _sm90(device.index or 0)
+
+
+def _fwd_kernel(tile: Tile, q, k, v):
+    """(kernel, TMA flag, extra constexprs) of a forward launch: the Gluon kernel or the
+    warp-specialised one where the tile asks for it and the inputs allow it, else the portable
+    one (the three take the same arguments)."""
+    if _gluon_flag(tile, q, k, v):
+        return KG.attn_fwd_gluon_kernel, True, {"STAGES": tile.stages}
+    if _ws_flag(tile, q, k, v):
+        return KH.attn_fwd_ws_kernel, True, {}
+    return K.attn_fwd_kernel, _tma_flag(tile, k, v), {}
+
+
 def _unit_d(t: torch.Tensor) -> torch.Tensor:
     """The kernels read D with unit stride; any other layout of the last dim is copied."""
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -334,7 +396,8 @@ def forward(
     plan = plan or plan_for(d, causal, q.dtype)
     t = plan.fwd
     grid = (cdiv(nq, t.block_m) * b * h,)
-    launch(K.attn_fwd_kernel)[grid](
+    kernel, tma, extra = _fwd_kernel(t, q, k, v)
+    launch(kernel)[grid](
         q,
         k,
         v,
@@ -357,9 +420,10 @@ def forward(
         EVEN_M=bool(nq % t.block_m == 0),
         EVEN_N=bool(nk % t.block_n == 0),
         DOT_PREC=dot_precision(q.dtype),
-        TMA=_tma_flag(t, k, v),
+        TMA=tma,
         num_warps=t.warps,
         num_stages=t.stages,
+        **extra,
     )
     return o, lse
 
@@ -457,7 +521,10 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan |
         num_warps=4,
     )
     t = plan.dkdv
-    launch(K.attn_bwd_dkdv_kernel)[(cdiv(nk, t.block_n) * b * hkv,)](
+    ws = _ws_flag(t, q, k, v, do)
+    launch(KH.attn_bwd_dkdv_ws_kernel if ws else K.attn_bwd_dkdv_kernel)[
+        (cdiv(nk, t.block_n) * b * hkv,)
+    ](
         q,
         k,
         v,
@@ -487,12 +554,15 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan |
         EVEN_M=bool(nq % t.block_m == 0),
         EVEN_N=bool(nk % t.block_n == 0),
         DOT_PREC=prec,
-        TMA=_tma_flag(t, q, do),
+        TMA=ws or _tma_flag(t, q, do),
         num_warps=t.warps,
         num_stages=t.stages,
     )
     t = plan.dq
-    launch(K.attn_bwd_dq_kernel)[(cdiv(nq, t.block_m) * b * h,)](
+    ws = _ws_flag(t, q, k, v, do) and nq % 4 == 0  # it reads the LSE rows through TMA too
+    launch(KH.attn_bwd_dq_ws_kernel if ws else K.attn_bwd_dq_kernel)[
+        (cdiv(nq, t.block_m) * b * h,)
+    ](
         q,
         k,
         v,
@@ -519,7 +589,7 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan |
         EVEN_M=bool(nq % t.block_m == 0),
         EVEN_N=bool(nk % t.block_n == 0),
         DOT_PREC=prec,
-        TMA=_tma_flag(t, k, v),
+        TMA=ws or _tma_flag(t, k, v),
         num_warps=t.warps,
         num_stages=t.stages,
     )

@@ -1,0 +1,249 @@
+"""Gluon forward of flash-attn for Hopper (sm_90a): FlashAttention-3's schedule, written out.
+
+Same contract as kernels.attn_fwd_kernel (layout (B, N, H, D) through runtime strides, log2
+scores, bottom-right causal mask, GQA, LSE, rows that see no key -> zeros and LSE -inf), for
+half-precision inputs and BLOCK_D in {64, 128}; the host takes it only where every tensor is
+TMA-aligned (op.use_tma) on an sm_90 GPU. Gluon does not run under the interpreter: CI compiles
+it for sm_90a (tests) and the GPU tests run it.
+
+One program = BLOCK_M = 2 x 64 query rows of one head, in three partitions (gl.warp_specialize):
+- a producer warp issues the TMA loads: the q tile once, then K and V tiles into a STAGES-deep
+  shared-memory ring, each slot guarded by a "ready" mbarrier (TMA transaction bytes) and an
+  "empty" one (both consumers arrive when their MMAs have read it);
+- two consumer warpgroups (the default partition and one worker, 4 warps each) own 64 query rows
+  each. Per key block j a consumer issues S_j = q K_j^T and O += P_{j-1} V_{j-1} as asynchronous
+  wgmmas, waits for S_j only, computes the online softmax of block j while the P.V product is
+  still on the tensor cores, then waits for it and rescales O (the intra-warpgroup overlap of
+  FlashAttention-3). P stays in registers as the A operand of the P.V wgmma; K^T is a transposed
+  shared-memory view. The two warpgroups are not forced into ping-pong order: the warp
+  schedulers interleave one's softmax with the other's MMAs as they come.
+Key blocks no mask can touch are walked without one; a block on the causal diagonal or past Nk
+applies it (a run-time branch: Gluon has no automatic pass to trip over).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+LOG2E = gl.constexpr(1.4426950408889634)
+LN2 = gl.constexpr(0.6931471805599453)
+WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one m64 wgmma row block)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+              v_empty, start_m, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """TMA loads: q once, then K_j and V_j for j < n_blocks into ring slot j % STAGES once both
+    consumers have released the slot's previous tile (a fresh barrier passes the first wait)."""
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bar, q_smem)
+    for j in range(n_blocks):
+        s = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(k_empty.index(s), phase ^ 1)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(s), k_smem.index(s))
+        mbarrier.wait(v_empty.index(s), phase ^ 1)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, start_n, last, full_hi, qk_scale, BLOCK_N: gl.constexpr,
+                  s_layout: gl.constexpr):  # fmt: skip
+    """Online softmax of one score block s (raw q.k): (p, m_new, l_new, alpha). Blocks from
+    full_hi on hide the keys past each row's `last` visible key (causal diagonal, end of Nk)."""
+    if start_n >= full_hi:
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s = gl.where(cols[None, :] <= last[:, None], s * qk_scale, -float("inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        # A row that has seen no key yet keeps m = -inf; shift it by 0 to avoid inf - inf.
+        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
+        p = gl.exp2(s - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+    return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
+              stride_on, start_m, Nq, Nk, n_blocks, qk_scale, WG: gl.constexpr,
+              CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+              BLOCK_D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Rows [start_m + WG * 64, +64) of the program's query block: the pipelined loop over the
+    n_blocks key blocks, then o and the LSE to global memory."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16]
+    )
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dtype: gl.constexpr = q_smem.dtype
+
+    row0 = start_m + WG * WG_ROWS
+    rows = row0 + gl.arange(0, WG_ROWS, layout=row_s)
+    shift = Nk - Nq
+    if CAUSAL:
+        last = gl.minimum(rows + shift, Nk - 1)  # the last key each row sees
+        full_hi = gl.maximum(row0 + shift + 1, 0) // BLOCK_N * BLOCK_N
+    else:
+        last = gl.full([WG_ROWS], Nk - 1, gl.int32, layout=row_s)
+        full_hi = Nk // BLOCK_N * BLOCK_N
+    q = q_smem.slice(WG * WG_ROWS, WG_ROWS)
+    s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)
+    m_i = gl.full([WG_ROWS], -float("inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_s)
+    p = s_zero
+    o = gl.zeros([WG_ROWS, BLOCK_D], gl.float32, o_layout)
+    mbarrier.wait(q_bar, 0)
+    if n_blocks > 0:  # block 0: its scores and softmax; no P.V product in flight yet
+        mbarrier.wait(k_ready.index(0), 0)
+        s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)  # fmt: skip
+        s = warpgroup_mma_wait(0, deps=(s_tok,))
+        mbarrier.arrive(k_empty.index(0))
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, 0, last, full_hi, qk_scale, BLOCK_N,
+                                           s_layout)  # fmt: skip
+    for j in range(1, n_blocks):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+        s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)  # fmt: skip
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        o_tok = warpgroup_mma(p_op, v_smem.index(prev), o, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_tok,))  # S_j done; P_{j-1} V_{j-1} may still run
+        mbarrier.arrive(k_empty.index(slot))
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, j * BLOCK_N, last, full_hi, qk_scale,
+                                           BLOCK_N, s_layout)  # fmt: skip
+        o, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+        mbarrier.arrive(v_empty.index(prev))
+        o = o * gl.convert_layout(alpha, row_o)[:, None]
+    if n_blocks > 0:  # the last block's P.V product
+        last_slot = (n_blocks - 1) % STAGES
+        mbarrier.wait(v_ready.index(last_slot), ((n_blocks - 1) // STAGES) & 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        o_tok = warpgroup_mma(p_op, v_smem.index(last_slot), o, is_async=True)
+        o, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+        mbarrier.arrive(v_empty.index(last_slot))
+
+    # A row that sees no key (causal, Nq > Nk) has l = 0: output zeros and LSE = -inf.
+    l_o = gl.convert_layout(l_i, row_o)
+    o = o / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+    rows_o = row0 + gl.arange(0, WG_ROWS, layout=row_o)
+    cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
+    ptrs = O + rows_o[:, None].to(gl.int64) * stride_on + cols[None, :]
+    gl.store(ptrs, o.to(dtype), mask=(rows_o[:, None] < Nq) & (cols[None, :] < HEAD_DIM))
+    lse = (m_i + gl.log2(l_i)) * LN2
+    gl.store(LSE + rows, lse, mask=rows < Nq)
+
+
+@gluon.jit(do_not_specialize=["Nq", "Nk"])
+def attn_fwd_gluon_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    stride_qb,
+    stride_qn,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_ob,
+    stride_on,
+    stride_oh,
+    H,
+    GROUP,
+    Nq,
+    Nk,
+    qk_scale,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_D: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    EVEN_M: gl.constexpr,
+    EVEN_N: gl.constexpr,
+    DOT_PREC: gl.constexpr,
+    TMA: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """One BLOCK_M (= 128) query block of one head; launched with num_warps = 4 (the default
+    partition), 12 warps in all. The arguments are kernels.attn_fwd_kernel's (EVEN_M, EVEN_N
+    and DOT_PREC unused: the masks are run-time branches, half precision only) plus STAGES."""
+    gl.static_assert(BLOCK_M == 2 * WG_ROWS, "two consumer warpgroups of 64 rows")
+    gl.static_assert(TMA, "the host takes this kernel only where every tensor is TMA-aligned")
+    qk_scale = qk_scale.to(gl.float32)  # torch.compile may pass Python floats as float64
+    num_m = gl.cdiv(Nq, BLOCK_M)
+    pid = gl.program_id(0)
+    pid_m = pid % num_m
+    if CAUSAL:  # the longest rows first: balances the tail of the launch
+        pid_m = num_m - 1 - pid_m
+    bh = pid // num_m
+    b = (bh // H).to(gl.int64)
+    h = bh % H
+    hk = (h // GROUP).to(gl.int64)
+    h = h.to(gl.int64)
+    start_m = pid_m * BLOCK_M
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
+    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, [Nq, HEAD_DIM],
+                                        [stride_qn, 1], [BLOCK_M, BLOCK_D], q_layout)  # fmt: skip
+    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, [Nk, HEAD_DIM],
+                                        [stride_kn, 1], [BLOCK_N, BLOCK_D], kv_layout)  # fmt: skip
+    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, [Nk, HEAD_DIM],
+                                        [stride_vn, 1], [BLOCK_N, BLOCK_D], kv_layout)  # fmt: skip
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
+
+    if CAUSAL:  # noqa: SIM108 (constexpr branch); the key blocks the block's last row sees
+        hi = gl.minimum(start_m + BLOCK_M + Nk - Nq, Nk)
+    else:
+        hi = Nk
+    n_blocks = gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
+    o_base = O + b * stride_ob + h * stride_oh
+    lse_base = LSE + bh.to(gl.int64) * Nq
+    gl.warp_specialize(
+        [
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                         o_base, lse_base, stride_on, start_m, Nq, Nk, n_blocks, qk_scale,
+                         gl.constexpr(0), CAUSAL, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                         o_base, lse_base, stride_on, start_m, Nq, Nk, n_blocks, qk_scale,
+                         gl.constexpr(1), CAUSAL, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
+                         v_ready, k_empty, v_empty, start_m, n_blocks, BLOCK_N, STAGES)),
+        ],
+        [4, 1],
+        [232, 24],
+    )  # fmt: skip
