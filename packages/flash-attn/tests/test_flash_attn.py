@@ -431,17 +431,9 @@ def test_split_kv_torch_compile_fullgraph(device):
 
 
 # ------------------------------------------------------------------------------------------
-# Hopper warp-specialised kernels (kernels_hopper.py, chosen by Tile.ws): one loop per kernel
-# with the masks on every step, dk/dv's flattened (query head, query block) loop over a GQA
-# group, dq's LSE rows through descriptors. The interpreter ignores the warp_specialize flag;
-# the end-of-session compile check lowers these launches through Triton's Hopper pass (64-row
-# tiles, which it specialises).
+# The Gluon forward on Hopper (kernels_gluon.py, chosen by Tile.gluon; GPU-only: Gluon has no
+# interpreter; its launches are compile-checked on CPU below).
 # ------------------------------------------------------------------------------------------
-
-WS_KERNELS = {"attn_fwd_ws_kernel", "attn_bwd_dkdv_ws_kernel", "attn_bwd_dq_ws_kernel"}
-WS_PLAN = fa_op.Plan(
-    *(fa_op.Tile(bm, bn, 4, 1, tma=True, ws=True) for bm, bn in ((64, 32), (32, 64), (64, 32)))
-)
 
 
 def _launched_kernels(monkeypatch):
@@ -467,38 +459,6 @@ def _check_plan(plan, q, k, v, causal):
     assert_close(_finite(lse), _finite(lse64), bound=2e-5, name="lse")
     for g, g64, gl, name in zip(grads, grads64, grads_l, ("dq", "dk", "dv")):
         assert_close(g, g64, ref_lowp=gl, name=name)
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize(
-    "shape",
-    [(1, 44, 37, 4, 2, 32), (2, 40, 72, 3, 1, 80)],
-    ids=["nq-gt-nk-gqa", "nq-lt-nk-mqa-d80"],
-)
-def test_hopper_ws_kernels(shape, causal, device, monkeypatch):
-    """Ragged ends, Nq != Nk (causal rows that see no key), GQA/MQA groups, a padded head dim."""
-    launched = _launched_kernels(monkeypatch)
-    q, k, v = qkv(*shape, torch.bfloat16, device)
-    _check_plan(WS_PLAN, q, k, v, causal)
-    if fa_op._ws_flag(WS_PLAN.fwd, q, k, v):  # the interpreter, or a Hopper GPU
-        assert set(launched) >= WS_KERNELS
-
-
-def test_hopper_ws_fallbacks(device, monkeypatch):
-    """Where the warp-specialised kernels cannot run, the portable ones do, with the same tile:
-    float32 inputs, a tensor that TMA cannot read (q offset by one element), and, for dq alone,
-    Nq % 4 != 0 (its LSE rows are read through TMA)."""
-    launched = _launched_kernels(monkeypatch)
-    q, k, v = qkv(1, 45, 37, 2, 1, 32, torch.bfloat16, device)
-    _check_plan(WS_PLAN, q, k, v, True)
-    if fa_op._ws_flag(WS_PLAN.fwd, q, k, v):
-        assert set(launched) & WS_KERNELS == WS_KERNELS - {"attn_bwd_dq_ws_kernel"}
-    launched.clear()
-    buf = torch.empty(q.numel() + 1, dtype=q.dtype, device=device)
-    _check_plan(WS_PLAN, buf[1:].view(q.shape).copy_(q), k, v, False)
-    q32, k32, v32 = qkv(1, 44, 37, 2, 1, 32, torch.float32, device)
-    assert not fa_op._ws_flag(WS_PLAN.fwd, q32, k32, v32)
-    assert not set(launched) & WS_KERNELS
 
 
 def test_gluon_forward_launches_are_compile_checked(monkeypatch):
@@ -784,13 +744,6 @@ def test_gpu_cuda_graph(shape, device):
             assert torch.equal(a, b)
 
 
-WS_GPU_PLANS = {  # BLOCK_D -> the warp-specialised candidates' tiles (benchmarks/hopper_ab.py)
-    bd: fa_op.Plan(*(fa_op.Tile(*t, 4, s, tma=True, ws=True) for *t, s in tiles))
-    for bd, tiles in (
-        (64, ((128, 64, 3), (64, 128, 2), (128, 64, 2))),
-        (128, ((128, 128, 2), (64, 128, 2), (128, 64, 2))),
-    )
-}
 # GQA/MQA, Nq != Nk both ways, ragged ends, a padded head dim, one short sequence.
 HOPPER_GPU_SHAPES = [
     (2, 1024, 1024, 8, 2, 128),
@@ -802,33 +755,31 @@ HOPPER_GPU_SHAPES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(
     "shape", HOPPER_GPU_SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}-hkv{}-d{}".format(*s)
 )
-def test_gpu_hopper_ws_kernels(shape, causal, device, monkeypatch):
-    """The warp-specialised kernels with their real tiles (12 warps on Hopper)."""
+@pytest.mark.parametrize("tile", [(128, 128, 2), (128, 64, 3)], ids=["128x128s2", "128x64s3"])
+def test_gpu_gluon_forward(shape, tile, device, monkeypatch):
+    """The Gluon forward (kernels_gluon.py), non-causal as it ships (GLUON_FWD_TILES), with the
+    shipped 128 x 128 x 2-stage tile and a 128 x 64 x 3-stage one (its backward: the current
+    kernels)."""
     launched = _launched_kernels(monkeypatch)
     q, k, v = qkv(*shape, torch.bfloat16, device)
-    plan = WS_GPU_PLANS[fa_op.block_d_for(shape[-1])]
-    _check_plan(plan, q, k, v, causal)
+    base = fa_op.plan_for(shape[-1], False, q.dtype)
+    gluon = fa_op.Tile(*tile[:2], 4, tile[2], tma=True, gluon=True)
+    _check_plan(fa_op.Plan(gluon, base.dkdv, base.dq), q, k, v, False)
     if torch.cuda.get_device_capability()[0] == 9:
-        assert set(launched) >= WS_KERNELS
+        assert "attn_fwd_gluon_kernel" in launched
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize(
-    "shape", HOPPER_GPU_SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}-hkv{}-d{}".format(*s)
-)
-@pytest.mark.parametrize("stages", [2, 3])
-def test_gpu_gluon_forward(shape, causal, stages, device, monkeypatch):
-    """The Gluon forward (kernels_gluon.py) with 128 x 64 key tiles, 2- and 3-deep K/V rings
-    (its backward: the current kernels)."""
+def test_gpu_default_plan_takes_gluon_where_it_ships(device, monkeypatch):
+    """d = 128 non-causal half precision on an sm_90 GPU: the default forward is the Gluon one;
+    causal and d = 64 keep the portable kernel."""
     launched = _launched_kernels(monkeypatch)
-    q, k, v = qkv(*shape, torch.bfloat16, device)
-    base = fa_op.plan_for(shape[-1], causal, q.dtype)
-    tile = fa_op.Tile(128, 64, 4, stages, tma=True, gluon=True)
-    _check_plan(fa_op.Plan(tile, base.dkdv, base.dq), q, k, v, causal)
-    if torch.cuda.get_device_capability()[0] == 9:
-        assert "attn_fwd_gluon_kernel" in launched
+    for d, causal in ((128, False), (128, True), (64, False)):
+        launched.clear()
+        q, k, v = qkv(2, 300, 300, 4, 2, d, torch.bfloat16, device)
+        check(q, k, v, causal=causal)
+        gluon = "attn_fwd_gluon_kernel" in launched
+        assert gluon == (d == 128 and not causal and torch.cuda.get_device_capability()[0] == 9)

@@ -20,7 +20,6 @@ from kernelkit.shared.runtime import (
 )
 
 from . import kernels as K
-from . import kernels_hopper as KH
 
 try:  # Gluon (triton.experimental.gluon) is newer than the oldest Triton this package accepts
     from . import kernels_gluon as KG
@@ -95,17 +94,14 @@ def validate(q, k, v, causal, softmax_scale) -> float:
 class Tile:
     """Tile of one kernel: BLOCK_M query rows x BLOCK_N keys, warps and pipeline stages; tma:
     read the loop's tiles through TMA descriptors where the inputs allow it (`use_tma`), else
-    with pointer loads; ws: the warp-specialised Hopper kernel of kernels_hopper.py (4 warps per
-    tile, which Triton turns into 12) where `_ws_flag` allows it, else the portable one; gluon
-    (forward only): the Gluon kernel of kernels_gluon.py (BLOCK_M = 128, `stages` deep K/V ring)
-    where `_gluon_flag` allows it."""
+    with pointer loads; gluon (forward only): the Gluon kernel of kernels_gluon.py (BLOCK_M =
+    128, `stages` deep K/V ring) where `_gluon_flag` allows it, else `FWD_TILES`' portable tile."""
 
     block_m: int
     block_n: int
     warps: int
     stages: int
     tma: bool = False
-    ws: bool = False
     gluon: bool = False
 
 
@@ -122,6 +118,11 @@ FWD_TILES = {
     128: Tile(128, 128, 8, 3),
     256: Tile(128, 32, 8, 2),
 }
+# The Gluon forward (kernels_gluon.py: a TMA producer warp feeding a 2-deep K/V ring, two
+# 64-row consumer warpgroups with asynchronous warpgroup MMAs) where it measured faster on an
+# H100 (benchmarks/hopper_ab.py): d = 128 non-causal, 502 -> 644 TFLOP/s at N = 16k (cuDNN 605),
+# 461 -> 566 at 4k. d = 64 measured equal or slower, causal was not verified: portable tiles.
+GLUON_FWD_TILES = {128: Tile(128, 128, 4, 2, tma=True, gluon=True)}
 # dk/dv: BLOCK_N keys held by the program, BLOCK_M query rows per step.
 DKDV_TILES = {
     16: Tile(64, 128, 8, 2),
@@ -206,6 +207,8 @@ def plan_for(d: int, causal: bool, dtype: torch.dtype) -> Plan:
     if dtype == torch.float32:
         return Plan(*FP32_TILES[bd])
     fwd, dkdv, dq = CAUSAL_TILES.get(bd, (None, None, None)) if causal else (None, None, None)
+    if not causal:
+        fwd = GLUON_FWD_TILES.get(bd)
     return Plan(fwd or FWD_TILES[bd], dkdv or DKDV_TILES[bd], dq or DQ_TILES[bd])
 
 
@@ -225,6 +228,8 @@ def split_tile(rows: int, d: int, dtype: torch.dtype) -> Tile:
     if interpreting():
         return Tile(min(bm, 32), *INTERPRETER_SPLIT)
     dense = plan_for(d, False, dtype).fwd
+    if dense.gluon:  # the split kernel is a portable one
+        dense = FWD_TILES[block_d_for(d)]
     if bm >= dense.block_m:  # many rows: the dense forward's tile
         return dense
     table = SPLIT_FP32_TILES if dtype == torch.float32 else SPLIT_TILES
@@ -312,23 +317,6 @@ def _tma_flag(tile: Tile, *tensors: torch.Tensor) -> bool:
     return flag
 
 
-def _ws_flag(tile: Tile, *tensors: torch.Tensor) -> bool:
-    """Whether a launch takes the warp-specialised kernel of kernels_hopper.py: the tile asks
-    for it, the inputs are half precision (float32's tf32x3 dots are not screened for it), the
-    device suits (`_ws_device`) and every tensor the kernel reads is TMA-aligned (the kernel has
-    no pointer-load path)."""
-    t = tensors[0]
-    return (
-        tile.ws and t.dtype != torch.float32 and _ws_device(t.device) and _tma_flag(tile, *tensors)
-    )
-
-
-def _ws_device(device: torch.device) -> bool:
-    """A Hopper GPU (sm_90: the kernels are shaped for Triton's Hopper warp-specialisation pass;
-    newer GPUs run another pass) or the interpreter (which ignores the specialisation)."""
-    return _sm90(device.index or 0) if device.type == "cuda" else interpreting()
-
-
 @functools.cache
 def _sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
@@ -353,13 +341,10 @@ def _gluon_device(device: torch.device) -> bool:
 
 
 def _fwd_kernel(tile: Tile, q, k, v):
-    """(kernel, TMA flag, extra constexprs) of a forward launch: the Gluon kernel or the
-    warp-specialised one where the tile asks for it and the inputs allow it, else the portable
-    one (the three take the same arguments)."""
+    """(kernel, TMA flag, extra constexprs) of a forward launch: the Gluon kernel where the tile
+    asks for it and the inputs allow it, else the portable one (both take the same arguments)."""
     if _gluon_flag(tile, q, k, v):
         return KG.attn_fwd_gluon_kernel, True, {"STAGES": tile.stages}
-    if _ws_flag(tile, q, k, v):
-        return KH.attn_fwd_ws_kernel, True, {}
     return K.attn_fwd_kernel, _tma_flag(tile, k, v), {}
 
 
@@ -395,6 +380,8 @@ def forward(
         return o, lse
     plan = plan or plan_for(d, causal, q.dtype)
     t = plan.fwd
+    if t.gluon and not _gluon_flag(t, q, k, v):  # not an sm_90 GPU, or inputs it cannot take
+        t = FWD_TILES[block_d_for(d)]
     grid = (cdiv(nq, t.block_m) * b * h,)
     kernel, tma, extra = _fwd_kernel(t, q, k, v)
     launch(kernel)[grid](
@@ -521,10 +508,7 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan |
         num_warps=4,
     )
     t = plan.dkdv
-    ws = _ws_flag(t, q, k, v, do)
-    launch(KH.attn_bwd_dkdv_ws_kernel if ws else K.attn_bwd_dkdv_kernel)[
-        (cdiv(nk, t.block_n) * b * hkv,)
-    ](
+    launch(K.attn_bwd_dkdv_kernel)[(cdiv(nk, t.block_n) * b * hkv,)](
         q,
         k,
         v,
@@ -554,15 +538,12 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan |
         EVEN_M=bool(nq % t.block_m == 0),
         EVEN_N=bool(nk % t.block_n == 0),
         DOT_PREC=prec,
-        TMA=ws or _tma_flag(t, q, do),
+        TMA=_tma_flag(t, q, do),
         num_warps=t.warps,
         num_stages=t.stages,
     )
     t = plan.dq
-    ws = _ws_flag(t, q, k, v, do) and nq % 4 == 0  # it reads the LSE rows through TMA too
-    launch(KH.attn_bwd_dq_ws_kernel if ws else K.attn_bwd_dq_kernel)[
-        (cdiv(nq, t.block_m) * b * h,)
-    ](
+    launch(K.attn_bwd_dq_kernel)[(cdiv(nq, t.block_m) * b * h,)](
         q,
         k,
         v,
@@ -589,7 +570,7 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan |
         EVEN_M=bool(nq % t.block_m == 0),
         EVEN_N=bool(nk % t.block_n == 0),
         DOT_PREC=prec,
-        TMA=ws or _tma_flag(t, k, v),
+        TMA=_tma_flag(t, k, v),
         num_warps=t.warps,
         num_stages=t.stages,
     )
