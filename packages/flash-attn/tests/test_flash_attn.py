@@ -50,10 +50,11 @@ def _run(fn, q, k, v, do, dlse, **kw):
     return o, lse, (dq, dk, dv)
 
 
-def check(q, k, v, causal=False, softmax_scale=None, with_dlse=True):
+def check(q, k, v, causal=False, softmax_scale=None, with_dlse=True, **options):
     """flash_attn vs the float64 reference (and, for half precision, the reference evaluated in
-    q.dtype: the error may be at most 2x that one's): o, LSE, dq, dk, dv."""
-    kw = dict(causal=causal, softmax_scale=softmax_scale)
+    q.dtype: the error may be at most 2x that one's): o, LSE, dq, dk, dv. options: softcap,
+    window_size."""
+    kw = dict(causal=causal, softmax_scale=softmax_scale, **options)
     do = make(q.shape[:-1] + (v.shape[-1],), q.dtype, q.device, seed=7)
     lse_shape = (q.shape[0], q.shape[1]) if q.dim() == 3 else (q.shape[0], q.shape[2], q.shape[1])
     dlse = make(lse_shape, torch.float32, q.device, seed=8) if with_dlse else None
@@ -278,6 +279,39 @@ def test_deterministic(device):
 
 
 # ------------------------------------------------------------------------------------------
+# Softcap (Gemma 2): scores -> softcap * tanh(scores / softcap) before the softmax
+# ------------------------------------------------------------------------------------------
+
+# (softcap, causal, dtype, shape): q is scaled by 3 so that small caps saturate (tanh ~ +-1).
+SOFTCAP_CASES = [
+    (0.5, True, torch.bfloat16, (1, 37, 41, 2, 1, 32)),
+    (5.0, False, torch.float32, (1, 37, 41, 2, 1, 32)),
+    (30.0, True, torch.float16, (2, 21, 21, 2, 2, 64)),
+    (2.0, True, torch.bfloat16, (2, 1, 100, 4, 1, 32)),  # decoding: the split-KV forward
+]
+
+
+@pytest.mark.parametrize(
+    "case", SOFTCAP_CASES, ids=lambda c: f"cap{c[0]}-causal{int(c[1])}-{c[2]}-q{c[3][1]}"
+)
+def test_softcap(case, device):
+    softcap, causal, dtype, shape = case
+    q, k, v = qkv(*shape, dtype, device)
+    check((q.double() * 3).to(dtype), k, v, causal=causal, softcap=softcap)
+
+
+def test_softcap_changes_the_scores(device):
+    """The cap is applied (a capped run differs from the uncapped reference by far more than the
+    tolerance), and softcap=0 is the uncapped kernel bit for bit."""
+    q, k, v = qkv(1, 19, 23, 2, 2, 32, torch.float32, device)
+    q = q * 3
+    o_cap = flash_attn(q, k, v, causal=True, softcap=1.0)
+    ref = attention_reference(q.double(), k.double(), v.double(), causal=True)
+    assert (o_cap.double() - ref).norm() > 0.1 * ref.norm()
+    assert torch.equal(flash_attn(q, k, v, causal=True, softcap=0.0), flash_attn(q, k, v, True))
+
+
+# ------------------------------------------------------------------------------------------
 # Split-KV forward (decoding): keys split across programs, partials merged through their LSEs.
 # Under the interpreter num_sms is 4 and the split rule small (op.INTERPRETER_SPLIT_RULE), so
 # a few dozen keys already take several splits; the backward is the dense kernels' either way.
@@ -459,7 +493,8 @@ def test_opcheck(device):
     dlse = make(lse.shape, lse.dtype, device, seed=4)
     args = (do, q.detach(), k.detach(), v.detach(), o, lse)
     torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_bwd, (*args, dlse, True, 0.25))
-    torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_bwd, (*args, None, True, 0.25))
+    # The options after the scale (softcap), passed explicitly.
+    torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_bwd, (*args, None, True, 0.25, 2.0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -549,6 +584,11 @@ def test_argument_errors(device):
         flash_attn(q, q, q, softmax_scale="0.1")
     with pytest.raises(ValueError, match="q: expected"):
         FlashAttentionFunction.apply(q, q, q, False)
+    for bad, match in ((-1.0, "softcap: must be finite and >= 0"), (math.nan, "softcap: must"),
+                       (math.inf, "softcap: must"), ("50", "softcap: expected a float"),
+                       (True, "softcap: expected a float")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            flash_attn(q, q, q, softcap=bad)
 
 
 @pytest.mark.gpu
@@ -586,6 +626,27 @@ def test_gpu_shapes(shape, causal, device):
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_dtypes(dtype, d, device):
     check(*qkv(2, 1024, 1024, 4, 2, d, dtype, device), causal=True)
+
+
+# (d, dtype, causal, softcap, tanh.approx): GPU softcap uses the approximate instruction for half
+# precision by default (op.FAST_TANH); the exact formula is what float32 and CPU runs use.
+GPU_SOFTCAP = [
+    (128, torch.bfloat16, True, 30.0, True),
+    (64, torch.float16, False, 5.0, True),
+    (128, torch.bfloat16, True, 30.0, False),
+    (64, torch.float16, True, 0.5, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case", GPU_SOFTCAP, ids=lambda c: "d{}-{}-causal{}-cap{}-fast{}".format(*c)
+)
+def test_gpu_softcap(case, device, monkeypatch):
+    d, dtype, causal, softcap, fast = case
+    monkeypatch.setattr(fa_op, "FAST_TANH", fast)
+    q, k, v = qkv(2, 1000, 1024, 8, 2, d, dtype, device)
+    check((q.double() * 3).to(dtype), k, v, causal=causal, softcap=softcap)
 
 
 @pytest.mark.gpu

@@ -7,6 +7,11 @@ Query head h reads kv head h // GROUP.
 
 Scores are kept in log2 units, s2 = (q . k) * scale * log2(e), so that exp2 replaces exp.
 Causal masking is bottom-right aligned: query i sees key j iff j <= i + SHIFT, SHIFT = Nk - Nq.
+Softcap (SOFTCAP != 0, Gemma 2): the scores become softcap * tanh(scores / softcap) before the
+softmax; the host then passes qk_scale = softcap * log2(e) and cap_scale = scale / softcap, and
+the kernels replace q . k by tanh(q . k * cap_scale) right after the product, so the rest of the
+softmax is unchanged. The backward recomputes tanh from the raw scores and multiplies dS by
+1 - tanh^2. SOFTCAP = 0 compiles none of it.
 Every kernel splits its key (or query) loop into blocks no mask can touch, walked without a
 mask, and the few blocks on the causal diagonal or past the end of a sequence, walked with one.
 
@@ -104,6 +109,21 @@ def _lse_log2(lse):
 
 
 @triton.jit
+def _tanh(x, FAST: tl.constexpr):
+    """tanh in float32. FAST: the tanh.approx.f32 instruction (one MUFU op; relative error
+    below 2^-10.9, what FlashAttention's softcap uses), for half-precision inputs on the GPU.
+    Else 1 - 2 / (e^2x + 1): float32-accurate to ~1e-7 absolute, +-1 at the ends, and what the
+    interpreter runs (no inline assembly there)."""
+    if FAST:
+        t = tl.inline_asm_elementwise(
+            "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        t = 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+    return t
+
+
+@triton.jit
 def _program_ids(num_blocks, REVERSE: tl.constexpr):
     """(block index, batch * head index) of this program; REVERSE starts with the last blocks
     (the longest causal rows), which balances the tail of the launch."""
@@ -135,6 +155,7 @@ def _fwd_steps(
     Nk,
     shift,
     qk_scale,
+    cap_scale,
     MASK: tl.constexpr,
     CAUSAL: tl.constexpr,
     CHECK_N: tl.constexpr,
@@ -143,6 +164,7 @@ def _fwd_steps(
     BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Online-softmax accumulation of key blocks [lo, hi). MASK: apply the causal and
     end-of-sequence masks (the scores of hidden keys are -inf)."""
@@ -152,6 +174,8 @@ def _fwd_steps(
         cols = start_n + offs_n
         k = _load_block(k_src, start_n, stride_kn, offs_n, Nk, offs_d, CHECK_N, HEAD_DIM, TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        if SOFTCAP:
+            qk = _tanh(qk * cap_scale, SOFTCAP == 2)
         if MASK:
             if CAUSAL:
                 keep = cols[None, :] <= rows[:, None] + shift
@@ -201,6 +225,7 @@ def attn_fwd_kernel(
     Nq,
     Nk,
     qk_scale,
+    cap_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -210,9 +235,11 @@ def attn_fwd_kernel(
     EVEN_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # Scalars may arrive as float64 (torch.compile passes Python floats so): keep math float32.
     qk_scale = tl.cast(qk_scale, tl.float32)
+    cap_scale = tl.cast(cap_scale, tl.float32)
     pid_m, bh = _program_ids(tl.cdiv(Nq, BLOCK_M), CAUSAL)
     b = (bh // H).to(tl.int64)
     h = bh % H
@@ -244,12 +271,14 @@ def attn_fwd_kernel(
         hi = Nk
     acc, l_i, m_i = _fwd_steps(
         acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, 0, full_hi, Nk, shift,
-        qk_scale, False, CAUSAL, False, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
+        qk_scale, cap_scale, False, CAUSAL, False, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
+        SOFTCAP,
     )  # fmt: skip
     if CAUSAL or not EVEN_N:
         acc, l_i, m_i = _fwd_steps(
             acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, full_hi, hi, Nk,
-            shift, qk_scale, True, CAUSAL, not EVEN_N, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
+            shift, qk_scale, cap_scale, True, CAUSAL, not EVEN_N, HEAD_DIM, BLOCK_N, BLOCK_D,
+            DOT_PREC, TMA, SOFTCAP,
         )  # fmt: skip
 
     # A row that sees no key (causal, Nq > Nk) has l = 0: output zeros and LSE = -inf.
@@ -304,6 +333,7 @@ def attn_fwd_split_kernel(
     Nq,
     Nk,
     qk_scale,
+    cap_scale,
     num_splits,
     split_len,
     rows_pad,
@@ -314,10 +344,12 @@ def attn_fwd_split_kernel(
     CAUSAL: tl.constexpr,
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Partial attention of BLOCK_M packed query rows of one kv head over the keys of one split,
     [split * split_len, (split + 1) * split_len) (split_len: a multiple of BLOCK_N)."""
     qk_scale = tl.cast(qk_scale, tl.float32)
+    cap_scale = tl.cast(cap_scale, tl.float32)
     # Program order: row block fastest, then split, then (batch, kv head): the row blocks that
     # read one split's keys run together (L2).
     pid = tl.program_id(0)
@@ -359,11 +391,13 @@ def attn_fwd_split_kernel(
     full_hi = lo + tl.maximum(full_hi - lo, 0) // BLOCK_N * BLOCK_N
     acc, l_i, m_i = _fwd_steps(
         acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, qi, lo, full_hi, Nk, shift,
-        qk_scale, False, CAUSAL, False, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
+        qk_scale, cap_scale, False, CAUSAL, False, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
+        SOFTCAP,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_steps(
         acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, qi, full_hi, hi, Nk, shift,
-        qk_scale, True, CAUSAL, True, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
+        qk_scale, cap_scale, True, CAUSAL, True, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
+        SOFTCAP,
     )  # fmt: skip
 
     empty = l_i == 0.0
@@ -496,6 +530,7 @@ def _dkdv_steps(
     Nq,
     shift,
     qk_scale,
+    cap_scale,
     MASK: tl.constexpr,
     CHECK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -503,6 +538,7 @@ def _dkdv_steps(
     BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Accumulate dk, dv of one key block over the query blocks [lo, hi), in the transposed
     (key x query) orientation. Query rows past Nq load q = do = 0 and LSE = +inf, so their p is 0
@@ -514,6 +550,8 @@ def _dkdv_steps(
         q = _load_block(q_src, start_m, stride_qn, offs_m, Nq, offs_d, CHECK_M, HEAD_DIM, TMA)
         lse2 = _lse_log2(_load_vec(lse_base + rows, rows, Nq, float("inf"), CHECK_M))
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
+        if SOFTCAP:  # qk_t holds tanh(s / softcap) from here on
+            qk_t = _tanh(qk_t * cap_scale, SOFTCAP == 2)
         p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
         if MASK:
             p_t = tl.where(cols[:, None] <= rows[None, :] + shift, p_t, 0.0)
@@ -522,6 +560,8 @@ def _dkdv_steps(
         delta = _load_vec(delta_base + rows, rows, Nq, 0.0, CHECK_M)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:  # d(softcap * tanh(s / softcap)) / ds
+            ds_t = ds_t * (1.0 - qk_t * qk_t)
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
     return dk, dv
 
@@ -561,6 +601,7 @@ def attn_bwd_dkdv_kernel(
     Nk,
     qk_scale,
     sm_scale,
+    cap_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -570,12 +611,14 @@ def attn_bwd_dkdv_kernel(
     EVEN_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """dk, dv of one key block of one kv head. With GQA the program loops over the GROUP query
     heads that read this kv head, so their contributions add up in a fixed order (deterministic,
     no atomics)."""
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
+    cap_scale = tl.cast(cap_scale, tl.float32)
     pid_n, bhk = _program_ids(tl.cdiv(Nk, BLOCK_N), False)
     b = (bhk // Hkv).to(tl.int64)
     hk = bhk % Hkv
@@ -623,13 +666,13 @@ def attn_bwd_dkdv_kernel(
         if CAUSAL:
             dk, dv = _dkdv_steps(
                 dk, dv, k, v, q_src, do_src, LSE + vec_base, DELTA + vec_base, stride_qn,
-                stride_don, cols, m_lo, m_full, Nq, shift, qk_scale, True, not EVEN_M,
-                HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA,
+                stride_don, cols, m_lo, m_full, Nq, shift, qk_scale, cap_scale, True, not EVEN_M,
+                HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP,
             )  # fmt: skip
         dk, dv = _dkdv_steps(
             dk, dv, k, v, q_src, do_src, LSE + vec_base, DELTA + vec_base, stride_qn,
-            stride_don, cols, m_full, Nq, Nq, shift, qk_scale, False, not EVEN_M,
-            HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA,
+            stride_don, cols, m_full, Nq, Nq, shift, qk_scale, cap_scale, False, not EVEN_M,
+            HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP,
         )  # fmt: skip
 
     dk *= sm_scale
@@ -662,6 +705,7 @@ def _dq_steps(
     Nk,
     shift,
     qk_scale,
+    cap_scale,
     MASK: tl.constexpr,
     CHECK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -669,6 +713,7 @@ def _dq_steps(
     BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Accumulate dq of one query block over the key blocks [lo, hi). Keys past Nk load
     k = v = 0 and so add nothing to dq; MASK applies the causal mask."""
@@ -679,11 +724,15 @@ def _dq_steps(
         k = _load_block(k_src, start_n, stride_kn, offs_n, Nk, offs_d, CHECK_N, HEAD_DIM, TMA)
         v = _load_block(v_src, start_n, stride_vn, offs_n, Nk, offs_d, CHECK_N, HEAD_DIM, TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        if SOFTCAP:  # qk holds tanh(s / softcap) from here on
+            qk = _tanh(qk * cap_scale, SOFTCAP == 2)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASK:
             p = tl.where(cols[None, :] <= rows[:, None] + shift, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:  # d(softcap * tanh(s / softcap)) / ds
+            ds = ds * (1.0 - qk * qk)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
     return dq
 
@@ -718,6 +767,7 @@ def attn_bwd_dq_kernel(
     Nk,
     qk_scale,
     sm_scale,
+    cap_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -727,10 +777,12 @@ def attn_bwd_dq_kernel(
     EVEN_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """dq of one query block: a pass over the key blocks of its own (no atomics)."""
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
+    cap_scale = tl.cast(cap_scale, tl.float32)
     pid_m, bh = _program_ids(tl.cdiv(Nq, BLOCK_M), CAUSAL)
     b = (bh // H).to(tl.int64)
     h = bh % H
@@ -772,17 +824,20 @@ def attn_bwd_dq_kernel(
         full_hi = tl.maximum(start_m + shift + 1, 0) // BLOCK_N * BLOCK_N
         dq = _dq_steps(
             dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, 0, full_hi, Nk,
-            shift, qk_scale, False, False, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
+            shift, qk_scale, cap_scale, False, False, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
+            SOFTCAP,
         )  # fmt: skip
         hi = tl.minimum(start_m + BLOCK_M + shift, Nk)
         dq = _dq_steps(
             dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, full_hi, hi, Nk,
-            shift, qk_scale, True, not EVEN_N, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
+            shift, qk_scale, cap_scale, True, not EVEN_N, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC,
+            TMA, SOFTCAP,
         )  # fmt: skip
     else:
         dq = _dq_steps(
             dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, 0, Nk, Nk,
-            shift, qk_scale, False, not EVEN_N, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
+            shift, qk_scale, cap_scale, False, not EVEN_N, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC,
+            TMA, SOFTCAP,
         )  # fmt: skip
 
     dq *= sm_scale

@@ -80,6 +80,15 @@ def validate(q, k, v, causal, softmax_scale) -> float:
     return float(softmax_scale)
 
 
+def check_softcap(softcap) -> float:
+    """`softcap` as a float: 0 (off) or a positive finite cap."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise ValueError(f"softcap: expected a float, got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap: must be finite and >= 0 (0 = no cap), got {softcap}")
+    return float(softcap)
+
+
 # ---------------------------------------------------------------------------------------------
 # Launch plans
 # ---------------------------------------------------------------------------------------------
@@ -301,6 +310,22 @@ def _tma_flag(tile: Tile, *tensors: torch.Tensor) -> bool:
     return flag
 
 
+# Softcap on half-precision inputs on the GPU uses the tanh.approx.f32 instruction (one MUFU op,
+# as FlashAttention does); float32 inputs and the interpreter an exact float32 formula. False:
+# the exact formula everywhere (an A/B switch; NOTES.md).
+FAST_TANH = True
+
+
+def _score_args(scale: float, softcap: float, q: torch.Tensor) -> tuple[float, float, int]:
+    """(qk_scale, cap_scale, SOFTCAP) of a launch: scores in log2 units are q.k * qk_scale, or
+    with a cap tanh(q.k * cap_scale) * qk_scale (kernels.py); SOFTCAP 0 off, 1 exact tanh,
+    2 tanh.approx."""
+    if not softcap:
+        return scale * LOG2E, 0.0, 0
+    fast = FAST_TANH and q.device.type == "cuda" and q.dtype != torch.float32
+    return softcap * LOG2E, scale / softcap, 2 if fast else 1
+
+
 def _unit_d(t: torch.Tensor) -> torch.Tensor:
     """The kernels read D with unit stride; any other layout of the last dim is copied."""
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -311,9 +336,17 @@ def _strides3(t: torch.Tensor):
 
 
 def forward(
-    q, k, v, causal: bool, scale: float, plan: Plan | None = None, split: SplitPlan | None = None
+    q,
+    k,
+    v,
+    causal: bool,
+    scale: float,
+    plan: Plan | None = None,
+    split: SplitPlan | None = None,
+    softcap: float = 0.0,
 ):
     """(o, lse) for 4-D q (B, Nq, H, D), k/v (B, Nk, Hkv, D); launches only (no autograd).
+    softcap > 0 caps the scores (softcap * tanh(s / softcap)).
 
     With neither `plan` nor `split` given, `split_plan` chooses between the dense forward and
     the split-KV one; a `plan` alone runs the dense forward with its tile, a `split` the split-KV
@@ -329,10 +362,11 @@ def forward(
     if plan is None and split is None:
         split = split_plan(q, k)
     if split is not None:
-        _forward_split(q, k, v, o, lse, causal, scale, split)
+        _forward_split(q, k, v, o, lse, causal, scale, split, softcap)
         return o, lse
     plan = plan or plan_for(d, causal, q.dtype)
     t = plan.fwd
+    qk_scale, cap_scale, softcap_mode = _score_args(scale, softcap, q)
     grid = (cdiv(nq, t.block_m) * b * h,)
     launch(K.attn_fwd_kernel)[grid](
         q,
@@ -348,7 +382,8 @@ def forward(
         h // hkv,
         nq,
         nk,
-        scale * LOG2E,
+        qk_scale,
+        cap_scale,
         HEAD_DIM=d,
         BLOCK_D=block_d_for(d),
         BLOCK_M=t.block_m,
@@ -358,13 +393,16 @@ def forward(
         EVEN_N=bool(nk % t.block_n == 0),
         DOT_PREC=dot_precision(q.dtype),
         TMA=_tma_flag(t, k, v),
+        SOFTCAP=softcap_mode,
         num_warps=t.warps,
         num_stages=t.stages,
     )
     return o, lse
 
 
-def _forward_split(q, k, v, o, lse, causal: bool, scale: float, split: SplitPlan) -> None:
+def _forward_split(
+    q, k, v, o, lse, causal: bool, scale: float, split: SplitPlan, softcap: float = 0.0
+) -> None:
     """Split-KV forward into o and lse: float32 partials per (split, packed query row), then
     their merge (kernels.py, "Split-KV forward")."""
     b, nq, h, d = q.shape
@@ -377,6 +415,7 @@ def _forward_split(q, k, v, o, lse, causal: bool, scale: float, split: SplitPlan
         (b * hkv, split.splits, rows_pad, bd), dtype=torch.float32, device=q.device
     )
     lse_part = torch.empty((b * hkv, split.splits, rows_pad), dtype=torch.float32, device=q.device)
+    qk_scale, cap_scale, softcap_mode = _score_args(scale, softcap, q)
     launch(K.attn_fwd_split_kernel)[(row_blocks * split.splits * b * hkv,)](
         q,
         k,
@@ -390,7 +429,8 @@ def _forward_split(q, k, v, o, lse, causal: bool, scale: float, split: SplitPlan
         group,
         nq,
         nk,
-        scale * LOG2E,
+        qk_scale,
+        cap_scale,
         split.splits,
         split.split_len,
         rows_pad,
@@ -401,6 +441,7 @@ def _forward_split(q, k, v, o, lse, causal: bool, scale: float, split: SplitPlan
         CAUSAL=causal,
         DOT_PREC=dot_precision(q.dtype),
         TMA=_tma_flag(t, k, v),
+        SOFTCAP=softcap_mode,
         num_warps=t.warps,
         num_stages=t.stages,
     )
@@ -424,7 +465,19 @@ def _forward_split(q, k, v, o, lse, causal: bool, scale: float, split: SplitPlan
     )
 
 
-def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan | None = None):
+def backward(
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    dlse,
+    causal: bool,
+    scale: float,
+    plan: Plan | None = None,
+    softcap: float = 0.0,
+):
     """(dq, dk, dv) from the saved q, k, v, o, lse; dlse (or None) is the LSE's gradient."""
     do, q, k, v, o = (_unit_d(t) for t in (do, q, k, v, o))
     b, nq, h, d = q.shape
@@ -438,6 +491,7 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan |
     plan = plan or plan_for(d, causal, q.dtype)
     bd = block_d_for(d)
     prec = dot_precision(q.dtype)
+    qk_scale, cap_scale, softcap_mode = _score_args(scale, softcap, q)
     lse = lse.contiguous()
     delta = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
     pre_m = INTERPRETER_FWD.block_m if interpreting() else PREPROCESS_BLOCK_M
@@ -477,8 +531,9 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan |
         h // hkv,
         nq,
         nk,
-        scale * LOG2E,
+        qk_scale,
         scale,
+        cap_scale,
         HEAD_DIM=d,
         BLOCK_D=bd,
         BLOCK_M=t.block_m,
@@ -488,6 +543,7 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan |
         EVEN_N=bool(nk % t.block_n == 0),
         DOT_PREC=prec,
         TMA=_tma_flag(t, q, do),
+        SOFTCAP=softcap_mode,
         num_warps=t.warps,
         num_stages=t.stages,
     )
@@ -509,8 +565,9 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan |
         h // hkv,
         nq,
         nk,
-        scale * LOG2E,
+        qk_scale,
         scale,
+        cap_scale,
         HEAD_DIM=d,
         BLOCK_D=bd,
         BLOCK_M=t.block_m,
@@ -520,6 +577,7 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan |
         EVEN_N=bool(nk % t.block_n == 0),
         DOT_PREC=prec,
         TMA=_tma_flag(t, k, v),
+        SOFTCAP=softcap_mode,
         num_warps=t.warps,
         num_stages=t.stages,
     )
@@ -533,12 +591,17 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, plan: Plan |
 
 @define_op("kernelkit_flash_attn::attn_fwd")
 def attn_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if not use_triton(q):
-        o, lse = attention_reference(q, k, v, causal, scale, return_lse=True)
+        o, lse = attention_reference(q, k, v, causal, scale, return_lse=True, softcap=softcap)
         return o, lse.float()
-    return forward(q, k, v, causal, scale)
+    return forward(q, k, v, causal, scale, softcap=softcap)
 
 
 @define_op("kernelkit_flash_attn::attn_bwd")
@@ -552,24 +615,28 @@ def attn_bwd(
     dlse: torch.Tensor | None,
     causal: bool,
     scale: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if not use_triton(q):
         with torch.enable_grad():
             qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
-            o_r, lse_r = attention_reference(qr, kr, vr, causal, scale, return_lse=True)
+            o_r, lse_r = attention_reference(
+                qr, kr, vr, causal, scale, return_lse=True, softcap=softcap
+            )
             outs, grads = [o_r], [do]
             if dlse is not None:
                 outs.append(lse_r)
                 grads.append(dlse.to(lse_r.dtype))
             dq, dk, dv = torch.autograd.grad(outs, (qr, kr, vr), grads)
         return dq, dk, dv
-    return backward(do, q, k, v, o, lse, dlse, causal, scale)
+    return backward(do, q, k, v, o, lse, dlse, causal, scale, softcap=softcap)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
+    # The eager path passes only the arguments given (trailing defaults may be missing).
+    q, k, v, *options = inputs
     o, lse = output
-    ctx.causal, ctx.scale = causal, scale
+    ctx.options = tuple(options)
     ctx.save_for_backward(q, k, v, o, lse)
     # An unused output's gradient arrives as None instead of a tensor of zeros.
     ctx.set_materialize_grads(False)
@@ -579,8 +646,8 @@ def _backward(ctx, do, dlse):
     q, k, v, o, lse = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv = attn_bwd(do, q, k, v, o, lse, dlse, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None
+    dq, dk, dv = attn_bwd(do, q, k, v, o, lse, dlse, *ctx.options)
+    return dq, dk, dv, *(None,) * len(ctx.options)
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup)
@@ -593,6 +660,8 @@ def flash_attn(
     causal: bool = False,
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    *,
+    softcap: float = 0.0,
 ):
     """Exact softmax attention, FlashAttention-2 style (the N x N scores never reach memory).
 
@@ -601,15 +670,18 @@ def flash_attn(
     causal: query i sees keys j <= i + Nk - Nq; a row that sees no key outputs zeros.
     Returns o like q, and with return_lse=True also the natural-log LSE (B, H, Nq) float32
     ((B, Nq) for 3-D inputs; -inf on rows that see no key).
+    softcap > 0: the scores (q.k * scale) become softcap * tanh(scores / softcap) before the
+    softmax (Gemma 2); 0 = off.
     Decoding shapes (few query rows, long key sequences) run a split-KV forward (`split_plan`).
     """
     scale = validate(q, k, v, causal, softmax_scale)
+    softcap = check_softcap(softcap)
     three_d = q.dim() == 3
     if three_d:
         q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
     if scale < 0:  # the kernels assume scale >= 0 (max of the raw scores); negate q instead
         q, scale = -q, -scale
-    o, lse = attn_fwd(q, k, v, causal, scale)
+    o, lse = attn_fwd(q, k, v, causal, scale, softcap)
     if three_d:
         o, lse = o.squeeze(2), lse.squeeze(1)
     return (o, lse) if return_lse else o

@@ -26,11 +26,13 @@ def attention_reference(
     causal: bool = False,
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    softcap: float = 0.0,
 ):
     """softmax(q k^T * scale) v for q (B, Nq, H, D), k/v (B, Nk, Hkv, D), or 3-D (B, N, D).
 
     Same contract as `flash_attn`: GQA by repeating kv heads, bottom-right causal mask, rows that
-    see no key give zeros (LSE -inf), natural-log LSE (B, H, Nq) (or (B, Nq)) in float32.
+    see no key give zeros (LSE -inf), natural-log LSE (B, H, Nq) (or (B, Nq)) in float32;
+    softcap > 0 replaces the scores s by softcap * tanh(s / softcap).
     """
     three_d = q.dim() == 3
     if three_d:
@@ -41,6 +43,8 @@ def attention_reference(
         k = k.repeat_interleave(group, dim=2)
         v = v.repeat_interleave(group, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     nq, nk = q.shape[1], k.shape[1]
     empty = None
     if causal:
