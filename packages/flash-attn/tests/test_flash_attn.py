@@ -312,6 +312,82 @@ def test_softcap_changes_the_scores(device):
 
 
 # ------------------------------------------------------------------------------------------
+# Sliding windows: query i sees keys i + Nk - Nq - left ..= i + Nk - Nq + right
+# ------------------------------------------------------------------------------------------
+
+# (shape, window_size, causal, dtype). The interpreter's tiles are 32 x 16 (forward, dq) and
+# 16 x 32 (dk/dv): these windows cut blocks on one or both sides, are narrower than a block, or
+# leave rows that see no key (Nq > Nk with a right bound).
+WINDOW_CASES = [
+    ((1, 70, 60, 2, 1, 16), (5, 3), False, torch.bfloat16),
+    ((2, 45, 45, 2, 2, 32), (0, 0), False, torch.float32),  # the diagonal only
+    ((1, 50, 80, 2, 1, 16), (7, -1), False, torch.float16),  # left edge only
+    ((1, 80, 50, 4, 2, 16), (-1, 9), False, torch.bfloat16),  # right edge only, empty rows
+    ((1, 70, 70, 2, 1, 16), (20, -1), True, torch.bfloat16),  # window with causal
+    ((1, 40, 90, 2, 2, 16), (3, 11), False, torch.float32),
+    ((2, 1, 100, 4, 1, 32), (10, -1), True, torch.bfloat16),  # decoding: split-KV forward
+    ((1, 3, 77, 4, 2, 32), (20, 5), False, torch.float32),  # split-KV, both edges
+]
+
+
+@pytest.mark.parametrize(
+    "case",
+    WINDOW_CASES,
+    ids=lambda c: "q{}-k{}-w{}_{}-causal{}".format(c[0][1], c[0][2], *c[1], c[2]),
+)
+def test_window(case, device):
+    shape, window, causal, dtype = case
+    check(*qkv(*shape, dtype, device), causal=causal, window_size=window)
+
+
+def test_window_with_softcap(device):
+    q, k, v = qkv(1, 37, 53, 2, 1, 32, torch.bfloat16, device)
+    check((q.double() * 3).to(dtype=q.dtype), k, v, window_size=(9, 4), softcap=1.5)
+
+
+@pytest.mark.parametrize("case", ["keys-left-of-every-window", "queries-that-see-no-key"])
+def test_window_skips_blocks_outside(case, device):
+    """Blocks outside every window are never loaded: NaN in them (keys left of every query's
+    window; queries whose window holds no key) must not reach any output, and dk/dv of keys
+    no query sees are zeros. P is a multiple of every tile size in use."""
+    p = 160 if device.type == "cpu" else 1024
+    if case == "keys-left-of-every-window":  # keys < P + 14 are seen by no query
+        nq, nk, causal, window, poison = 16, p + 40, True, (10, 0), ("k", "v")
+    else:  # queries < P + 21 see no key
+        nq, nk, causal, window, poison = p + 40, 16, False, (-1, 3), ("q", "do")
+    clean = dict(zip("qkv", qkv(1, nq, nk, 2, 1, 16, torch.float32, device)))
+    clean["do"] = make(clean["q"].shape, torch.float32, device, seed=9)
+    bad = {name: t.clone() for name, t in clean.items()}
+    for name in poison:
+        bad[name][:, :p] = math.nan
+    scale, window_arg = 0.25, fa_op.window_for(window, causal, nq, nk)
+    plan = fa_op.plan_for(16, True, torch.float32)
+    o, lse = fa_op.forward(bad["q"], bad["k"], bad["v"], causal, scale, plan, window=window_arg)
+    grads = fa_op.backward(bad["do"], bad["q"], bad["k"], bad["v"], o, lse, None, causal, scale,
+                           plan, window=window_arg)  # fmt: skip
+    ref64 = {name: t.double() for name, t in clean.items()}
+    o64, lse64, grads64 = _run(attention_reference, ref64["q"], ref64["k"], ref64["v"],
+                               ref64["do"], None, causal=causal, softmax_scale=scale,
+                               window_size=window)  # fmt: skip
+    assert_close(o, o64, name="o")
+    assert_close(_finite(lse), _finite(lse64), name="lse")
+    for g, g64, name in zip(grads, grads64, ("dq", "dk", "dv")):
+        assert_close(g, g64, name=name)
+    # The automatic forward (split-KV for the 16 decoding rows) skips them too.
+    o_auto = flash_attn(bad["q"], bad["k"], bad["v"], causal, scale, window_size=window)
+    assert_close(o_auto, o64, name="o (automatic forward)")
+
+
+def test_window_size_normalisation():
+    """Bounds no row can reach are dropped (plain kernels); causal is right = 0."""
+    assert fa_op.window_for((-1, -1), False, 10, 20) == (-1, -1)
+    assert fa_op.window_for((19, 9), False, 10, 20) == (-1, -1)
+    assert fa_op.window_for((18, 8), False, 10, 20) == (18, 8)
+    assert fa_op.window_for((5, -1), True, 10, 20) == (5, 0)
+    assert fa_op.window_for([3, 0], True, 1, 20) == (3, 0)  # causal stays causal
+
+
+# ------------------------------------------------------------------------------------------
 # Split-KV forward (decoding): keys split across programs, partials merged through their LSEs.
 # Under the interpreter num_sms is 4 and the split rule small (op.INTERPRETER_SPLIT_RULE), so
 # a few dozen keys already take several splits; the backward is the dense kernels' either way.
@@ -493,8 +569,10 @@ def test_opcheck(device):
     dlse = make(lse.shape, lse.dtype, device, seed=4)
     args = (do, q.detach(), k.detach(), v.detach(), o, lse)
     torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_bwd, (*args, dlse, True, 0.25))
-    # The options after the scale (softcap), passed explicitly.
-    torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_bwd, (*args, None, True, 0.25, 2.0))
+    # The options after the scale (softcap, window left and right), passed explicitly.
+    torch.library.opcheck(
+        torch.ops.kernelkit_flash_attn.attn_bwd, (*args, None, False, 0.25, 2.0, 3, 5)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -525,6 +603,23 @@ def test_torch_compile_fullgraph(causal, device):
     (o64 * 2.0 * do.double()).sum().backward()
     assert_close(o, o64 * 2.0, name="compiled o")
     assert_close(lse, lse64, name="compiled lse")
+    for a, r, name in zip(leaves, ref, ("dq", "dk", "dv")):
+        assert_close(a.grad, r.grad, name=f"compiled {name}")
+
+
+def test_torch_compile_window_softcap(device):
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    compiled = torch.compile(
+        lambda q, k, v: flash_attn(q, k, v, True, window_size=(12, -1), softcap=3.0),
+        fullgraph=True,
+        backend=backend,
+    )
+    q, k, v = qkv(1, 40, 40, 2, 1, 32, torch.float32, device)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    compiled(*leaves).sum().backward()
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    o64 = attention_reference(*ref, causal=True, window_size=(12, -1), softcap=3.0)
+    o64.sum().backward()
     for a, r, name in zip(leaves, ref, ("dq", "dk", "dv")):
         assert_close(a.grad, r.grad, name=f"compiled {name}")
 
@@ -589,6 +684,14 @@ def test_argument_errors(device):
                        (True, "softcap: expected a float")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             flash_attn(q, q, q, softcap=bad)
+    for bad, match in ((4, "window_size: expected a pair"), ((1, 2, 3), "window_size: expected"),
+                       ((1.0, 2), "window_size: expected"), ((True, 0), "window_size: expected"),
+                       ((-2, 0), "window_size: sizes must be >= 0, or -1"),
+                       ((0, -5), "window_size: sizes must")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            flash_attn(q, q, q, window_size=bad)
+    with pytest.raises(ValueError, match="window_size: right=2 conflicts with causal=True"):
+        flash_attn(q, q, q, causal=True, window_size=(4, 2))
 
 
 @pytest.mark.gpu
@@ -647,6 +750,28 @@ def test_gpu_softcap(case, device, monkeypatch):
     monkeypatch.setattr(fa_op, "FAST_TANH", fast)
     q, k, v = qkv(2, 1000, 1024, 8, 2, d, dtype, device)
     check((q.double() * 3).to(dtype), k, v, causal=causal, softcap=softcap)
+
+
+# (shape, window_size, causal, dtype)
+GPU_WINDOWS = [
+    ((2, 2048, 2048, 8, 2, 128), (256, 0), True, torch.bfloat16),
+    ((1, 2048, 2048, 4, 4, 64), (100, 37), False, torch.bfloat16),
+    ((1, 1000, 2048, 4, 1, 128), (1000, -1), False, torch.float16),
+    ((1, 2048, 1000, 4, 2, 64), (-1, 300), False, torch.bfloat16),  # empty rows
+    ((2, 777, 777, 3, 3, 80), (129, 0), True, torch.bfloat16),
+    ((4, 1, 4096, 32, 8, 128), (1023, 0), True, torch.bfloat16),  # decoding: split-KV
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case",
+    GPU_WINDOWS,
+    ids=lambda c: "q{}-k{}-d{}-w{}_{}-causal{}".format(*c[0][1:3], c[0][5], *c[1], c[2]),
+)
+def test_gpu_window(case, device):
+    shape, window, causal, dtype = case
+    check(*qkv(*shape, dtype, device), causal=causal, window_size=window)
 
 
 @pytest.mark.gpu

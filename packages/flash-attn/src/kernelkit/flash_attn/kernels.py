@@ -7,13 +7,18 @@ Query head h reads kv head h // GROUP.
 
 Scores are kept in log2 units, s2 = (q . k) * scale * log2(e), so that exp2 replaces exp.
 Causal masking is bottom-right aligned: query i sees key j iff j <= i + SHIFT, SHIFT = Nk - Nq.
+Sliding windows generalise it: query i sees key j iff i + SHIFT - left <= j (LOCAL) and
+j <= i + SHIFT + right (CAUSAL; right = 0 for causal attention), i.e. lo_shift <= j - i <=
+hi_shift. `_ranges` turns these bounds into the blocks a program visits: blocks outside the
+window are never loaded, blocks inside it run without a mask, and only the boundary blocks pay.
 Softcap (SOFTCAP != 0, Gemma 2): the scores become softcap * tanh(scores / softcap) before the
 softmax; the host then passes qk_scale = softcap * log2(e) and cap_scale = scale / softcap, and
 the kernels replace q . k by tanh(q . k * cap_scale) right after the product, so the rest of the
 softmax is unchanged. The backward recomputes tanh from the raw scores and multiplies dS by
 1 - tanh^2. SOFTCAP = 0 compiles none of it.
 Every kernel splits its key (or query) loop into blocks no mask can touch, walked without a
-mask, and the few blocks on the causal diagonal or past the end of a sequence, walked with one.
+mask, and the few blocks on the causal diagonal, the window's edges or past the end of a
+sequence, walked with one.
 
 The tiles a loop streams are read through `_head_source` / `_load_block`: a TMA descriptor per
 (program, head) when the TMA flag is set (the host checks that rows are 16-byte aligned), else
@@ -124,6 +129,53 @@ def _tanh(x, FAST: tl.constexpr):
 
 
 @triton.jit
+def _visible(rows, cols, n_cols, lo_shift, hi_shift, LOWER: tl.constexpr, UPPER: tl.constexpr,
+             CHECK_COLS: tl.constexpr):  # fmt: skip
+    """Mask of the (row, col) pairs (broadcast) where col is visible to row:
+    row + lo_shift <= col (LOWER), col <= row + hi_shift (UPPER), col < n_cols (CHECK_COLS)."""
+    if UPPER:
+        keep = cols <= rows + hi_shift
+        if LOWER:
+            keep = keep & (cols >= rows + lo_shift)
+        if CHECK_COLS:
+            keep = keep & (cols < n_cols)
+    elif LOWER:
+        keep = cols >= rows + lo_shift
+        if CHECK_COLS:
+            keep = keep & (cols < n_cols)
+    else:
+        keep = cols < n_cols
+    return keep
+
+
+@triton.jit
+def _ranges(first, last, start, end, lo_shift, hi_shift, BLOCK: tl.constexpr,
+            LOWER: tl.constexpr, UPPER: tl.constexpr, ALIGN_END: tl.constexpr):  # fmt: skip
+    """The blocks of [start, end) (BLOCK wide, counted from `start`) that rows first..last visit
+    when row x sees y iff x + lo_shift <= y (LOWER) and y <= x + hi_shift (UPPER).
+
+    Returns (lo, mid_lo, mid_hi, hi): [lo, mid_lo) and [mid_hi, hi) need the mask, every row
+    sees all of [mid_lo, mid_hi), and no row sees anything outside [lo, hi) (so those blocks are
+    skipped). Each range is empty or starts on a block boundary. ALIGN_END: [mid_lo, mid_hi)
+    stops at a block boundary, so a ragged last block (positions past `end`) is masked too."""
+    lo = start
+    hi = end
+    full_lo = start
+    full_hi = end
+    if LOWER:
+        lo = start + tl.maximum(first + lo_shift - start, 0) // BLOCK * BLOCK
+        full_lo = start + tl.cdiv(tl.maximum(last + lo_shift - start, 0), BLOCK) * BLOCK
+    if UPPER:
+        hi = tl.minimum(end, last + hi_shift + 1)
+        full_hi = tl.minimum(end, first + hi_shift + 1)
+    if UPPER or ALIGN_END:
+        full_hi = start + tl.maximum(full_hi - start, 0) // BLOCK * BLOCK
+    mid_lo = tl.maximum(tl.minimum(full_lo, hi), lo)
+    mid_hi = tl.maximum(tl.minimum(full_hi, hi), mid_lo)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
 def _program_ids(num_blocks, REVERSE: tl.constexpr):
     """(block index, batch * head index) of this program; REVERSE starts with the last blocks
     (the longest causal rows), which balances the tail of the launch."""
@@ -153,7 +205,8 @@ def _fwd_steps(
     lo,
     hi,
     Nk,
-    shift,
+    lo_shift,
+    hi_shift,
     qk_scale,
     cap_scale,
     MASK: tl.constexpr,
@@ -165,8 +218,9 @@ def _fwd_steps(
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    LOCAL: tl.constexpr,
 ):
-    """Online-softmax accumulation of key blocks [lo, hi). MASK: apply the causal and
+    """Online-softmax accumulation of key blocks [lo, hi). MASK: apply the window (causal) and
     end-of-sequence masks (the scores of hidden keys are -inf)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -177,12 +231,8 @@ def _fwd_steps(
         if SOFTCAP:
             qk = _tanh(qk * cap_scale, SOFTCAP == 2)
         if MASK:
-            if CAUSAL:
-                keep = cols[None, :] <= rows[:, None] + shift
-                if CHECK_N:
-                    keep = keep & (cols[None, :] < Nk)
-            else:
-                keep = cols[None, :] < Nk
+            keep = _visible(rows[:, None], cols[None, :], Nk, lo_shift, hi_shift, LOCAL, CAUSAL,
+                            CHECK_N)  # fmt: skip
             qk = tl.where(keep, qk * qk_scale, -float("inf"))
             m_ij = tl.maximum(m_i, tl.max(qk, 1))
             # A row that has seen no key yet keeps m = -inf; shift it by 0 to avoid inf - inf.
@@ -201,7 +251,7 @@ def _fwd_steps(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["Nq", "Nk"])
+@triton.jit(do_not_specialize=["Nq", "Nk", "win_left", "win_right"])
 def attn_fwd_kernel(
     Q,
     K,
@@ -226,6 +276,8 @@ def attn_fwd_kernel(
     Nk,
     qk_scale,
     cap_scale,
+    win_left,
+    win_right,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -236,7 +288,10 @@ def attn_fwd_kernel(
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    LOCAL: tl.constexpr,
 ):
+    """o and LSE of one block of query rows of one head. CAUSAL: keys past i + shift + win_right
+    are hidden (win_right = 0: causal); LOCAL: keys before i + shift - win_left."""
     # Scalars may arrive as float64 (torch.compile passes Python floats so): keep math float32.
     qk_scale = tl.cast(qk_scale, tl.float32)
     cap_scale = tl.cast(cap_scale, tl.float32)
@@ -261,27 +316,31 @@ def attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
-    shift = Nk - Nq
-    if CAUSAL:
-        # Key blocks every row of this block sees in full, then the diagonal ones.
-        full_hi = tl.maximum(start_m + shift + 1, 0) // BLOCK_N * BLOCK_N
-        hi = tl.minimum(start_m + BLOCK_M + shift, Nk)
-    else:
-        full_hi = Nk // BLOCK_N * BLOCK_N
-        hi = Nk
-    acc, l_i, m_i = _fwd_steps(
-        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, 0, full_hi, Nk, shift,
-        qk_scale, cap_scale, False, CAUSAL, False, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
-        SOFTCAP,
-    )  # fmt: skip
-    if CAUSAL or not EVEN_N:
+    lo_shift = Nk - Nq - win_left
+    hi_shift = Nk - Nq + win_right
+    # Key blocks cut by the window's left edge, those every row of this block sees in full, then
+    # the diagonal (right edge) and the ragged end; the rest are never loaded.
+    lo, mid_lo, mid_hi, hi = _ranges(start_m, start_m + BLOCK_M - 1, 0, Nk, lo_shift, hi_shift,
+                                     BLOCK_N, LOCAL, CAUSAL, True)  # fmt: skip
+    if LOCAL:
         acc, l_i, m_i = _fwd_steps(
-            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, full_hi, hi, Nk,
-            shift, qk_scale, cap_scale, True, CAUSAL, not EVEN_N, HEAD_DIM, BLOCK_N, BLOCK_D,
-            DOT_PREC, TMA, SOFTCAP,
+            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, lo, mid_lo, Nk,
+            lo_shift, hi_shift, qk_scale, cap_scale, True, CAUSAL, not EVEN_N, HEAD_DIM,
+            BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, LOCAL,
+        )  # fmt: skip
+    acc, l_i, m_i = _fwd_steps(
+        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, mid_lo, mid_hi, Nk,
+        lo_shift, hi_shift, qk_scale, cap_scale, False, CAUSAL, False, HEAD_DIM, BLOCK_N,
+        BLOCK_D, DOT_PREC, TMA, SOFTCAP, LOCAL,
+    )  # fmt: skip
+    if CAUSAL or LOCAL or not EVEN_N:
+        acc, l_i, m_i = _fwd_steps(
+            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, mid_hi, hi, Nk,
+            lo_shift, hi_shift, qk_scale, cap_scale, True, CAUSAL, not EVEN_N, HEAD_DIM,
+            BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, LOCAL,
         )  # fmt: skip
 
-    # A row that sees no key (causal, Nq > Nk) has l = 0: output zeros and LSE = -inf.
+    # A row that sees no key (causal with Nq > Nk, windows) has l = 0: zeros and LSE = -inf.
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_ptrs = O + b * stride_ob + h * stride_oh + start_m.to(tl.int64) * stride_on
     o_ptrs = o_ptrs + offs_m[:, None] * stride_on + offs_d[None, :]
@@ -312,7 +371,9 @@ def attn_fwd_kernel(
 # tile unmasked (rows past GROUP * Nq are padding the merge never stores).
 
 
-@triton.jit(do_not_specialize=["Nq", "Nk", "num_splits", "split_len", "rows_pad"])
+@triton.jit(
+    do_not_specialize=["Nq", "Nk", "num_splits", "split_len", "rows_pad", "win_left", "win_right"]
+)
 def attn_fwd_split_kernel(
     Q,
     K,
@@ -337,6 +398,8 @@ def attn_fwd_split_kernel(
     num_splits,
     split_len,
     rows_pad,
+    win_left,
+    win_right,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -345,6 +408,7 @@ def attn_fwd_split_kernel(
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    LOCAL: tl.constexpr,
 ):
     """Partial attention of BLOCK_M packed query rows of one kv head over the keys of one split,
     [split * split_len, (split + 1) * split_len) (split_len: a multiple of BLOCK_N)."""
@@ -377,27 +441,31 @@ def attn_fwd_split_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
-    shift = Nk - Nq
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, Nk)
-    if CAUSAL:
-        # Keys past the last real row's diagonal are skipped (a split beyond it runs no step and
-        # keeps the neutral partial); keys before the first row's diagonal need no mask.
-        last_q = tl.minimum((start_r + BLOCK_M - 1) // GROUP, Nq - 1)
-        hi = tl.minimum(hi, last_q + shift + 1)
-        full_hi = tl.minimum(start_r // GROUP + shift + 1, hi)
-    else:
-        full_hi = hi
-    full_hi = lo + tl.maximum(full_hi - lo, 0) // BLOCK_N * BLOCK_N
+    lo_shift = Nk - Nq - win_left
+    hi_shift = Nk - Nq + win_right
+    # This split's keys that the real rows (first_q..last_q) see: keys past the last row's
+    # diagonal or before the first row's window are skipped (a split outside runs no step and
+    # keeps the neutral partial); only blocks on the window's edges need the mask.
+    first_q = start_r // GROUP
+    last_q = tl.minimum((start_r + BLOCK_M - 1) // GROUP, Nq - 1)
+    k_lo = split * split_len
+    lo, mid_lo, mid_hi, hi = _ranges(first_q, last_q, k_lo, tl.minimum(k_lo + split_len, Nk),
+                                     lo_shift, hi_shift, BLOCK_N, LOCAL, CAUSAL, True)  # fmt: skip
+    if LOCAL:
+        acc, l_i, m_i = _fwd_steps(
+            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, qi, lo, mid_lo, Nk, lo_shift,
+            hi_shift, qk_scale, cap_scale, True, CAUSAL, True, HEAD_DIM, BLOCK_N, BLOCK_D,
+            DOT_PREC, TMA, SOFTCAP, LOCAL,
+        )  # fmt: skip
     acc, l_i, m_i = _fwd_steps(
-        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, qi, lo, full_hi, Nk, shift,
-        qk_scale, cap_scale, False, CAUSAL, False, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
-        SOFTCAP,
+        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, qi, mid_lo, mid_hi, Nk, lo_shift,
+        hi_shift, qk_scale, cap_scale, False, CAUSAL, False, HEAD_DIM, BLOCK_N, BLOCK_D,
+        DOT_PREC, TMA, SOFTCAP, LOCAL,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_steps(
-        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, qi, full_hi, hi, Nk, shift,
-        qk_scale, cap_scale, True, CAUSAL, True, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
-        SOFTCAP,
+        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, qi, mid_hi, hi, Nk, lo_shift,
+        hi_shift, qk_scale, cap_scale, True, CAUSAL, True, HEAD_DIM, BLOCK_N, BLOCK_D,
+        DOT_PREC, TMA, SOFTCAP, LOCAL,
     )  # fmt: skip
 
     empty = l_i == 0.0
@@ -528,7 +596,8 @@ def _dkdv_steps(
     lo,
     hi,
     Nq,
-    shift,
+    lo_shift,
+    hi_shift,
     qk_scale,
     cap_scale,
     MASK: tl.constexpr,
@@ -539,10 +608,12 @@ def _dkdv_steps(
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    LOCAL: tl.constexpr,
 ):
     """Accumulate dk, dv of one key block over the query blocks [lo, hi), in the transposed
     (key x query) orientation. Query rows past Nq load q = do = 0 and LSE = +inf, so their p is 0
-    and they add nothing; MASK applies the causal mask."""
+    and they add nothing; MASK applies the window (causal) mask."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     for start_m in range(lo, hi, BLOCK_M):
@@ -554,7 +625,9 @@ def _dkdv_steps(
             qk_t = _tanh(qk_t * cap_scale, SOFTCAP == 2)
         p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
         if MASK:
-            p_t = tl.where(cols[:, None] <= rows[None, :] + shift, p_t, 0.0)
+            keep = _visible(rows[None, :], cols[:, None], 0, lo_shift, hi_shift, LOCAL, CAUSAL,
+                            False)  # fmt: skip
+            p_t = tl.where(keep, p_t, 0.0)
         do = _load_block(do_src, start_m, stride_don, offs_m, Nq, offs_d, CHECK_M, HEAD_DIM, TMA)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
         delta = _load_vec(delta_base + rows, rows, Nq, 0.0, CHECK_M)
@@ -566,7 +639,7 @@ def _dkdv_steps(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["Nq", "Nk"])
+@triton.jit(do_not_specialize=["Nq", "Nk", "win_left", "win_right"])
 def attn_bwd_dkdv_kernel(
     Q,
     K,
@@ -602,6 +675,8 @@ def attn_bwd_dkdv_kernel(
     qk_scale,
     sm_scale,
     cap_scale,
+    win_left,
+    win_right,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -612,6 +687,7 @@ def attn_bwd_dkdv_kernel(
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    LOCAL: tl.constexpr,
 ):
     """dk, dv of one key block of one kv head. With GQA the program loops over the GROUP query
     heads that read this kv head, so their contributions add up in a fixed order (deterministic,
@@ -647,15 +723,12 @@ def attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    shift = Nk - Nq
-    if CAUSAL:
-        # Query blocks that see part of this key block (masked), then those that see all of it.
-        m_lo = tl.maximum(start_n - shift, 0) // BLOCK_M * BLOCK_M
-        m_full = tl.maximum(start_n + BLOCK_N - 1 - shift, m_lo)
-        m_full = tl.minimum((m_full + BLOCK_M - 1) // BLOCK_M * BLOCK_M, Nq)
-    else:
-        m_lo = 0
-        m_full = 0
+    lo_shift = Nk - Nq - win_left
+    hi_shift = Nk - Nq + win_right
+    # Query blocks that see part of this key block (masked: the diagonal / right edge), then
+    # those that see all of it, then those cut by the window's left edge; no others.
+    m_lo, m_full, m_full_hi, m_hi = _ranges(start_n, start_n + BLOCK_N - 1, 0, Nq, -hi_shift,
+                                            -lo_shift, BLOCK_M, CAUSAL, LOCAL, False)  # fmt: skip
     for g in range(GROUP):
         h = (hk * GROUP + g).to(tl.int64)
         q_src = _head_source(Q + b * stride_qb + h * stride_qh, Nq, stride_qn, BLOCK_M, HEAD_DIM,
@@ -666,14 +739,22 @@ def attn_bwd_dkdv_kernel(
         if CAUSAL:
             dk, dv = _dkdv_steps(
                 dk, dv, k, v, q_src, do_src, LSE + vec_base, DELTA + vec_base, stride_qn,
-                stride_don, cols, m_lo, m_full, Nq, shift, qk_scale, cap_scale, True, not EVEN_M,
-                HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP,
+                stride_don, cols, m_lo, m_full, Nq, lo_shift, hi_shift, qk_scale, cap_scale,
+                True, not EVEN_M, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL,
+                LOCAL,
             )  # fmt: skip
         dk, dv = _dkdv_steps(
             dk, dv, k, v, q_src, do_src, LSE + vec_base, DELTA + vec_base, stride_qn,
-            stride_don, cols, m_full, Nq, Nq, shift, qk_scale, cap_scale, False, not EVEN_M,
-            HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP,
+            stride_don, cols, m_full, m_full_hi, Nq, lo_shift, hi_shift, qk_scale, cap_scale,
+            False, not EVEN_M, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
         )  # fmt: skip
+        if LOCAL:
+            dk, dv = _dkdv_steps(
+                dk, dv, k, v, q_src, do_src, LSE + vec_base, DELTA + vec_base, stride_qn,
+                stride_don, cols, m_full_hi, m_hi, Nq, lo_shift, hi_shift, qk_scale, cap_scale,
+                True, not EVEN_M, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL,
+                LOCAL,
+            )  # fmt: skip
 
     dk *= sm_scale
     dk_ptrs = DK + b * stride_dkb + hk.to(tl.int64) * stride_dkh + start_n.to(tl.int64) * stride_dkn
@@ -703,7 +784,8 @@ def _dq_steps(
     lo,
     hi,
     Nk,
-    shift,
+    lo_shift,
+    hi_shift,
     qk_scale,
     cap_scale,
     MASK: tl.constexpr,
@@ -714,9 +796,11 @@ def _dq_steps(
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    LOCAL: tl.constexpr,
 ):
     """Accumulate dq of one query block over the key blocks [lo, hi). Keys past Nk load
-    k = v = 0 and so add nothing to dq; MASK applies the causal mask."""
+    k = v = 0 and so add nothing to dq; MASK applies the window (causal) mask."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
@@ -728,7 +812,9 @@ def _dq_steps(
             qk = _tanh(qk * cap_scale, SOFTCAP == 2)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASK:
-            p = tl.where(cols[None, :] <= rows[:, None] + shift, p, 0.0)
+            keep = _visible(rows[:, None], cols[None, :], Nk, lo_shift, hi_shift, LOCAL, CAUSAL,
+                            False)  # fmt: skip
+            p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:  # d(softcap * tanh(s / softcap)) / ds
@@ -737,7 +823,7 @@ def _dq_steps(
     return dq
 
 
-@triton.jit(do_not_specialize=["Nq", "Nk"])
+@triton.jit(do_not_specialize=["Nq", "Nk", "win_left", "win_right"])
 def attn_bwd_dq_kernel(
     Q,
     K,
@@ -768,6 +854,8 @@ def attn_bwd_dq_kernel(
     qk_scale,
     sm_scale,
     cap_scale,
+    win_left,
+    win_right,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -778,6 +866,7 @@ def attn_bwd_dq_kernel(
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    LOCAL: tl.constexpr,
 ):
     """dq of one query block: a pass over the key blocks of its own (no atomics)."""
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -819,25 +908,34 @@ def attn_bwd_dq_kernel(
                          BLOCK_D, TMA)  # fmt: skip
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    shift = Nk - Nq
-    if CAUSAL:
-        full_hi = tl.maximum(start_m + shift + 1, 0) // BLOCK_N * BLOCK_N
+    lo_shift = Nk - Nq - win_left
+    hi_shift = Nk - Nq + win_right
+    if CAUSAL or LOCAL:
+        # As in the forward, but keys past Nk need no mask here (k = v = 0 adds nothing).
+        lo, mid_lo, mid_hi, hi = _ranges(start_m, start_m + BLOCK_M - 1, 0, Nk, lo_shift,
+                                         hi_shift, BLOCK_N, LOCAL, CAUSAL, False)  # fmt: skip
+        if LOCAL:
+            dq = _dq_steps(
+                dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, lo, mid_lo, Nk,
+                lo_shift, hi_shift, qk_scale, cap_scale, True, not EVEN_N, HEAD_DIM, BLOCK_N,
+                BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
+            )  # fmt: skip
         dq = _dq_steps(
-            dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, 0, full_hi, Nk,
-            shift, qk_scale, cap_scale, False, False, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
-            SOFTCAP,
+            dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, mid_lo, mid_hi, Nk,
+            lo_shift, hi_shift, qk_scale, cap_scale, False, not (EVEN_N or CAUSAL), HEAD_DIM,
+            BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
         )  # fmt: skip
-        hi = tl.minimum(start_m + BLOCK_M + shift, Nk)
-        dq = _dq_steps(
-            dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, full_hi, hi, Nk,
-            shift, qk_scale, cap_scale, True, not EVEN_N, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC,
-            TMA, SOFTCAP,
-        )  # fmt: skip
+        if CAUSAL:
+            dq = _dq_steps(
+                dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, mid_hi, hi, Nk,
+                lo_shift, hi_shift, qk_scale, cap_scale, True, not EVEN_N, HEAD_DIM, BLOCK_N,
+                BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
+            )  # fmt: skip
     else:
         dq = _dq_steps(
             dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, 0, Nk, Nk,
-            shift, qk_scale, cap_scale, False, not EVEN_N, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC,
-            TMA, SOFTCAP,
+            lo_shift, hi_shift, qk_scale, cap_scale, False, not EVEN_N, HEAD_DIM, BLOCK_N,
+            BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
         )  # fmt: skip
 
     dq *= sm_scale

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -80,6 +80,37 @@ def validate(q, k, v, causal, softmax_scale) -> float:
     return float(softmax_scale)
 
 
+def window_for(window_size, causal: bool, nq: int, nk: int) -> tuple[int, int]:
+    """(left, right) of a sliding window, -1 = unbounded: query i sees keys j with
+    i + Nk - Nq - left <= j <= i + Nk - Nq + right (FlashAttention's convention). causal=True
+    is right = 0; an explicit right > 0 with it is an error. Bounds that no row of an (Nq, Nk)
+    problem can reach (left >= Nk - 1, or an explicit right >= Nq - 1) become -1, so such
+    windows run the plain kernels."""
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
+    ):
+        raise ValueError(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
+    left, right = window_size
+    if left < -1 or right < -1:
+        raise ValueError(
+            f"window_size: sizes must be >= 0, or -1 for unbounded; got ({left}, {right})"
+        )
+    if causal:
+        if right > 0:
+            raise ValueError(
+                f"window_size: right={right} conflicts with causal=True (causal means right = 0;"
+                " for a window that looks ahead pass causal=False)"
+            )
+        right = 0
+    elif right >= nq - 1:
+        right = -1
+    if left >= nk - 1:
+        left = -1
+    return left, right
+
+
 def check_softcap(softcap) -> float:
     """`softcap` as a float: 0 (off) or a positive finite cap."""
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
@@ -152,6 +183,10 @@ FP32_TILES = {
     256: (Tile(16, 16, 4, 1), Tile(16, 16, 4, 1), Tile(16, 16, 4, 1)),
 }
 PREPROCESS_BLOCK_M = 64
+# A window's left edge adds a third (masked) loop to the forward; with pointer loads the d = 128
+# 128 x 128 tile then needs 1.9 KB of stack (1.1 KB without), with TMA loads none: windowed
+# forwards at d >= 128 read K/V through TMA. A register-screen choice, to be timed.
+LOCAL_TMA_MIN_D = 128
 # Under the interpreter: small, unequal tiles so that tests at small N still walk several
 # blocks, the causal diagonal and the sequence ends in every kernel; TMA loads (the pointer
 # path runs where inputs are misaligned and in test_other_tile_shapes).
@@ -196,15 +231,19 @@ def block_d_for(d: int) -> int:
     return max(16, next_power_of_2(d))
 
 
-def plan_for(d: int, causal: bool, dtype: torch.dtype) -> Plan:
-    """The tiles used for head dim d (padded to a power of two), causal or not, dtype."""
+def plan_for(d: int, causal: bool, dtype: torch.dtype, local: bool = False) -> Plan:
+    """The tiles used for head dim d (padded to a power of two), causal (or any right-bounded
+    window) or not, dtype; local: a window with a left edge."""
     if interpreting():
         return Plan(INTERPRETER_FWD, INTERPRETER_DKDV, INTERPRETER_DQ)
     bd = block_d_for(d)
     if dtype == torch.float32:
         return Plan(*FP32_TILES[bd])
     fwd, dkdv, dq = CAUSAL_TILES.get(bd, (None, None, None)) if causal else (None, None, None)
-    return Plan(fwd or FWD_TILES[bd], dkdv or DKDV_TILES[bd], dq or DQ_TILES[bd])
+    fwd = fwd or FWD_TILES[bd]
+    if local and bd >= LOCAL_TMA_MIN_D:
+        fwd = replace(fwd, tma=True)
+    return Plan(fwd, dkdv or DKDV_TILES[bd], dq or DQ_TILES[bd])
 
 
 @dataclass(frozen=True)
@@ -326,6 +365,14 @@ def _score_args(scale: float, softcap: float, q: torch.Tensor) -> tuple[float, f
     return softcap * LOG2E, scale / softcap, 2 if fast else 1
 
 
+def _window_args(causal: bool, window: tuple[int, int]) -> tuple[bool, bool, int, int]:
+    """(CAUSAL, LOCAL, win_left, win_right) of a launch: CAUSAL bounds keys on the right
+    (j <= i + shift + win_right; causal is win_right = 0), LOCAL on the left."""
+    left, right = window
+    upper = causal or right >= 0
+    return upper, left >= 0, max(left, 0), 0 if causal else max(right, 0)
+
+
 def _unit_d(t: torch.Tensor) -> torch.Tensor:
     """The kernels read D with unit stride; any other layout of the last dim is copied."""
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -344,9 +391,11 @@ def forward(
     plan: Plan | None = None,
     split: SplitPlan | None = None,
     softcap: float = 0.0,
+    window: tuple[int, int] = (-1, -1),
 ):
     """(o, lse) for 4-D q (B, Nq, H, D), k/v (B, Nk, Hkv, D); launches only (no autograd).
-    softcap > 0 caps the scores (softcap * tanh(s / softcap)).
+    softcap > 0 caps the scores (softcap * tanh(s / softcap)); window (left, right) as returned
+    by `window_for`.
 
     With neither `plan` nor `split` given, `split_plan` chooses between the dense forward and
     the split-KV one; a `plan` alone runs the dense forward with its tile, a `split` the split-KV
@@ -362,9 +411,10 @@ def forward(
     if plan is None and split is None:
         split = split_plan(q, k)
     if split is not None:
-        _forward_split(q, k, v, o, lse, causal, scale, split, softcap)
+        _forward_split(q, k, v, o, lse, causal, scale, split, softcap, window)
         return o, lse
-    plan = plan or plan_for(d, causal, q.dtype)
+    upper, local, win_left, win_right = _window_args(causal, window)
+    plan = plan or plan_for(d, upper, q.dtype, local)
     t = plan.fwd
     qk_scale, cap_scale, softcap_mode = _score_args(scale, softcap, q)
     grid = (cdiv(nq, t.block_m) * b * h,)
@@ -384,16 +434,19 @@ def forward(
         nk,
         qk_scale,
         cap_scale,
+        win_left,
+        win_right,
         HEAD_DIM=d,
         BLOCK_D=block_d_for(d),
         BLOCK_M=t.block_m,
         BLOCK_N=t.block_n,
-        CAUSAL=causal,
+        CAUSAL=upper,
         EVEN_M=bool(nq % t.block_m == 0),
         EVEN_N=bool(nk % t.block_n == 0),
         DOT_PREC=dot_precision(q.dtype),
         TMA=_tma_flag(t, k, v),
         SOFTCAP=softcap_mode,
+        LOCAL=local,
         num_warps=t.warps,
         num_stages=t.stages,
     )
@@ -401,7 +454,16 @@ def forward(
 
 
 def _forward_split(
-    q, k, v, o, lse, causal: bool, scale: float, split: SplitPlan, softcap: float = 0.0
+    q,
+    k,
+    v,
+    o,
+    lse,
+    causal: bool,
+    scale: float,
+    split: SplitPlan,
+    softcap: float = 0.0,
+    window: tuple[int, int] = (-1, -1),
 ) -> None:
     """Split-KV forward into o and lse: float32 partials per (split, packed query row), then
     their merge (kernels.py, "Split-KV forward")."""
@@ -416,6 +478,7 @@ def _forward_split(
     )
     lse_part = torch.empty((b * hkv, split.splits, rows_pad), dtype=torch.float32, device=q.device)
     qk_scale, cap_scale, softcap_mode = _score_args(scale, softcap, q)
+    upper, local, win_left, win_right = _window_args(causal, window)
     launch(K.attn_fwd_split_kernel)[(row_blocks * split.splits * b * hkv,)](
         q,
         k,
@@ -434,14 +497,17 @@ def _forward_split(
         split.splits,
         split.split_len,
         rows_pad,
+        win_left,
+        win_right,
         HEAD_DIM=d,
         BLOCK_D=bd,
         BLOCK_M=t.block_m,
         BLOCK_N=t.block_n,
-        CAUSAL=causal,
+        CAUSAL=upper,
         DOT_PREC=dot_precision(q.dtype),
         TMA=_tma_flag(t, k, v),
         SOFTCAP=softcap_mode,
+        LOCAL=local,
         num_warps=t.warps,
         num_stages=t.stages,
     )
@@ -477,6 +543,7 @@ def backward(
     scale: float,
     plan: Plan | None = None,
     softcap: float = 0.0,
+    window: tuple[int, int] = (-1, -1),
 ):
     """(dq, dk, dv) from the saved q, k, v, o, lse; dlse (or None) is the LSE's gradient."""
     do, q, k, v, o = (_unit_d(t) for t in (do, q, k, v, o))
@@ -488,7 +555,8 @@ def backward(
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if b == 0:
         return dq, dk, dv
-    plan = plan or plan_for(d, causal, q.dtype)
+    upper, local, win_left, win_right = _window_args(causal, window)
+    plan = plan or plan_for(d, upper, q.dtype, local)
     bd = block_d_for(d)
     prec = dot_precision(q.dtype)
     qk_scale, cap_scale, softcap_mode = _score_args(scale, softcap, q)
@@ -534,16 +602,19 @@ def backward(
         qk_scale,
         scale,
         cap_scale,
+        win_left,
+        win_right,
         HEAD_DIM=d,
         BLOCK_D=bd,
         BLOCK_M=t.block_m,
         BLOCK_N=t.block_n,
-        CAUSAL=causal,
+        CAUSAL=upper,
         EVEN_M=bool(nq % t.block_m == 0),
         EVEN_N=bool(nk % t.block_n == 0),
         DOT_PREC=prec,
         TMA=_tma_flag(t, q, do),
         SOFTCAP=softcap_mode,
+        LOCAL=local,
         num_warps=t.warps,
         num_stages=t.stages,
     )
@@ -568,16 +639,19 @@ def backward(
         qk_scale,
         scale,
         cap_scale,
+        win_left,
+        win_right,
         HEAD_DIM=d,
         BLOCK_D=bd,
         BLOCK_M=t.block_m,
         BLOCK_N=t.block_n,
-        CAUSAL=causal,
+        CAUSAL=upper,
         EVEN_M=bool(nq % t.block_m == 0),
         EVEN_N=bool(nk % t.block_n == 0),
         DOT_PREC=prec,
         TMA=_tma_flag(t, k, v),
         SOFTCAP=softcap_mode,
+        LOCAL=local,
         num_warps=t.warps,
         num_stages=t.stages,
     )
@@ -597,11 +671,16 @@ def attn_fwd(
     causal: bool,
     scale: float,
     softcap: float = 0.0,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    window = (window_left, window_right)
     if not use_triton(q):
-        o, lse = attention_reference(q, k, v, causal, scale, return_lse=True, softcap=softcap)
+        o, lse = attention_reference(
+            q, k, v, causal, scale, return_lse=True, window_size=window, softcap=softcap
+        )
         return o, lse.float()
-    return forward(q, k, v, causal, scale, softcap=softcap)
+    return forward(q, k, v, causal, scale, softcap=softcap, window=window)
 
 
 @define_op("kernelkit_flash_attn::attn_bwd")
@@ -616,12 +695,15 @@ def attn_bwd(
     causal: bool,
     scale: float,
     softcap: float = 0.0,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    window = (window_left, window_right)
     if not use_triton(q):
         with torch.enable_grad():
             qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
             o_r, lse_r = attention_reference(
-                qr, kr, vr, causal, scale, return_lse=True, softcap=softcap
+                qr, kr, vr, causal, scale, return_lse=True, window_size=window, softcap=softcap
             )
             outs, grads = [o_r], [do]
             if dlse is not None:
@@ -629,7 +711,7 @@ def attn_bwd(
                 grads.append(dlse.to(lse_r.dtype))
             dq, dk, dv = torch.autograd.grad(outs, (qr, kr, vr), grads)
         return dq, dk, dv
-    return backward(do, q, k, v, o, lse, dlse, causal, scale, softcap=softcap)
+    return backward(do, q, k, v, o, lse, dlse, causal, scale, softcap=softcap, window=window)
 
 
 def _setup(ctx, inputs, output):
@@ -661,6 +743,7 @@ def flash_attn(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     *,
+    window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
 ):
     """Exact softmax attention, FlashAttention-2 style (the N x N scores never reach memory).
@@ -670,18 +753,22 @@ def flash_attn(
     causal: query i sees keys j <= i + Nk - Nq; a row that sees no key outputs zeros.
     Returns o like q, and with return_lse=True also the natural-log LSE (B, H, Nq) float32
     ((B, Nq) for 3-D inputs; -inf on rows that see no key).
+    window_size=(left, right): sliding-window (local) attention, -1 = unbounded: query i sees
+    keys j with i + Nk - Nq - left <= j <= i + Nk - Nq + right; causal=True means right = 0
+    (a conflicting right > 0 is a ValueError). Key blocks outside the window are skipped.
     softcap > 0: the scores (q.k * scale) become softcap * tanh(scores / softcap) before the
     softmax (Gemma 2); 0 = off.
     Decoding shapes (few query rows, long key sequences) run a split-KV forward (`split_plan`).
     """
     scale = validate(q, k, v, causal, softmax_scale)
     softcap = check_softcap(softcap)
+    left, right = window_for(window_size, causal, q.shape[1], k.shape[1])
     three_d = q.dim() == 3
     if three_d:
         q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
     if scale < 0:  # the kernels assume scale >= 0 (max of the raw scores); negate q instead
         q, scale = -q, -scale
-    o, lse = attn_fwd(q, k, v, causal, scale, softcap)
+    o, lse = attn_fwd(q, k, v, causal, scale, softcap, left, right)
     if three_d:
         o, lse = o.squeeze(2), lse.squeeze(1)
     return (o, lse) if return_lse else o

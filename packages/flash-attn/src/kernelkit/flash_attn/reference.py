@@ -14,9 +14,20 @@ import torch
 
 def causal_visible(nq: int, nk: int, device) -> torch.Tensor:
     """(Nq, Nk) bool: query i sees key j iff j <= i + (Nk - Nq) (bottom-right aligned)."""
-    i = torch.arange(nq, device=device)[:, None]
+    return window_visible(nq, nk, -1, 0, device)
+
+
+def window_visible(nq: int, nk: int, left: int, right: int, device) -> torch.Tensor:
+    """(Nq, Nk) bool: query i sees key j iff i + (Nk - Nq) - left <= j <= i + (Nk - Nq) + right
+    (a bound of -1 is absent)."""
+    i = torch.arange(nq, device=device)[:, None] + (nk - nq)
     j = torch.arange(nk, device=device)[None, :]
-    return j <= i + (nk - nq)
+    visible = torch.ones(nq, nk, dtype=torch.bool, device=device)
+    if right >= 0:
+        visible &= j <= i + right
+    if left >= 0:
+        visible &= j >= i - left
+    return visible
 
 
 def attention_reference(
@@ -27,12 +38,15 @@ def attention_reference(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     softcap: float = 0.0,
+    window_size: tuple[int, int] = (-1, -1),
 ):
     """softmax(q k^T * scale) v for q (B, Nq, H, D), k/v (B, Nk, Hkv, D), or 3-D (B, N, D).
 
     Same contract as `flash_attn`: GQA by repeating kv heads, bottom-right causal mask, rows that
     see no key give zeros (LSE -inf), natural-log LSE (B, H, Nq) (or (B, Nq)) in float32;
-    softcap > 0 replaces the scores s by softcap * tanh(s / softcap).
+    softcap > 0 replaces the scores s by softcap * tanh(s / softcap); window_size (left, right)
+    restricts query i to keys i + Nk - Nq - left ..= i + Nk - Nq + right (-1: unbounded; causal
+    means right = 0).
     """
     three_d = q.dim() == 3
     if three_d:
@@ -46,12 +60,15 @@ def attention_reference(
     if softcap:
         s = softcap * torch.tanh(s / softcap)
     nq, nk = q.shape[1], k.shape[1]
-    empty = None
+    left, right = window_size
     if causal:
-        visible = causal_visible(nq, nk, q.device)
+        right = 0
+    empty = None
+    if left >= 0 or right >= 0:
+        visible = window_visible(nq, nk, left, right, q.device)
         s = s.masked_fill(~visible, -math.inf)
-        if nq > nk:  # the first Nq - Nk rows see no key: softmax them over zeros, then zero them
-            empty = ~visible.any(-1, keepdim=True)
+        if right >= 0 and nk - nq + right < 0:  # the first rows see no key: softmax them
+            empty = ~visible.any(-1, keepdim=True)  # over zeros, then zero them
             s = s.masked_fill(empty, 0.0)
     p = torch.softmax(s, dim=-1)
     if empty is not None:
