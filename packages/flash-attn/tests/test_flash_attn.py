@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from kernelkit.flash_attn import FlashAttentionFunction, flash_attn
+from kernelkit.flash_attn import FlashAttentionFunction, flash_attn, flash_attn_varlen
 from kernelkit.flash_attn import op as fa_op
-from kernelkit.flash_attn.reference import attention_reference
+from kernelkit.flash_attn.reference import attention_reference, attention_varlen_reference
 from kernelkit.shared.testing import assert_close
 
 HALF = (torch.float16, torch.bfloat16)
@@ -54,17 +54,19 @@ def check(q, k, v, causal=False, softmax_scale=None, with_dlse=True, **options):
     """flash_attn vs the float64 reference (and, for half precision, the reference evaluated in
     q.dtype: the error may be at most 2x that one's): o, LSE, dq, dk, dv. options: softcap,
     window_size."""
-    kw = dict(causal=causal, softmax_scale=softmax_scale, **options)
-    do = make(q.shape[:-1] + (v.shape[-1],), q.dtype, q.device, seed=7)
     lse_shape = (q.shape[0], q.shape[1]) if q.dim() == 3 else (q.shape[0], q.shape[2], q.shape[1])
+    kw = dict(causal=causal, softmax_scale=softmax_scale, **options)
+    return _check(flash_attn, attention_reference, q, k, v, lse_shape, with_dlse, **kw)
+
+
+def _check(fn, reference, q, k, v, lse_shape, with_dlse, **kw):
+    do = make(q.shape[:-1] + (v.shape[-1],), q.dtype, q.device, seed=7)
     dlse = make(lse_shape, torch.float32, q.device, seed=8) if with_dlse else None
-    o, lse, grads = _run(flash_attn, q, k, v, do, dlse, **kw)
-    o64, lse64, grads64 = _run(
-        attention_reference, q.double(), k.double(), v.double(), do, dlse, **kw
-    )
+    o, lse, grads = _run(fn, q, k, v, do, dlse, **kw)
+    o64, lse64, grads64 = _run(reference, q.double(), k.double(), v.double(), do, dlse, **kw)
     lowp = q.dtype in HALF
     if lowp:
-        o_l, _, grads_l = _run(attention_reference, q, k, v, do, dlse, **kw)
+        o_l, _, grads_l = _run(reference, q, k, v, do, dlse, **kw)
     assert o.dtype == q.dtype and o.shape == q.shape[:-1] + (v.shape[-1],)
     assert lse.dtype == torch.float32 and lse.shape == lse_shape
     assert_close(o, o64, ref_lowp=o_l if lowp else None, name="o")
@@ -385,6 +387,209 @@ def test_window_size_normalisation():
     assert fa_op.window_for((18, 8), False, 10, 20) == (18, 8)
     assert fa_op.window_for((5, -1), True, 10, 20) == (5, 0)
     assert fa_op.window_for([3, 0], True, 1, 20) == (3, 0)  # causal stays causal
+
+
+# ------------------------------------------------------------------------------------------
+# Packed variable-length batches (flash_attn_varlen)
+# ------------------------------------------------------------------------------------------
+
+
+def cu_seqlens(lengths, device):
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths).cumsum(0)
+    return cu.to(device)
+
+
+def packed(lens_q, lens_k, h, hkv, d, dtype, device, seed=0):
+    """q (total_q, H, D), k/v (total_k, Hkv, D) and flash_attn_varlen's cu_seqlens/max_seqlen
+    keyword arguments."""
+    q = make((sum(lens_q), h, d), dtype, device, seed)
+    k = make((sum(lens_k), hkv, d), dtype, device, seed + 1)
+    v = make((sum(lens_k), hkv, d), dtype, device, seed + 2)
+    kw = dict(cu_seqlens_q=cu_seqlens(lens_q, device), cu_seqlens_k=cu_seqlens(lens_k, device),
+              max_seqlen_q=max(1, *lens_q), max_seqlen_k=max(1, *lens_k))  # fmt: skip
+    return q, k, v, kw
+
+
+def random_lengths(n, longest, seed):
+    """n lengths in 0..longest, with a 0 and a 1 among them."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, longest + 1, (n,), generator=g).tolist()
+    lengths[seed % n], lengths[(seed + 2) % n] = 0, 1
+    return lengths
+
+
+def check_varlen(q, k, v, with_dlse=True, **kw):
+    """flash_attn_varlen against the loop over sequences of the dense reference."""
+    lse_shape = (q.shape[1], q.shape[0])
+    return _check(flash_attn_varlen, attention_varlen_reference, q, k, v, lse_shape, with_dlse,
+                  **kw)  # fmt: skip
+
+
+# (name, lengths of q, lengths of k, H, Hkv, D, dtype, causal, window_size, softcap)
+VARLEN_CASES = [
+    ("same-lengths", [5, 1, 33, 0, 17, 64], [5, 1, 33, 0, 17, 64], 4, 2, 32, torch.bfloat16,
+     False, (-1, -1), 0.0),
+    # Nq != Nk per sequence; a sequence with keys and no queries next to one with queries and no
+    # keys (its rows see nothing: zeros, LSE -inf), bottom-right causal per sequence.
+    ("causal-nq-ne-nk", [3, 0, 20, 1, 40, 9], [10, 5, 0, 1, 37, 9], 4, 2, 32, torch.bfloat16,
+     True, (-1, -1), 0.0),
+    ("random-window-softcap", random_lengths(7, 70, 1), random_lengths(7, 70, 2), 2, 1, 16,
+     torch.float32, False, (6, 2), 2.0),
+    ("random-causal-window", random_lengths(8, 70, 3), random_lengths(8, 70, 4), 6, 3, 16,
+     torch.float16, True, (12, -1), 0.0),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda c: c[0])
+def test_varlen(case, device):
+    _, lens_q, lens_k, h, hkv, d, dtype, causal, window, softcap = case
+    q, k, v, kw = packed(lens_q, lens_k, h, hkv, d, dtype, device)
+    o, lse, (dq, dk, dv) = check_varlen(q, k, v, causal=causal, window_size=window,
+                                        softcap=softcap, **kw)  # fmt: skip
+    cq, ck = kw["cu_seqlens_q"].tolist(), kw["cu_seqlens_k"].tolist()
+    for q0, q1, k0, k1 in zip(cq, cq[1:], ck, ck[1:]):
+        if k0 == k1:  # queries without keys
+            assert (o[q0:q1] == 0).all() and torch.isneginf(lse[:, q0:q1]).all()
+            assert (dq[q0:q1] == 0).all()
+        if q0 == q1:  # keys without queries
+            assert (dk[k0:k1] == 0).all() and (dv[k0:k1] == 0).all()
+
+
+def test_varlen_equals_dense_on_equal_lengths(device):
+    """Equal lengths packed = the dense batch (same tiles; per-sequence bounds)."""
+    b, n, h, hkv, d = 3, 37, 4, 2, 32
+    q, k, v = qkv(b, n, n, h, hkv, d, torch.float32, device)
+    do = make(q.shape, q.dtype, device, seed=5)
+    kw = dict(causal=True, window_size=(9, -1))
+    o, lse, grads = _run(flash_attn, q, k, v, do, None, **kw)
+    cu = cu_seqlens([n] * b, device)
+    flat = [t.flatten(0, 1) for t in (q, k, v, do)]
+    o_p, lse_p, grads_p = _run(flash_attn_varlen, *flat[:3], flat[3], None, cu_seqlens_q=cu,
+                               cu_seqlens_k=cu, max_seqlen_q=n, max_seqlen_k=n, **kw)  # fmt: skip
+    assert_close(o_p, o.flatten(0, 1), name="o")
+    assert_close(lse_p, lse.transpose(0, 1).flatten(1), name="lse")
+    for g_p, g, name in zip(grads_p, grads, ("dq", "dk", "dv")):
+        assert_close(g_p, g.flatten(0, 1), name=name)
+
+
+def test_varlen_deterministic(device):
+    q, k, v, kw = packed([30, 0, 45, 7], [12, 20, 45, 1], 4, 2, 32, torch.bfloat16, device)
+    do = make(q.shape, q.dtype, device, seed=5)
+    first = _run(flash_attn_varlen, q, k, v, do, None, causal=True, **kw)
+    second = _run(flash_attn_varlen, q, k, v, do, None, causal=True, **kw)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    for a, b in zip(first[2], second[2]):
+        assert torch.equal(a, b)
+
+
+def test_varlen_empty_batches(device):
+    """No query rows at all, or no keys at all: outputs of the right shapes, zeros / -inf."""
+    q, k, v, kw = packed([0, 0], [3, 4], 2, 1, 16, torch.float32, device)
+    o, lse = flash_attn_varlen(q, k, v, return_lse=True, **kw)
+    assert o.shape == (0, 2, 16) and lse.shape == (2, 0)
+    q, k, v, kw = packed([3, 4], [0, 0], 2, 1, 16, torch.float32, device)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    o, lse = flash_attn_varlen(*leaves, causal=True, return_lse=True, **kw)
+    assert (o == 0).all() and torch.isneginf(lse).all()
+    o.sum().backward()
+    assert (leaves[0].grad == 0).all() and leaves[1].grad.shape == (0, 1, 16)
+
+
+def _varlen_errors(device):
+    def i32(*values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    q = torch.zeros(10, 4, 32, device=device)
+    kv = torch.zeros(12, 2, 32, device=device)
+    kv3 = torch.zeros(12, 3, 32, device=device)
+    good = dict(cu_seqlens_q=i32(0, 4, 10), cu_seqlens_k=i32(0, 5, 12), max_seqlen_q=6,
+                max_seqlen_k=7)  # fmt: skip
+    host = device.type == "cpu"  # values are checked only where they are free to read
+    cases = [
+        ((q[None], kv, kv), {}, r"q: expected shape \(total_q, H, D\)"),
+        ((q, kv[None], kv), {}, r"k: expected shape \(total_k, Hkv, D\)"),
+        ((q, kv, kv[:11]), {}, "v: shape"),
+        ((q, kv3, kv3), {}, "not a multiple"),
+        ((q, kv, kv), dict(cu_seqlens_q=[0, 4, 10]), "cu_seqlens_q: expected a torch.Tensor"),
+        ((q, kv, kv), dict(cu_seqlens_q=i32(0, 4, 10).long()), "cu_seqlens_q: dtype must be"),
+        ((q, kv, kv), dict(cu_seqlens_k=i32(0, 5, 12)[None]), r"cu_seqlens_k: expected shape"),
+        ((q, kv, kv), dict(cu_seqlens_k=i32(0)), r"cu_seqlens_k: expected shape"),
+        ((q, kv, kv), dict(cu_seqlens_k=i32(0, 12)), "cu_seqlens_k: 1 sequences, cu_seqlens_q"),
+        ((q, kv, kv), dict(max_seqlen_q=0), "max_seqlen_q: must be >= 1"),
+        ((q, kv, kv), dict(max_seqlen_k=7.0), "max_seqlen_k: expected an int"),
+        ((q, kv, kv), dict(causal=True, window_size=(3, 1)), "window_size: right=1 conflicts"),
+        ((q, kv, kv), dict(softcap=-2.0), "softcap: must"),
+    ]  # fmt: skip
+    if host:
+        cases += [
+            ((q, kv, kv), dict(cu_seqlens_q=i32(1, 4, 10)), "cu_seqlens_q: must start at 0"),
+            ((q, kv, kv), dict(cu_seqlens_q=i32(0, 11, 10)), "cu_seqlens_q: must be non-decreasing"),
+            ((q, kv, kv), dict(cu_seqlens_k=i32(0, 5, 11)), "cu_seqlens_k: last entry 11 must"),
+            ((q, kv, kv), dict(max_seqlen_k=6), "max_seqlen_k: 6 is less than the longest"),
+        ]  # fmt: skip
+    return [(args, {**good, **over}, match) for args, over, match in cases]
+
+
+@pytest.mark.parametrize("case", range(17))
+def test_varlen_errors(case, device):
+    cases = _varlen_errors(device)
+    if case >= len(cases):
+        pytest.skip("cu_seqlens values are the caller's contract on the GPU (no sync)")
+    args, kw, match = cases[case]
+    with pytest.raises(ValueError, match=match):
+        flash_attn_varlen(*args, **kw)
+
+
+def test_varlen_opcheck(device):
+    q, k, v, kw = packed([5, 0, 19], [8, 3, 21], 2, 1, 32, torch.float32, device)
+    cu_q, cu_k, mq, mk = kw.values()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    args = (q, k, v, cu_q, cu_k, mq, mk, True, 0.25)
+    torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_varlen_fwd, args)
+    o, lse = fa_op.attn_varlen_fwd(q.detach(), k.detach(), v.detach(), *args[3:])
+    do = make(o.shape, o.dtype, device, seed=3)
+    dlse = make(lse.shape, lse.dtype, device, seed=4)
+    bwd = (do, q.detach(), k.detach(), v.detach(), o, lse, dlse, cu_q, cu_k, mq, mk, False, 0.25,
+           1.5, 4, 2)  # fmt: skip
+    torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_varlen_bwd, bwd)
+
+
+def test_varlen_torch_compile_fullgraph(device):
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    q, k, v, kw = packed([5, 0, 30, 1], [8, 3, 30, 1], 4, 2, 32, torch.float32, device)
+
+    def f(q, k, v, cu_q, cu_k):
+        o, lse = flash_attn_varlen(q, k, v, cu_q, cu_k, 30, 30, causal=True, softcap=4.0,
+                                   return_lse=True)  # fmt: skip
+        return o * 2.0, lse
+
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, lse = compiled(*leaves, kw["cu_seqlens_q"], kw["cu_seqlens_k"])
+    o.sum().backward()
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    o64, lse64 = attention_varlen_reference(*ref, kw["cu_seqlens_q"], kw["cu_seqlens_k"],
+                                            causal=True, softcap=4.0, return_lse=True)  # fmt: skip
+    (o64 * 2.0).sum().backward()
+    assert_close(o, o64 * 2.0, name="compiled o")
+    assert_close(_finite(lse), _finite(lse64), name="compiled lse")
+    for a, r, name in zip(leaves, ref, ("dq", "dk", "dv")):
+        assert_close(a.grad, r.grad, name=f"compiled {name}")
+
+
+def test_varlen_cpu_tensors_without_interpreter_use_the_reference(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v, kw = packed([4, 0, 9], [6, 2, 9], 2, 1, 16, torch.float32, "cpu")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    o, lse = flash_attn_varlen(q, k, v, causal=True, return_lse=True, **kw)
+    o.sum().backward()
+    ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    o_r, lse_r = attention_varlen_reference(*ref, causal=True, return_lse=True, **kw)
+    o_r.sum().backward()
+    assert torch.equal(o, o_r) and torch.equal(lse, lse_r.float())
+    for a, r in zip((q, k, v), ref):
+        assert torch.equal(a.grad, r.grad)
 
 
 # ------------------------------------------------------------------------------------------
@@ -843,6 +1048,12 @@ def test_gpu_cuda_graph(shape, device):
         o, lse = flash_attn(*leaves, causal=True, return_lse=True)
         return (o, lse, *torch.autograd.grad(o, leaves, do))
 
+    _check_graph_replay(step, leaves, lambda seed: qkv(*shape, torch.bfloat16, device, seed=seed))
+
+
+def _check_graph_replay(step, leaves, inputs):
+    """step() captured in a CUDA graph, replayed after copying inputs(seed) into leaves, equals
+    an eager step()."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile, autotune and allocate outside the capture
@@ -854,9 +1065,47 @@ def test_gpu_cuda_graph(shape, device):
         captured = step()
     for seed in (10, 20):  # new inputs into the captured buffers, then replay
         with torch.no_grad():
-            for t, new in zip(leaves, qkv(*shape, torch.bfloat16, device, seed=seed)):
+            for t, new in zip(leaves, inputs(seed)):
                 t.copy_(new)
         graph.replay()
         torch.cuda.synchronize()
         for a, b in zip(captured, step()):
             assert torch.equal(a, b)
+
+
+# (lengths of q, lengths of k, H, Hkv, D, dtype, causal, window_size, softcap)
+GPU_VARLEN = [
+    (random_lengths(12, 2048, 5), None, 8, 2, 128, torch.bfloat16, True, (-1, -1), 0.0),
+    (random_lengths(10, 2000, 6), random_lengths(10, 2000, 7), 4, 4, 64, torch.bfloat16, False,
+     (256, 64), 30.0),
+    (random_lengths(6, 1500, 8), None, 4, 1, 80, torch.float16, True, (-1, -1), 0.0),
+    (random_lengths(5, 700, 9), random_lengths(5, 900, 10), 2, 1, 64, torch.float32, True,
+     (100, -1), 0.0),
+]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case", GPU_VARLEN, ids=["d128-causal", "d64-window-softcap", "d80-fp16-causal", "d64-fp32"]
+)
+def test_gpu_varlen(case, device):
+    lens_q, lens_k, h, hkv, d, dtype, causal, window, softcap = case
+    q, k, v, kw = packed(lens_q, lens_k or lens_q, h, hkv, d, dtype, device)
+    check_varlen(q, k, v, causal=causal, window_size=window, softcap=softcap, **kw)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_cuda_graph(device):
+    lens_q, lens_k = [700, 0, 1, 1300, 64], [700, 5, 1, 1300, 100]
+    q, k, v, kw = packed(lens_q, lens_k, 8, 2, 128, torch.bfloat16, device)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    do = make(q.shape, q.dtype, device, seed=5)
+
+    def step():
+        o, lse = flash_attn_varlen(*leaves, causal=True, return_lse=True, **kw)
+        return (o, lse, *torch.autograd.grad(o, leaves, do))
+
+    def inputs(seed):
+        return packed(lens_q, lens_k, 8, 2, 128, torch.bfloat16, device, seed=seed)[:3]
+
+    _check_graph_replay(step, leaves, inputs)

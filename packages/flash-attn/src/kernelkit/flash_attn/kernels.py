@@ -25,6 +25,13 @@ The tiles a loop streams are read through `_head_source` / `_load_block`: a TMA 
 masked pointer loads. TMA keeps no per-element addresses in registers, which lets the larger
 tiles run without spilling.
 
+Packed variable-length batches (VARLEN): the batch axis becomes the sequence index. The host
+passes zero batch strides and the longest sequence as Nq / Nk (the grid), and each program reads
+its sequence's first row and length from the cu_seqlens prefix sums (`_sequence`), moves its base
+pointers to that row and works on that sequence alone; a program whose block starts past its
+sequence's end returns at once (those rows are another sequence's, or none). The LSE and delta
+are read through (batch, head) strides: (H * Nq, Nq) for a dense batch, (0, total_q) packed.
+
 Offsets: per-(batch, head) bases and block starts are 64-bit; offsets inside a block are 32-bit.
 A program id enumerates (sequence block, batch * head) with the block index fastest, so the
 programs that share one head's K/V (or Q/dO) run together and hit L2.
@@ -126,6 +133,13 @@ def _tanh(x, FAST: tl.constexpr):
     else:
         t = 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
     return t
+
+
+@triton.jit
+def _sequence(CU, b):
+    """(first row (64-bit), number of rows) of sequence b of a packed batch."""
+    start = tl.load(CU + b)
+    return start.to(tl.int64), tl.load(CU + b + 1) - start
 
 
 @triton.jit
@@ -258,6 +272,8 @@ def attn_fwd_kernel(
     V,
     O,
     LSE,
+    CU_Q,
+    CU_K,
     stride_qb,
     stride_qn,
     stride_qh,
@@ -270,6 +286,8 @@ def attn_fwd_kernel(
     stride_ob,
     stride_on,
     stride_oh,
+    stride_lb,
+    stride_lh,
     H,
     GROUP,
     Nq,
@@ -289,6 +307,7 @@ def attn_fwd_kernel(
     TMA: tl.constexpr,
     SOFTCAP: tl.constexpr,
     LOCAL: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """o and LSE of one block of query rows of one head. CAUSAL: keys past i + shift + win_right
     are hidden (win_right = 0: causal); LOCAL: keys before i + shift - win_left."""
@@ -300,6 +319,16 @@ def attn_fwd_kernel(
     h = bh % H
     hk = (h // GROUP).to(tl.int64)
     h = h.to(tl.int64)
+    if VARLEN:
+        q0, Nq = _sequence(CU_Q, b)
+        k0, Nk = _sequence(CU_K, b)
+        if pid_m * BLOCK_M >= Nq:
+            return
+        Q += q0 * stride_qn
+        O += q0 * stride_on
+        LSE += q0
+        K += k0 * stride_kn
+        V += k0 * stride_vn
     start_m = pid_m * BLOCK_M
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_m = tl.arange(0, BLOCK_M)
@@ -346,7 +375,7 @@ def attn_fwd_kernel(
     o_ptrs = o_ptrs + offs_m[:, None] * stride_on + offs_d[None, :]
     _store_rows(o_ptrs, o.to(O.dtype.element_ty), rows, Nq, offs_d, not EVEN_M, HEAD_DIM)
     lse = (m_i + tl.math.log2(l_i)) * LN2
-    lse_ptrs = LSE + bh.to(tl.int64) * Nq + rows
+    lse_ptrs = LSE + b * stride_lb + h * stride_lh + rows
     if EVEN_M:
         tl.store(lse_ptrs, lse)
     else:
@@ -649,6 +678,8 @@ def attn_bwd_dkdv_kernel(
     DELTA,
     DK,
     DV,
+    CU_Q,
+    CU_K,
     stride_qb,
     stride_qn,
     stride_qh,
@@ -667,6 +698,8 @@ def attn_bwd_dkdv_kernel(
     stride_dvb,
     stride_dvn,
     stride_dvh,
+    stride_lb,
+    stride_lh,
     H,
     Hkv,
     GROUP,
@@ -688,16 +721,30 @@ def attn_bwd_dkdv_kernel(
     TMA: tl.constexpr,
     SOFTCAP: tl.constexpr,
     LOCAL: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """dk, dv of one key block of one kv head. With GQA the program loops over the GROUP query
     heads that read this kv head, so their contributions add up in a fixed order (deterministic,
-    no atomics)."""
+    no atomics). A key block whose sequence has no query rows writes zeros."""
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
     cap_scale = tl.cast(cap_scale, tl.float32)
     pid_n, bhk = _program_ids(tl.cdiv(Nk, BLOCK_N), False)
     b = (bhk // Hkv).to(tl.int64)
     hk = bhk % Hkv
+    if VARLEN:
+        q0, Nq = _sequence(CU_Q, b)
+        k0, Nk = _sequence(CU_K, b)
+        if pid_n * BLOCK_N >= Nk:
+            return
+        Q += q0 * stride_qn
+        DO += q0 * stride_don
+        LSE += q0
+        DELTA += q0
+        K += k0 * stride_kn
+        V += k0 * stride_vn
+        DK += k0 * stride_dkn
+        DV += k0 * stride_dvn
     start_n = pid_n * BLOCK_N
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
@@ -735,7 +782,7 @@ def attn_bwd_dkdv_kernel(
                              BLOCK_D, TMA)  # fmt: skip
         do_src = _head_source(DO + b * stride_dob + h * stride_doh, Nq, stride_don, BLOCK_M,
                               HEAD_DIM, BLOCK_D, TMA)  # fmt: skip
-        vec_base = (b * H + h) * Nq
+        vec_base = b * stride_lb + h * stride_lh
         if CAUSAL:
             dk, dv = _dkdv_steps(
                 dk, dv, k, v, q_src, do_src, LSE + vec_base, DELTA + vec_base, stride_qn,
@@ -832,6 +879,8 @@ def attn_bwd_dq_kernel(
     LSE,
     DELTA,
     DQ,
+    CU_Q,
+    CU_K,
     stride_qb,
     stride_qn,
     stride_qh,
@@ -847,6 +896,8 @@ def attn_bwd_dq_kernel(
     stride_dqb,
     stride_dqn,
     stride_dqh,
+    stride_lb,
+    stride_lh,
     H,
     GROUP,
     Nq,
@@ -867,6 +918,7 @@ def attn_bwd_dq_kernel(
     TMA: tl.constexpr,
     SOFTCAP: tl.constexpr,
     LOCAL: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """dq of one query block: a pass over the key blocks of its own (no atomics)."""
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -877,6 +929,18 @@ def attn_bwd_dq_kernel(
     h = bh % H
     hk = (h // GROUP).to(tl.int64)
     h = h.to(tl.int64)
+    if VARLEN:
+        q0, Nq = _sequence(CU_Q, b)
+        k0, Nk = _sequence(CU_K, b)
+        if pid_m * BLOCK_M >= Nq:
+            return
+        Q += q0 * stride_qn
+        DO += q0 * stride_don
+        DQ += q0 * stride_dqn
+        LSE += q0
+        DELTA += q0
+        K += k0 * stride_kn
+        V += k0 * stride_vn
     start_m = pid_m * BLOCK_M
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_m = tl.arange(0, BLOCK_M)
@@ -899,7 +963,7 @@ def attn_bwd_dq_kernel(
         not EVEN_M,
         HEAD_DIM,
     )
-    vec = bh.to(tl.int64) * Nq + rows
+    vec = b * stride_lb + h * stride_lh + rows
     lse2 = _lse_log2(_load_vec(LSE + vec, rows, Nq, float("inf"), not EVEN_M))
     delta = _load_vec(DELTA + vec, rows, Nq, 0.0, not EVEN_M)
     k_src = _head_source(K + b * stride_kb + hk * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
+from itertools import pairwise
 
 import torch
 import triton
@@ -20,7 +21,7 @@ from kernelkit.shared.runtime import (
 )
 
 from . import kernels as K
-from .reference import attention_reference
+from .reference import attention_reference, attention_varlen_reference
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
@@ -32,8 +33,7 @@ LOG2E = 1.4426950408889634
 # ---------------------------------------------------------------------------------------------
 
 
-def validate(q, k, v, causal, softmax_scale) -> float:
-    """Check the arguments of `flash_attn`; returns the softmax scale to use."""
+def _check_tensors(q, k, v) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -44,6 +44,39 @@ def validate(q, k, v, causal, softmax_scale) -> float:
             raise ValueError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name}: on device {t.device}, but q is on {q.device}")
+
+
+def _check_head_dim(q, k) -> int:
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k: head dim {k.shape[-1]} differs from q's {q.shape[-1]}")
+    d = q.shape[-1]
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"q: head dim D={d} outside {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
+    return d
+
+
+def _check_heads(h: int, hkv: int) -> None:
+    if h < 1 or hkv < 1:
+        raise ValueError(f"q, k: need at least one head, got H={h}, Hkv={hkv}")
+    if h % hkv:
+        raise ValueError(f"k: q's H={h} heads are not a multiple of k/v's Hkv={hkv} heads")
+
+
+def _check_scale(causal, softmax_scale, d: int) -> float:
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal: expected a bool, got {type(causal).__name__}")
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise ValueError(f"softmax_scale: expected a float, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale: must be finite, got {softmax_scale}")
+    return float(softmax_scale)
+
+
+def validate(q, k, v, causal, softmax_scale) -> float:
+    """Check the arguments of `flash_attn`; returns the softmax scale to use."""
+    _check_tensors(q, k, v)
     if q.dim() not in (3, 4):
         raise ValueError(f"q: expected shape (B, Nq, H, D) or (B, Nq, D), got {tuple(q.shape)}")
     layout = "(B, Nk, Hkv, D)" if q.dim() == 4 else "(B, Nk, D)"
@@ -54,30 +87,81 @@ def validate(q, k, v, causal, softmax_scale) -> float:
         raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)} {layout}")
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k: batch size {k.shape[0]} differs from q's {q.shape[0]}")
-    if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"k: head dim {k.shape[-1]} differs from q's {q.shape[-1]}")
-    d = q.shape[-1]
-    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
-        raise ValueError(f"q: head dim D={d} outside {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
+    d = _check_head_dim(q, k)
     if q.shape[1] < 1:
         raise ValueError("q: the query sequence is empty (Nq must be >= 1)")
     if k.shape[1] < 1:
         raise ValueError("k: the key sequence is empty (Nk must be >= 1)")
     if q.dim() == 4:
-        h, hkv = q.shape[2], k.shape[2]
-        if h < 1 or hkv < 1:
-            raise ValueError(f"q, k: need at least one head, got H={h}, Hkv={hkv}")
-        if h % hkv:
-            raise ValueError(f"k: q's H={h} heads are not a multiple of k/v's Hkv={hkv} heads")
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal: expected a bool, got {type(causal).__name__}")
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(d)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise ValueError(f"softmax_scale: expected a float, got {type(softmax_scale).__name__}")
-    if not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale: must be finite, got {softmax_scale}")
-    return float(softmax_scale)
+        _check_heads(q.shape[2], k.shape[2])
+    return _check_scale(causal, softmax_scale, d)
+
+
+def validate_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
+) -> float:
+    """Check the arguments of `flash_attn_varlen`; returns the softmax scale to use.
+
+    Always checked (host metadata only): tensors, dtypes, devices, shapes, cu_seqlens int32 and
+    1-D with at least two entries, max_seqlen ints >= 1. The values of cu_seqlens (first entry 0,
+    non-decreasing, last entry = total rows, lengths <= max_seqlen) are checked only where that
+    is free: cu_seqlens on the CPU outside torch.compile tracing. Reading CUDA values would
+    synchronise with the device (and break CUDA-graph capture), so there, as in FlashAttention,
+    they are the caller's contract."""
+    _check_tensors(q, k, v)
+    if q.dim() != 3:
+        raise ValueError(f"q: expected shape (total_q, H, D), got {tuple(q.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{name}: expected shape (total_k, Hkv, D), got {tuple(t.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)}")
+    d = _check_head_dim(q, k)
+    _check_heads(q.shape[1], k.shape[1])
+    cus = (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k))
+    for name, cu, _ in cus:
+        if not isinstance(cu, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise ValueError(f"{name}: dtype must be torch.int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 2:
+            raise ValueError(
+                f"{name}: expected shape (num_seqs + 1,) with num_seqs >= 1, got {tuple(cu.shape)}"
+            )
+        if cu.device != q.device:
+            raise ValueError(f"{name}: on device {cu.device}, but q is on {q.device}")
+    if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
+        raise ValueError(
+            f"cu_seqlens_k: {cu_seqlens_k.shape[0] - 1} sequences, cu_seqlens_q has "
+            f"{cu_seqlens_q.shape[0] - 1}"
+        )
+    maxes = (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k))
+    for name, m in maxes:
+        if isinstance(m, bool) or not isinstance(m, (int, torch.SymInt)):
+            raise ValueError(f"{name}: expected an int, got {type(m).__name__}")
+        if m < 1:
+            raise ValueError(f"{name}: must be >= 1, got {m}")
+    if cu_seqlens_q.device.type == "cpu" and not torch.compiler.is_compiling():
+        for (name, cu, t), (max_name, m) in zip(cus, maxes):
+            _check_cu_values(name, cu, t, max_name, m)
+    return _check_scale(causal, softmax_scale, d)
+
+
+def _check_cu_values(name, cu, t, max_name, max_seqlen) -> None:
+    """The values of one cu_seqlens tensor (CPU: free to read)."""
+    c = cu.tolist()
+    if c[0] != 0:
+        raise ValueError(f"{name}: must start at 0, got {c[0]}")
+    lengths = [b - a for a, b in pairwise(c)]
+    if min(lengths) < 0:
+        i = min(range(len(lengths)), key=lengths.__getitem__)
+        raise ValueError(f"{name}: must be non-decreasing, entry {i + 1} is {c[i + 1]} < {c[i]}")
+    if c[-1] != t.shape[0]:
+        raise ValueError(f"{name}: last entry {c[-1]} must equal the number of rows {t.shape[0]}")
+    if max(lengths) > max_seqlen:
+        raise ValueError(
+            f"{max_name}: {max_seqlen} is less than the longest sequence ({max(lengths)})"
+        )
 
 
 def window_for(window_size, causal: bool, nq: int, nk: int) -> tuple[int, int]:
@@ -382,6 +466,24 @@ def _strides3(t: torch.Tensor):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+@dataclass(frozen=True)
+class Varlen:
+    """A packed batch (`flash_attn_varlen`): q (total_q, H, D), k/v (total_k, Hkv, D), sequence
+    b being rows cu_q[b]:cu_q[b + 1] of q and cu_k[b]:cu_k[b + 1] of k/v (int32 prefix sums, on
+    q's device); max_q, max_k bound the sequence lengths (they size the grid)."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+def _seq_strides(t: torch.Tensor, varlen: Varlen | None):
+    """(batch, row, head) strides of a (B, N, H, D) tensor; for a packed (total, H, D) one the
+    batch stride is 0: each sequence's programs start at its own row (kernels.py, VARLEN)."""
+    return _strides3(t) if varlen is None else (0, t.stride(0), t.stride(1))
+
+
 def forward(
     q,
     k,
@@ -392,27 +494,39 @@ def forward(
     split: SplitPlan | None = None,
     softcap: float = 0.0,
     window: tuple[int, int] = (-1, -1),
+    varlen: Varlen | None = None,
 ):
     """(o, lse) for 4-D q (B, Nq, H, D), k/v (B, Nk, Hkv, D); launches only (no autograd).
     softcap > 0 caps the scores (softcap * tanh(s / softcap)); window (left, right) as returned
-    by `window_for`.
+    by `window_for`. With `varlen`: packed q (total_q, H, D), k/v (total_k, Hkv, D), o like q
+    and lse (H, total_q).
 
     With neither `plan` nor `split` given, `split_plan` chooses between the dense forward and
     the split-KV one; a `plan` alone runs the dense forward with its tile, a `split` the split-KV
-    forward."""
+    forward (dense batches only)."""
     q, k, v = _unit_d(q), _unit_d(k), _unit_d(v)
-    b, nq, h, d = q.shape
-    nk, hkv = k.shape[1], k.shape[2]
-    d = int(d)  # compile-time in the kernels: specialise on it under dynamic shapes
-    o = torch.empty((b, nq, h, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
-    if b == 0:
-        return o, lse
-    if plan is None and split is None:
-        split = split_plan(q, k)
-    if split is not None:
-        _forward_split(q, k, v, o, lse, causal, scale, split, softcap, window)
-        return o, lse
+    d = int(q.shape[-1])  # compile-time in the kernels: specialise on it under dynamic shapes
+    if varlen is None:
+        b, nq, h = q.shape[:3]
+        nk, hkv = k.shape[1], k.shape[2]
+        o = torch.empty((b, nq, h, d), dtype=q.dtype, device=q.device)
+        lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
+        lse_strides = lse.stride(0), lse.stride(1)
+        if b == 0:
+            return o, lse
+        if plan is None and split is None:
+            split = split_plan(q, k)
+        if split is not None:
+            _forward_split(q, k, v, o, lse, causal, scale, split, softcap, window)
+            return o, lse
+    else:
+        b, nq, nk = varlen.cu_q.shape[0] - 1, varlen.max_q, varlen.max_k
+        h, hkv = q.shape[1], k.shape[1]
+        o = torch.empty((q.shape[0], h, d), dtype=q.dtype, device=q.device)
+        lse = torch.empty((h, q.shape[0]), dtype=torch.float32, device=q.device)
+        lse_strides = 0, lse.stride(0)
+        if q.shape[0] == 0 or k.shape[0] == 0:  # no rows, or rows that see no key
+            return o.zero_(), lse.fill_(-math.inf)
     upper, local, win_left, win_right = _window_args(causal, window)
     plan = plan or plan_for(d, upper, q.dtype, local)
     t = plan.fwd
@@ -424,10 +538,13 @@ def forward(
         v,
         o,
         lse,
-        *_strides3(q),
-        *_strides3(k),
-        *_strides3(v),
-        *_strides3(o),
+        None if varlen is None else varlen.cu_q,
+        None if varlen is None else varlen.cu_k,
+        *_seq_strides(q, varlen),
+        *_seq_strides(k, varlen),
+        *_seq_strides(v, varlen),
+        *_seq_strides(o, varlen),
+        *lse_strides,
         h,
         h // hkv,
         nq,
@@ -441,12 +558,13 @@ def forward(
         BLOCK_M=t.block_m,
         BLOCK_N=t.block_n,
         CAUSAL=upper,
-        EVEN_M=bool(nq % t.block_m == 0),
-        EVEN_N=bool(nk % t.block_n == 0),
+        EVEN_M=varlen is None and bool(nq % t.block_m == 0),
+        EVEN_N=varlen is None and bool(nk % t.block_n == 0),
         DOT_PREC=dot_precision(q.dtype),
         TMA=_tma_flag(t, k, v),
         SOFTCAP=softcap_mode,
         LOCAL=local,
+        VARLEN=varlen is not None,
         num_warps=t.warps,
         num_stages=t.stages,
     )
@@ -544,34 +662,48 @@ def backward(
     plan: Plan | None = None,
     softcap: float = 0.0,
     window: tuple[int, int] = (-1, -1),
+    varlen: Varlen | None = None,
 ):
-    """(dq, dk, dv) from the saved q, k, v, o, lse; dlse (or None) is the LSE's gradient."""
+    """(dq, dk, dv) from the saved q, k, v, o, lse; dlse (or None) is the LSE's gradient.
+    Layouts as in `forward` (packed with `varlen`)."""
     do, q, k, v, o = (_unit_d(t) for t in (do, q, k, v, o))
-    b, nq, h, d = q.shape
-    nk, hkv = k.shape[1], k.shape[2]
-    d = int(d)
+    d = int(q.shape[-1])
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    if b == 0:
-        return dq, dk, dv
+    if varlen is None:
+        b, nq, h = q.shape[:3]
+        nk, hkv = k.shape[1], k.shape[2]
+        rows_b, rows = b, nq  # delta's (batch, row) extent, as the LSE's
+        if b == 0:
+            return dq, dk, dv
+    else:
+        b, nq, nk = varlen.cu_q.shape[0] - 1, varlen.max_q, varlen.max_k
+        h, hkv = q.shape[1], k.shape[1]
+        rows_b, rows = 1, q.shape[0]
+        if q.shape[0] == 0 or k.shape[0] == 0:
+            return dq.zero_(), dk.zero_(), dv.zero_()
     upper, local, win_left, win_right = _window_args(causal, window)
     plan = plan or plan_for(d, upper, q.dtype, local)
     bd = block_d_for(d)
     prec = dot_precision(q.dtype)
     qk_scale, cap_scale, softcap_mode = _score_args(scale, softcap, q)
     lse = lse.contiguous()
-    delta = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
+    # delta like the LSE: (B, H, Nq), or (1, H, total_q) for a packed batch (whose rows the
+    # preprocess walks as one sequence); both read through (batch, head) strides.
+    delta = torch.empty((rows_b, h, rows), dtype=torch.float32, device=q.device)
+    lse_strides = (delta.stride(0) if varlen is None else 0), delta.stride(1)
+    cu_q, cu_k = (None, None) if varlen is None else (varlen.cu_q, varlen.cu_k)
     pre_m = INTERPRETER_FWD.block_m if interpreting() else PREPROCESS_BLOCK_M
-    launch(K.attn_bwd_preprocess_kernel)[(cdiv(nq, pre_m) * b * h,)](
+    launch(K.attn_bwd_preprocess_kernel)[(cdiv(rows, pre_m) * rows_b * h,)](
         o,
         do,
         delta if dlse is None else dlse.contiguous(),
         delta,
-        *_strides3(o),
-        *_strides3(do),
+        *_seq_strides(o, varlen),
+        *_seq_strides(do, varlen),
         h,
-        nq,
+        rows,
         HAS_DLSE=dlse is not None,
         HEAD_DIM=d,
         BLOCK_D=bd,
@@ -588,12 +720,15 @@ def backward(
         delta,
         dk,
         dv,
-        *_strides3(q),
-        *_strides3(k),
-        *_strides3(v),
-        *_strides3(do),
-        *_strides3(dk),
-        *_strides3(dv),
+        cu_q,
+        cu_k,
+        *_seq_strides(q, varlen),
+        *_seq_strides(k, varlen),
+        *_seq_strides(v, varlen),
+        *_seq_strides(do, varlen),
+        *_seq_strides(dk, varlen),
+        *_seq_strides(dv, varlen),
+        *lse_strides,
         h,
         hkv,
         h // hkv,
@@ -609,12 +744,13 @@ def backward(
         BLOCK_M=t.block_m,
         BLOCK_N=t.block_n,
         CAUSAL=upper,
-        EVEN_M=bool(nq % t.block_m == 0),
-        EVEN_N=bool(nk % t.block_n == 0),
+        EVEN_M=varlen is None and bool(nq % t.block_m == 0),
+        EVEN_N=varlen is None and bool(nk % t.block_n == 0),
         DOT_PREC=prec,
         TMA=_tma_flag(t, q, do),
         SOFTCAP=softcap_mode,
         LOCAL=local,
+        VARLEN=varlen is not None,
         num_warps=t.warps,
         num_stages=t.stages,
     )
@@ -627,11 +763,14 @@ def backward(
         lse,
         delta,
         dq,
-        *_strides3(q),
-        *_strides3(k),
-        *_strides3(v),
-        *_strides3(do),
-        *_strides3(dq),
+        cu_q,
+        cu_k,
+        *_seq_strides(q, varlen),
+        *_seq_strides(k, varlen),
+        *_seq_strides(v, varlen),
+        *_seq_strides(do, varlen),
+        *_seq_strides(dq, varlen),
+        *lse_strides,
         h,
         h // hkv,
         nq,
@@ -646,12 +785,13 @@ def backward(
         BLOCK_M=t.block_m,
         BLOCK_N=t.block_n,
         CAUSAL=upper,
-        EVEN_M=bool(nq % t.block_m == 0),
-        EVEN_N=bool(nk % t.block_n == 0),
+        EVEN_M=varlen is None and bool(nq % t.block_m == 0),
+        EVEN_N=varlen is None and bool(nk % t.block_n == 0),
         DOT_PREC=prec,
         TMA=_tma_flag(t, k, v),
         SOFTCAP=softcap_mode,
         LOCAL=local,
+        VARLEN=varlen is not None,
         num_warps=t.warps,
         num_stages=t.stages,
     )
@@ -714,25 +854,100 @@ def attn_bwd(
     return backward(do, q, k, v, o, lse, dlse, causal, scale, softcap=softcap, window=window)
 
 
-def _setup(ctx, inputs, output):
-    # The eager path passes only the arguments given (trailing defaults may be missing).
-    q, k, v, *options = inputs
-    o, lse = output
-    ctx.options = tuple(options)
-    ctx.save_for_backward(q, k, v, o, lse)
-    # An unused output's gradient arrives as None instead of a tensor of zeros.
-    ctx.set_materialize_grads(False)
+def _autograd(bwd_op, n_tensors: int):
+    """(backward, setup_context) of a forward op whose first n_tensors inputs are tensors (q, k,
+    v, then cu_seqlens for the packed op) and the rest options: the backward op gets
+    (do, q, k, v, o, lse, dlse, *other tensors, *options)."""
+
+    def setup(ctx, inputs, output):
+        # The eager path passes only the arguments given (trailing defaults may be missing).
+        ctx.options = tuple(inputs[n_tensors:])
+        ctx.save_for_backward(*inputs[:3], *output, *inputs[3:n_tensors])
+        # An unused output's gradient arrives as None instead of a tensor of zeros.
+        ctx.set_materialize_grads(False)
+
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, *tensors = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dk, dv = bwd_op(do, q, k, v, o, lse, dlse, *tensors, *ctx.options)
+        return dq, dk, dv, *(None,) * (len(tensors) + len(ctx.options))
+
+    return backward, setup
 
 
-def _backward(ctx, do, dlse):
-    q, k, v, o, lse = ctx.saved_tensors
-    if do is None:
-        do = torch.zeros_like(o)
-    dq, dk, dv = attn_bwd(do, q, k, v, o, lse, dlse, *ctx.options)
-    return dq, dk, dv, *(None,) * len(ctx.options)
-
-
+_backward, _setup = _autograd(attn_bwd, 3)
 attn_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+@define_op("kernelkit_flash_attn::attn_varlen_fwd")
+def attn_varlen_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float,
+    softcap: float = 0.0,
+    window_left: int = -1,
+    window_right: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    window = (window_left, window_right)
+    if not use_triton(q):
+        o, lse = attention_varlen_reference(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, softmax_scale=scale,
+            window_size=window, softcap=softcap, return_lse=True,
+        )  # fmt: skip
+        return o, lse.float()
+    varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return forward(q, k, v, causal, scale, softcap=softcap, window=window, varlen=varlen)
+
+
+@define_op("kernelkit_flash_attn::attn_varlen_bwd")
+def attn_varlen_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float,
+    softcap: float = 0.0,
+    window_left: int = -1,
+    window_right: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    window = (window_left, window_right)
+    if not use_triton(q):
+        with torch.enable_grad():
+            qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
+            o_r, lse_r = attention_varlen_reference(
+                qr, kr, vr, cu_seqlens_q, cu_seqlens_k, causal=causal, softmax_scale=scale,
+                window_size=window, softcap=softcap, return_lse=True,
+            )  # fmt: skip
+            outs, grads = [o_r], [do]
+            if dlse is not None:
+                outs.append(lse_r)
+                grads.append(dlse.to(lse_r.dtype))
+            dq, dk, dv = torch.autograd.grad(outs, (qr, kr, vr), grads, allow_unused=True)
+        return tuple(
+            torch.zeros_like(t) if g is None else g for g, t in zip((dq, dk, dv), (q, k, v))
+        )
+    varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return backward(do, q, k, v, o, lse, dlse, causal, scale, softcap=softcap, window=window,
+                    varlen=varlen)  # fmt: skip
+
+
+_varlen_backward, _varlen_setup = _autograd(attn_varlen_bwd, 5)
+attn_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup)
 
 
 def flash_attn(
@@ -774,13 +989,54 @@ def flash_attn(
     return (o, lse) if return_lse else o
 
 
+def flash_attn_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+):
+    """`flash_attn` over a packed batch of variable-length sequences (no padding).
+
+    q (total_q, H, D), k/v (total_k, Hkv, D); sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
+    of q and cu_seqlens_k[b]:cu_seqlens_k[b+1] of k/v (int32 prefix sums (num_seqs + 1,) on q's
+    device, starting at 0; sequences may be empty); max_seqlen_q/k >= the longest sequence (they
+    size the launch). Sequences never see each other; causal and window_size apply per
+    sequence, bottom-right aligned (shift = its Nk - Nq). Returns o (total_q, H, D) and with
+    return_lse=True the LSE (H, total_q) float32. What is validated and what is the caller's
+    contract (cu_seqlens values on the GPU): `validate_varlen`.
+    """
+    scale = validate_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
+    )
+    softcap = check_softcap(softcap)
+    left, right = window_for(window_size, causal, max_seqlen_q, max_seqlen_k)
+    if scale < 0:  # as in flash_attn
+        q, scale = -q, -scale
+    o, lse = attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             causal, scale, softcap, left, right)  # fmt: skip
+    return (o, lse) if return_lse else o
+
+
 __all__ = [
     "attn_bwd",
     "attn_fwd",
+    "attn_varlen_bwd",
+    "attn_varlen_fwd",
     "backward",
     "flash_attn",
+    "flash_attn_varlen",
     "forward",
     "plan_for",
     "split_plan",
     "validate",
+    "validate_varlen",
+    "window_for",
 ]

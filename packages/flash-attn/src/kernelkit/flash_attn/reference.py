@@ -84,3 +84,33 @@ def attention_reference(
     if three_d:
         lse = lse.squeeze(1)
     return o, lse
+
+
+def attention_varlen_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+):
+    """`flash_attn_varlen`'s contract by a loop over the sequences of `attention_reference`:
+    q (total_q, H, D), k/v (total_k, Hkv, D), o like q, LSE (H, total_q). max_seqlen_* are
+    accepted for a matching signature and not needed. Reads cu_seqlens on the host."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for q0, q1, k0, k1 in zip(cq, cq[1:], ck, ck[1:]):
+        o, lse = attention_reference(
+            q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal, softmax_scale,
+            return_lse=True, softcap=softcap, window_size=window_size,
+        )  # fmt: skip
+        outs.append(o[0])
+        lses.append(lse[0])
+    o = torch.cat(outs)
+    return (o, torch.cat(lses, dim=1)) if return_lse else o
