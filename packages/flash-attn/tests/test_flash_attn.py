@@ -634,6 +634,10 @@ def test_split_plan_rule(monkeypatch):
     forced = fa_op.split_plan(*_meta(1, 1, 300, 4, 1, 128), num_splits=4)
     assert (forced.splits, forced.split_len) == (3, 128)
     assert fa_op.split_plan(*_meta(1, 1, 300, 4, 1, 128), num_splits=99).splits == 5
+    # A sliding window: only the keys from the first query's window on are split.
+    assert fa_op.split_plan(*_meta(8, 1, 32768, 32, 8, 128), left=4095) == fa_op.SplitPlan(
+        decode, 6, 704, 28672
+    )
 
 
 # (B, Nq, Nk, H, Hkv, D, dtype, causal)

@@ -401,7 +401,16 @@ def attn_fwd_kernel(
 
 
 @triton.jit(
-    do_not_specialize=["Nq", "Nk", "num_splits", "split_len", "rows_pad", "win_left", "win_right"]
+    do_not_specialize=[
+        "Nq",
+        "Nk",
+        "num_splits",
+        "split_len",
+        "rows_pad",
+        "k_start",
+        "win_left",
+        "win_right",
+    ]
 )
 def attn_fwd_split_kernel(
     Q,
@@ -427,6 +436,7 @@ def attn_fwd_split_kernel(
     num_splits,
     split_len,
     rows_pad,
+    k_start,
     win_left,
     win_right,
     HEAD_DIM: tl.constexpr,
@@ -440,7 +450,8 @@ def attn_fwd_split_kernel(
     LOCAL: tl.constexpr,
 ):
     """Partial attention of BLOCK_M packed query rows of one kv head over the keys of one split,
-    [split * split_len, (split + 1) * split_len) (split_len: a multiple of BLOCK_N)."""
+    k_start + [split * split_len, (split + 1) * split_len) (split_len and k_start: multiples of
+    BLOCK_N; k_start > 0 skips keys no window reaches)."""
     qk_scale = tl.cast(qk_scale, tl.float32)
     cap_scale = tl.cast(cap_scale, tl.float32)
     # Program order: row block fastest, then split, then (batch, kv head): the row blocks that
@@ -477,7 +488,7 @@ def attn_fwd_split_kernel(
     # keeps the neutral partial); only blocks on the window's edges need the mask.
     first_q = start_r // GROUP
     last_q = tl.minimum((start_r + BLOCK_M - 1) // GROUP, Nq - 1)
-    k_lo = split * split_len
+    k_lo = k_start + split * split_len
     lo, mid_lo, mid_hi, hi = _ranges(first_q, last_q, k_lo, tl.minimum(k_lo + split_len, Nk),
                                      lo_shift, hi_shift, BLOCK_N, LOCAL, CAUSAL, True)  # fmt: skip
     if LOCAL:

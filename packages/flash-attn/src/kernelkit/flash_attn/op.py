@@ -333,11 +333,13 @@ def plan_for(d: int, causal: bool, dtype: torch.dtype, local: bool = False) -> P
 @dataclass(frozen=True)
 class SplitPlan:
     """Split-KV forward: `tile` (BLOCK_M packed query rows, BLOCK_N keys per step) over
-    `splits` runs of `split_len` keys (a multiple of BLOCK_N; the last run may be shorter)."""
+    `splits` runs of `split_len` keys (a multiple of BLOCK_N; the last run may be shorter),
+    the first from key `start` (a block boundary: keys before it are outside every window)."""
 
     tile: Tile
     splits: int
     split_len: int
+    start: int = 0
 
 
 def split_tile(rows: int, d: int, dtype: torch.dtype) -> Tile:
@@ -352,7 +354,7 @@ def split_tile(rows: int, d: int, dtype: torch.dtype) -> Tile:
     return Tile(bm, *table[block_d_for(d)])
 
 
-def split_plan(q, k, num_splits: int | None = None, tile: Tile | None = None):
+def split_plan(q, k, num_splits: int | None = None, tile: Tile | None = None, left: int = -1):
     """The split-KV plan for q (B, Nq, H, D), k (B, Nk, Hkv, D), or None for the dense forward.
 
     Automatic (num_splits None): when T = B * Hkv * ceil(GROUP * Nq / BLOCK_M) query tiles (the
@@ -360,11 +362,15 @@ def split_plan(q, k, num_splits: int | None = None, tile: Tile | None = None):
     into S = min(SPLIT_WAVES * SMs // T, Nk // max(SPLIT_MIN_KEYS, SPLIT_KEYS_PER_ROW * padded
     rows), SPLIT_MAX) runs. The split path is taken when S >= 2, and always (S >= 1) for
     Nq <= DECODE_MAX_NQ. num_splits forces at most that many splits (runs of whole key blocks of
-    equal length, so 5 blocks in 4 splits are 3 runs of 2, 2, 1); tile forces the tile."""
+    equal length, so 5 blocks in 4 splits are 3 runs of 2, 2, 1); tile forces the tile. A
+    sliding window's left edge (`left` >= 0, as `window_for` returns it) leaves the keys before
+    the first query's window out: only the rest is split."""
     b, nq, h, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
     rows = (h // hkv) * nq
     tile = tile or split_tile(rows, int(d), q.dtype)
+    start = max(0, nk - nq - left) // tile.block_n * tile.block_n if left >= 0 else 0
+    nk -= start
     key_blocks = cdiv(nk, tile.block_n)
     if num_splits is None:
         waves, min_keys, keys_per_row, most = (
@@ -379,7 +385,7 @@ def split_plan(q, k, num_splits: int | None = None, tile: Tile | None = None):
         if num_splits < 2 and nq > DECODE_MAX_NQ:
             return None
     blocks = cdiv(key_blocks, max(1, min(num_splits, key_blocks)))
-    return SplitPlan(tile, cdiv(key_blocks, blocks), blocks * tile.block_n)
+    return SplitPlan(tile, cdiv(key_blocks, blocks), blocks * tile.block_n, start)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -515,7 +521,7 @@ def forward(
         if b == 0:
             return o, lse
         if plan is None and split is None:
-            split = split_plan(q, k)
+            split = split_plan(q, k, left=window[0])
         if split is not None:
             _forward_split(q, k, v, o, lse, causal, scale, split, softcap, window)
             return o, lse
@@ -615,6 +621,7 @@ def _forward_split(
         split.splits,
         split.split_len,
         rows_pad,
+        split.start,
         win_left,
         win_right,
         HEAD_DIM=d,
