@@ -6,9 +6,11 @@ so it works from a source checkout on an offline GPU machine (no uv, no nox).
     python ci/bench.py act -k "fwd and relu" # a subset (pytest -k)
     python ci/bench.py act --render-only packages/act/benchmarks/results/NVIDIA-H100-80GB-HBM3.json
     python ci/bench.py act -k model --merge  # re-measure a subset, keep the other committed cells
+    python ci/bench.py flash-attn -k flash_table --name flash-table  # results/<GPU>-flash-table.*
 
 Writes results/<GPU>.json (pytest-benchmark JSON), results/<GPU>.md (seed-style tables: one column
 per provider, speed and memory, fwd and bwd, plus GB/s or TFLOP/s) and results/<GPU>.png (a plot).
+With --name NAME the files are results/<GPU>-NAME.*: a subset run does not replace the full one.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -78,12 +79,20 @@ def merge(new: dict, old: dict) -> dict:
     return merged
 
 
-def render(package: str, runs: list[dict], results: Path) -> Path:
+def _slug(run: dict, name: str | None) -> str:
+    sys.path.insert(0, str(ROOT / "shared" / "src"))
+    from kernelkit.shared.report import slug
+
+    gpu = run.get("machine_info", {}).get("kernelkit", {}).get("gpu", "unknown")
+    return slug(gpu if not name else f"{gpu}-{name}")
+
+
+def render(package: str, runs: list[dict], results: Path, name: str | None = None) -> Path:
     sys.path.insert(0, str(ROOT / "shared" / "src"))
     from kernelkit.shared.report import render_markdown, render_plot
 
     gpu = runs[0].get("machine_info", {}).get("kernelkit", {}).get("gpu", "unknown")
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-")
+    slug = _slug(runs[0], name)
     results.mkdir(parents=True, exist_ok=True)
     md = render_markdown(runs, f"{package} benchmarks on {gpu}")
     (results / f"{slug}.md").write_text(md + "\n")
@@ -110,6 +119,7 @@ def main() -> int:
         action="store_true",
         help="keep the cells of the committed results/<GPU>.json that this run did not measure",
     )
+    ap.add_argument("--name", help="results/<GPU>-NAME.* instead of results/<GPU>.*")
     args, extra = ap.parse_known_args()
     results = (
         Path(args.results)
@@ -118,7 +128,7 @@ def main() -> int:
     )
     if args.render_only:
         runs = [json.loads(Path(p).read_text()) for p in args.render_only]
-        render(args.package, runs, results)
+        render(args.package, runs, results, args.name)
         return 0
     if args.k:
         extra += ["-k", args.k]
@@ -129,13 +139,12 @@ def main() -> int:
             print(f"no benchmark JSON written (pytest exit code {rc})", file=sys.stderr)
             return rc or 1
         run = json.loads(json_path.read_text())
-    gpu = run.get("machine_info", {}).get("kernelkit", {}).get("gpu", "unknown")
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-")
+    slug = _slug(run, args.name)
     results.mkdir(parents=True, exist_ok=True)
     if args.merge and (results / f"{slug}.json").exists():
         run = merge(run, json.loads((results / f"{slug}.json").read_text()))
     (results / f"{slug}.json").write_text(json.dumps(run, indent=1) + "\n")
-    render(args.package, [run], results)
+    render(args.package, [run], results, args.name)
     return rc
 
 

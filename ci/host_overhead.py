@@ -1,57 +1,81 @@
-"""Host cost per call of each op's eager path at a tiny shape, where the GPU work is negligible.
+"""Host cost per call of each op's eager path, next to eager PyTorch and torch.compile.
 
-    PYTHONPATH=shared/src:packages/act/src:packages/lrpe-rotate/src:packages/lrpe-cosine/src \
-        python ci/host_overhead.py [--profile]
+    PYTHONPATH=shared/src:packages/act/src:packages/lrpe-core/src:packages/lrpe-rotate/src:\
+packages/lrpe-cosine/src python ci/host_overhead.py [--shape small|tiny] [--no-breakdown] [--profile]
+    python ci/host_overhead.py --cpu     # the act breakdown on a machine without a GPU
 
-For forward and backward it prints microseconds per call with the host free-running (no sync
-between calls: the rate at which Python can issue the op) next to torch.compile of the same
-reference, and with --profile the functions that take the host time of our forward + backward
-(autograd's device thread is turned off there so that cProfile sees the backward). Small-N
-rows of the benchmark tables are bounded by these numbers, not by the kernels.
+Per op, microseconds of host time per call (the clock runs while Python issues the calls, not
+while the GPU drains them) for ours, eager PyTorch (the reference) and torch.compile of the
+reference: forward without and with autograd recording (x requires grad), and backward
+(`y.backward(dy)`). Where this exceeds the kernels' device time, a call costs this much.
+
+Then (unless --no-breakdown), for the act ops, where the microseconds of our eager path go,
+step by step (launch, plan lookup, allocation, KernelOp checks, autograd wrapper, validation),
+measured by timing nested layers of the path and differencing; Triton's own
+`kernel[grid](...)` for the same launch is printed beside the cached launch it replaces (the
+"before" of that step).
+--cpu: the same breakdown on CPU: Triton's launch path runs against kernelkit.shared's fake
+CUDA driver (no compile; the C launcher replaced by a no-op), so every step but the driver
+call itself is measured. Absolute numbers depend on the host CPU.
+--profile: the functions that take the host time of our forward + backward (cProfile).
+
+To compare with an older checkout, run this script with that checkout's sources first on
+PYTHONPATH (the per-op table uses only the public API; the breakdown needs this branch's).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
+import sys
 import time
 
-import torch
-
-from kernelkit.act import act
-from kernelkit.act.reference import act_reference
-from kernelkit.lrpe_cosine import lrpe_cosine
-from kernelkit.lrpe_cosine.reference import lrpe_cosine_reference
-from kernelkit.lrpe_rotate import lrpe_rotate
-from kernelkit.lrpe_rotate.reference import lrpe_rotate_reference
-from kernelkit.shared.bench import torch_compile
-
-B, N, H, D = 1, 64, 2, 64
-CALLS = 400
+SHAPES = {"tiny": (1, 64, 2, 64), "small": (1, 256, 32, 128)}
+CALLS = 200  # per timed loop: below the GPU's launch queue depth (1024)
 
 
-def per_call_us(fn, calls=CALLS):
+def sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def per_call_us(fn, calls=CALLS, rounds=5):
+    """Host time per call: best of `rounds` loops of `calls` calls, the clock stopped before the
+    closing sync (fewer launches than the GPU's queue holds, so issuing never waits for it)."""
     for _ in range(20):
         fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
+    best = float("inf")
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    sync()
+    return best
 
 
-def cases():
-    theta = 10000.0 ** (-torch.arange(D, device="cuda", dtype=torch.float32) / D)
-    theta = theta.expand(H, D).contiguous()
+def op_cases(shape):
+    import torch
+
+    from kernelkit.act import act
+    from kernelkit.act.reference import act_reference
+    from kernelkit.lrpe_cosine import lrpe_cosine
+    from kernelkit.lrpe_cosine.reference import lrpe_cosine_reference
+    from kernelkit.lrpe_rotate import lrpe_rotate
+    from kernelkit.lrpe_rotate.reference import lrpe_rotate_reference
+
+    _, _, h, d = shape
+    theta = 10000.0 ** (-torch.arange(d, device="cuda", dtype=torch.float32) / d)
+    theta = theta.expand(h, d).contiguous()
+    half = theta[:, : d // 2].contiguous()
     yield "act silu", lambda x: act(x, "silu"), lambda x: act_reference(x, "silu")
-    yield (
-        "act softmax -1",
-        lambda x: act(x, "softmax", -1),
-        lambda x: act_reference(x, "softmax", -1),
-    )
-    half = theta[:, : D // 2].contiguous()
+    yield "act softmax -1", lambda x: act(x, "softmax", -1), lambda x: torch.softmax(x, -1)
+    yield "act softmax N", lambda x: act(x, "softmax", 1), lambda x: torch.softmax(x, 1)
     yield (
         "lrpe_rotate none",
         lambda x: lrpe_rotate(x, half),
@@ -63,44 +87,235 @@ def cases():
         lambda x: lrpe_cosine_reference(x, theta),
     )
     yield (
-        "lrpe_cosine softmax 1",
+        "lrpe_cosine softmax N",
         lambda x: lrpe_cosine(x, theta, act="softmax", dim=1),
         lambda x: lrpe_cosine_reference(x, theta, 0, "softmax", 1),
     )
 
 
+def fwd_bwd_us(f, shape):
+    """(forward, forward with x requiring grad, backward) us per call."""
+    import torch
+
+    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    xg = x.clone().requires_grad_()
+    y = f(xg)
+    dy = torch.randn_like(y)
+
+    def bwd():
+        xg.grad = None
+        y.backward(dy, retain_graph=True)
+
+    return per_call_us(lambda: f(x)), per_call_us(lambda: f(xg)), per_call_us(bwd)
+
+
+def op_table(shape, profile):
+    from kernelkit.shared.bench import torch_compile
+
+    print(f"host us per call, bf16 {shape}: ours / eager PyTorch / torch.compile")
+    head = "".join(f"{h:>22s}" for h in ("fwd", "fwd, x requires grad", "bwd"))
+    print(f"{'case':22s}{head}")
+    for name, ours, ref in op_cases(shape):
+        try:
+            cols = [fwd_bwd_us(f, shape) for f in (ours, ref, torch_compile(ref))]
+        except Exception as e:  # a package mid-refactor must not hide the other rows
+            print(f"{name:22s} failed: {type(e).__name__}: {e}")
+            continue
+        cells = "".join(f"{' / '.join(f'{c[i]:.1f}' for c in cols):>22s}" for i in range(3))
+        print(f"{name:22s}{cells}")
+        if profile:
+            profile_case(ours, shape)
+
+
+def profile_case(ours, shape):
+    import torch
+
+    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = ours(x)
+    dy = torch.randn_like(y)
+    prof = cProfile.Profile()
+    with torch.autograd.set_multithreading_enabled(False):
+        prof.enable()
+        for _ in range(200):
+            y.backward(dy, retain_graph=True)
+            ours(x)
+        sync()
+        prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Breakdown of the act ops' eager path
+# ---------------------------------------------------------------------------------------------
+
+
+def act_breakdown(shape, device):
+    """{case: {step: us}} for silu / softmax -1 / softmax over N, forward and backward."""
+    import torch
+
+    import kernelkit.act.op as O
+    from kernelkit.act import act
+
+    x = torch.randn(*shape, device=device, dtype=torch.bfloat16)
+    xg = x.clone().requires_grad_()
+    dy = torch.randn_like(x)
+    out = torch.empty_like(x)
+    cases = [("silu", "silu", None), ("softmax -1", "softmax", 3), ("softmax N", "softmax", 1)]
+    return {name: _act_case(O, act, a, dim, x, xg, dy, out) for name, a, dim in cases}
+
+
+def _act_case(O, act, a, dim, x, xg, dy, out):
+    import torch
+
+    y = act(xg, a, dim)
+    y.backward(dy, retain_graph=True)  # builds the forward and backward plans
+    yd = y.detach()
+    if dim is None:
+        fplan = O._PLANS[(id(O.K.act_fwd_kernel), a, x.numel())]
+        bplan = O._PLANS[(id(O.K.act_bwd_kernel), a, x.numel())]
+        fwd = [
+            ("launch (cached)", lambda: fplan(x, out)),
+            (
+                "+ plan lookup, empty_like",
+                lambda: O._elementwise(O.K.act_fwd_kernel, torch.empty_like(x), x, act=a),
+            ),
+            ("+ use_triton", lambda: O.act_fwd.fn(x, a)),
+            ("+ KernelOp checks", lambda: O.act_fwd(x, a)),
+        ]
+        bwd = [
+            ("launch (cached)", lambda: bplan(x, dy, out)),
+            (
+                "+ plan lookup, empty_like",
+                lambda: O._elementwise(O.K.act_bwd_kernel, torch.empty_like(x), x, dy, act=a),
+            ),
+            ("+ use_triton", lambda: O.act_bwd.fn(x, dy, a)),
+            ("+ KernelOp checks", lambda: O.act_bwd(x, dy, a)),
+        ]
+    else:
+        dev = x.get_device()
+        fplan = O._PLANS[("fwd", dim, dev, x.shape, x.stride(), out.stride())]
+        bplan = O._PLANS[("bwd", dim, dev, x.shape, x.stride(), dy.stride(), out.stride())]
+        fwd = [
+            ("launch (cached)", lambda: fplan(x, out)),
+            ("+ plan lookup, empty_like", lambda: O._softmax_fwd(x, dim)),
+            ("+ use_triton", lambda: O.softmax_fwd.fn(x, dim)),
+            ("+ KernelOp checks", lambda: O.softmax_fwd(x, dim)),
+        ]
+        bwd = [
+            ("launch (cached)", lambda: bplan(yd, dy, out)),
+            ("+ plan lookup, empty_like", lambda: O._softmax_bwd(yd, dy, dim)),
+            ("+ use_triton", lambda: O.softmax_bwd.fn(yd, dy, dim)),
+            ("+ KernelOp checks", lambda: O.softmax_bwd(yd, dy, dim)),
+        ]
+    fwd.append(("+ validate: act(x), no grad", lambda: act(x, a, dim)))
+    col = {**_layers("fwd", fwd), **_layers("bwd", bwd)}
+    col["fwd: act(x), x requires grad"] = per_call_us(lambda: act(xg, a, dim))
+
+    def backward(y=y):
+        xg.grad = None
+        y.backward(dy, retain_graph=True)
+
+    col["bwd: y.backward(dy) (engine + our backward)"] = per_call_us(backward)
+    return col
+
+
+def _layers(direction, layers):
+    """us of each nested layer and of each step (its layer minus the previous one)."""
+    rows, prev = {}, 0.0
+    for step, fn in layers:
+        if fn is None:
+            continue
+        total = per_call_us(fn)
+        rows[f"{direction}: {step}"] = total - prev
+        prev = total
+    rows[f"{direction}: total without autograd"] = prev
+    return rows
+
+
+def triton_launch_us(shape, device):
+    """Triton's own kernel[grid](...) for the silu forward launch: the launch step before."""
+    import torch
+
+    import kernelkit.act.op as O
+
+    x = torch.randn(*shape, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    n = x.numel()
+    grid = (O.cdiv(n, O.ELEMENTWISE_BLOCK),)
+    args = (x, out, n, 1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1)
+    kw = {"ACT": "silu", "FLAT": True, "BLOCK": O.ELEMENTWISE_BLOCK, "num_warps": 8}
+    return per_call_us(lambda: O.K.act_fwd_kernel[grid](*args, **kw))
+
+
+def eager_reference_us(shape, device):
+    import torch
+
+    x = torch.randn(*shape, device=device, dtype=torch.bfloat16)
+    xg = x.clone().requires_grad_()
+    y = torch.nn.functional.silu(xg)
+    dy = torch.randn_like(x)
+
+    def bwd():
+        xg.grad = None
+        y.backward(dy, retain_graph=True)
+
+    return {
+        "eager torch.add (no grad)": per_call_us(lambda: torch.add(x, x)),
+        "eager silu fwd (x requires grad)": per_call_us(lambda: torch.nn.functional.silu(xg)),
+        "eager silu bwd: y.backward(dy)": per_call_us(bwd),
+    }
+
+
+def print_breakdown(shape, device):
+    cols = act_breakdown(shape, device)
+    names = list(cols)
+    rows = list(dict.fromkeys(r for n in names for r in cols[n]))
+    print(f"\nact eager path, us per call, bf16 {shape} on {device} (steps are differences)")
+    print(f"{'step':46s}" + "".join(f"{n:>12s}" for n in names))
+    for row in rows:
+        cells = "".join(f"{cols[n][row]:12.2f}" if row in cols[n] else " " * 12 for n in names)
+        print(f"{row:46s}{cells}")
+    row = "Triton kernel[grid](...) for the silu launch"
+    print(f"{row:46s}{triton_launch_us(shape, device):12.2f}")
+    # On CPU, eager PyTorch at this size is compute: its dispatch cost shows on a tiny tensor.
+    ref_shape = shape if device == "cuda" else (1, 1, 1, 8)
+    for row, us in eager_reference_us(ref_shape, device).items():
+        print(f"{row + ('' if ref_shape == shape else ' (tiny)'):46s}{us:12.2f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None)
+    ap.add_argument("--no-breakdown", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--cpu", action="store_true", help="act breakdown on CPU (fake driver)")
     args = ap.parse_args()
-    print(f"{'case':24s} {'fwd us':>8s} {'compile':>8s} {'bwd us':>8s} {'compile':>8s}")
-    for name, ours, ref in cases():
-        row = []
-        for f in (ours, torch_compile(ref)):
-            x = torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            y = f(x)
-            dy = torch.randn_like(y)
-            row.append(per_call_us(lambda f=f, x=x: f(x.detach())))
+    if args.cpu:
+        return cpu_breakdown(SHAPES[args.shape or "small"])
+    for name in [args.shape] if args.shape else ["tiny", "small"]:
+        op_table(SHAPES[name], args.profile)
+        print()
+    import kernelkit.act.op as act_op
 
-            def bwd(y=y, dy=dy, x=x):
-                x.grad = None
-                y.backward(dy, retain_graph=True)
+    if args.no_breakdown:
+        return None
+    if not hasattr(act_op, "_PLANS"):  # an older checkout: no cached plans to break down
+        print("breakdown: not available for this checkout (no cached launch plans)")
+        return None
+    return print_breakdown(SHAPES[args.shape or "small"], "cuda")
 
-            row.append(per_call_us(bwd))
-        print(f"{name:24s} {row[0]:8.1f} {row[2]:8.1f} {row[1]:8.1f} {row[3]:8.1f}")
-        if args.profile:
-            x = torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            y = ours(x)
-            dy = torch.randn_like(y)
-            prof = cProfile.Profile()
-            with torch.autograd.set_multithreading_enabled(False):
-                prof.enable()
-                for _ in range(200):
-                    y.backward(dy, retain_graph=True)
-                    ours(x.detach())
-                torch.cuda.synchronize()
-                prof.disable()
-            pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+
+def cpu_breakdown(shape):
+    """Run the act ops' GPU launch path on CPU tensors against the fake CUDA driver."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    if "kernelkit.act" in sys.modules:
+        raise RuntimeError("--cpu must patch use_triton before kernelkit.act is imported")
+    import kernelkit.shared.runtime as runtime
+    from kernelkit.shared.fake_driver import fake_cuda
+
+    runtime.use_triton = lambda t: True  # CPU tensors take the Triton path
+    with fake_cuda(record=False):
+        print_breakdown(shape, "cpu")
 
 
 if __name__ == "__main__":

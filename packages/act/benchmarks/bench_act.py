@@ -1,9 +1,14 @@
-"""act benchmark suite: reproduces ../shared/seeds/000_23d4463f1f0fa7d1.txt on our GPU.
+"""act benchmark suite: reproduces ../shared/seeds/000_23d4463f1f0fa7d1.txt on our GPU, plus the
+model shapes users run (kernelkit.shared.bench.MODEL_SHAPES).
 
-x = (12, 12, N, 128) bf16 in (B, H, N, D) layout, so dim=-2 is the sequence axis. One test per
-(case, N, provider); forward and backward time and peak memory, GB/s and % of copy bandwidth.
-`python ci/bench.py act` runs it on a GPU and renders the seed-style tables. Without a GPU
-(CI smoke mode, --benchmark-disable) every test runs once on a tiny shape.
+Seed table: x = (12, 12, N, 128) bf16 in (B, H, N, D) layout, so dim=-2 is the sequence axis;
+one cell per (case, N, provider), forward and backward. Model table: x = (B, N, H, D) as a model
+feeds it, decode (8, 1, 32, 128), small (1, 256, 32, 128) and training (8, 4096, 32, 128); silu,
+softmax over the last dim (D) and over N (dim 1). Small sizes are bounded by the host cost per
+call (NOTES.md), large ones by memory bandwidth. Ideal traffic in units of x's bytes: forward
+read x + write y (2; none is an alias: 0), backward read the saved tensor and dy, write dx (3).
+`python ci/bench.py act` runs it on a GPU and renders the seed-style tables; without a GPU (CI
+smoke mode, --benchmark-disable) every cell runs once on a tiny shape.
 """
 
 import pytest
@@ -11,12 +16,11 @@ import torch
 
 from kernelkit.act import act
 from kernelkit.act.reference import act_reference
-from kernelkit.shared.bench import provider_fn, record
+from kernelkit.shared.bench import OpSuite
 
 GPU = torch.cuda.is_available()
 B, H, D = (12, 12, 128) if GPU else (1, 2, 16)
 NS = [256 * 2**i for i in range(8)] if GPU else [33]
-DTYPE = torch.bfloat16
 CASES = [
     ("relu", None),
     ("sigmoid", None),
@@ -25,68 +29,36 @@ CASES = [
     ("softmax", -1),
     ("softmax", -2),
 ]
+MODEL_CASES = [("silu", None), ("softmax", -1), ("softmax", 1)]
+MODELS = ["decode", "small", "train"]
 PROVIDERS = ["triton", "torch", "torch_compile"]
 
 
-def fn_for(provider, a, dim):
-    return provider_fn(provider, act, act_reference, act=a, dim=dim)
-
-
-def tag_for(a, dim):
-    d = "" if dim is None else f"-dim_{dim}"
-    return f"batch{B}-head{H}-dim{D}-act_{a}{d}-bf16"
-
-
-def make_x(n, requires_grad=False):
+def inputs(shape, x_grad, _param_grad):
     dev = "cuda" if GPU else "cpu"
-    return torch.randn(B, H, n, D, dtype=DTYPE, device=dev, requires_grad=requires_grad)
+    return (torch.randn(*shape, dtype=torch.bfloat16, device=dev, requires_grad=x_grad),)
 
 
-def case_id(c):
-    return c[0] if c[1] is None else f"{c[0]}{c[1]}"
+def traffic(direction, a, x, _param_grad):
+    units = (0 if a == "none" else 2) if direction == "fwd" else 3
+    return units * x.numel() * x.element_size() or None
 
 
-@pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("n", NS)
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_fwd(benchmark, case, n, provider):
-    a, dim = case
-    x = make_x(n)
-    f = fn_for(provider, a, dim)
-    benchmark.group = f"act-fwd-{tag_for(a, dim)}"
-    # Ideal bytes: read x, write y (the alias of act="none" moves nothing).
-    nbytes = 0 if a == "none" else 2 * x.numel() * x.element_size()
-    record(
-        benchmark,
-        lambda: f(x),
-        op="act",
-        direction="fwd",
-        tag=tag_for(a, dim),
-        x=n,
-        provider=provider,
-        bytes_moved=nbytes or None,
-    )
+SUITE = OpSuite("act", act, act_reference, inputs, traffic, f"batch{B}-head{H}-dim{D}")
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("n", NS)
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_bwd(benchmark, case, n, provider):
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_seed(benchmark, direction, case, n, provider):
+    SUITE.seed_cell(benchmark, direction, case, (B, H, n, D), n, provider)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("case", MODEL_CASES, ids=str)
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_model(benchmark, direction, case, model, provider):
     a, dim = case
-    x = make_x(n, requires_grad=True)
-    y = fn_for(provider, a, dim)(x)
-    dy = torch.randn_like(y)
-    benchmark.group = f"act-bwd-{tag_for(a, dim)}"
-    # Ideal bytes: read the saved tensor and dy, write dx.
-    nbytes = 3 * x.numel() * x.element_size()
-    record(
-        benchmark,
-        lambda: y.backward(dy, retain_graph=True),
-        op="act",
-        direction="bwd",
-        tag=tag_for(a, dim),
-        x=n,
-        provider=provider,
-        bytes_moved=nbytes,
-        grad_to_none=[x],
-    )
+    SUITE.model_cell(benchmark, direction, a, False, model, provider, dim=dim)

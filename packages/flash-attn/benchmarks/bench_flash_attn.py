@@ -48,7 +48,8 @@ SDPA = {
     "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
 # Bytes per score element an eager forward+backward holds at its peak (bf16 scores, the masked
-# copy, probabilities, their gradient and the scores' gradient), for the OOM estimate.
+# copy, probabilities, their gradient and the scores' gradient), for the OOM estimate; twice
+# that for float32 inputs.
 EAGER_BYTES_PER_SCORE = 10
 
 
@@ -60,11 +61,16 @@ def fwd_flops(b, h, n, d, causal):
     return 4.0 * b * h * n * n * d / (2 if causal else 1)
 
 
-def eager_fits(b, h, n):
+def eager_fits(b, h, n, dtype=DTYPE):
     if not GPU:
         return True
-    free, _ = torch.cuda.mem_get_info()
-    return EAGER_BYTES_PER_SCORE * b * h * n * n < 0.9 * free
+    # what the caching allocator holds but does not use is free too (an earlier eager cell's
+    # blocks would otherwise turn the next cell into a false OOM, as torch_compile fwd at 8k did)
+    free = (
+        torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    )
+    per_score = EAGER_BYTES_PER_SCORE * dtype.itemsize / 2
+    return per_score * b * h * n * n < 0.9 * free
 
 
 @functools.cache
@@ -91,12 +97,12 @@ def attention_fn(provider, causal):
     return compiled(causal), "bnhd"
 
 
-def make_inputs(shape, layout):
+def make_inputs(shape, layout, dtype=DTYPE):
     """q, k, v (requiring grad) and a gradient for o, shape (B, N, H, D) or (B, N, D)."""
     g = torch.Generator(device=DEVICE).manual_seed(0)
 
     def r(requires_grad=True):
-        t = torch.randn(shape, dtype=DTYPE, device=DEVICE, generator=g)
+        t = torch.randn(shape, dtype=dtype, device=DEVICE, generator=g)
         if layout == "bhnd" and t.dim() == 4:
             t = t.transpose(1, 2).contiguous()
         elif layout == "bhnd":  # 3-D (B, N, D): one head for SDPA
@@ -125,17 +131,17 @@ def direction_call(fn, inputs, o, do, direction):
     return lambda: fn(*inputs).backward(do)
 
 
-def run_case(benchmark, *, op, tag, x, shape, causal, provider, direction, flops):
+def run_case(benchmark, *, op, tag, x, shape, causal, provider, direction, flops, dtype=DTYPE):
     fn, layout = attention_fn(provider, causal)
     info = {"layout": layout}
     b, n = shape[0], shape[1]
     h = shape[2] if len(shape) == 4 else 1
-    if provider in ("torch", "torch_compile") and not eager_fits(b, h, n):
+    if provider in ("torch", "torch_compile") and not eager_fits(b, h, n, dtype):
         info["oom_estimated"] = True
         record(benchmark, _raise_oom, op=op, direction=direction, tag=tag, x=x,
                provider=provider, flops=flops, info=info)  # fmt: skip
         return
-    q, k, v, do = make_inputs(shape, layout)
+    q, k, v, do = make_inputs(shape, layout, dtype)
     try:
         o = fn(q, k, v)
     except torch.OutOfMemoryError:

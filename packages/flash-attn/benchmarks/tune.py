@@ -1,8 +1,11 @@
-"""Compare flash-attn tiles and the SDPA backends on the GPU (bf16, suite-1 shapes).
+"""Compare flash-attn tiles and the SDPA backends on the GPU (bf16, suite-1 shapes; --flash-table:
+suite 2's B = H = 1 causal shapes, d = 16/32 and float32).
 
     PYTHONPATH=packages/flash-attn/src:shared/src python packages/flash-attn/benchmarks/tune.py
     ... tune.py --compile-only --shard 3/8   # fill Triton's cache in parallel first
     ... tune.py --n 16384 --cases 128:0       # other sizes / a subset of (d:causal) cases
+    ... tune.py --flash-table --screen --shard 0/2   # CPU only: sm_90a registers / spills
+    ... tune.py --flash-table --compile-only --shard 3/16 ; tune.py --flash-table  # GPU
 
 For each case (d, causal) at N (B = 16384 / N, H = 2048 / d) it prints ms and TFLOP/s of the
 forward for each forward tile, of the backward for each dk/dv tile (dq tile fixed at the default)
@@ -61,6 +64,86 @@ AB_PLANS = {
     (128, False): {"tma, dq s4": (None, None, (128, 64, 8, 4, True))},
     (128, True): {"tma, dkdv s3, dq s4": (None, (64, 128, 8, 3, True), (128, 64, 8, 4, True))},
 }  # fmt: skip
+# --flash-table: suite 2's shapes (B = 1, H = 1, causal), head dims and dtypes whose tiles were
+# never timed. Candidates per kernel as (BM, BN, warps, stages[, tma]); op.py's tile is always
+# timed too. Screened for sm_90a on CPU (--screen): candidates that spill more than op.py's own
+# tile were dropped (NOTES.md, "Seed study").
+_BF16_SMALL_D = {
+    "fwd": [
+        (128, 128, 8, 3),
+        (64, 64, 4, 3),
+        (64, 128, 4, 3),
+        (128, 64, 8, 3),
+        (128, 32, 4, 3),
+        (128, 64, 4, 3, True),
+    ],
+    "dkdv": [
+        (64, 128, 4, 3),
+        (32, 128, 4, 3),
+        (64, 64, 4, 3),
+        (32, 64, 4, 3),
+        (128, 64, 8, 3),
+        (64, 64, 4, 3, True),
+        (64, 128, 8, 2, True),
+    ],
+    "dq": [
+        (128, 64, 4, 3),
+        (128, 128, 8, 3),
+        (64, 64, 4, 3),
+        (64, 128, 4, 3),
+        (128, 32, 4, 3),
+        (128, 64, 8, 3, True),
+        (128, 64, 8, 4, True),
+    ],
+}
+_FP32_SMALL_D = {
+    "fwd": [
+        (64, 64, 4, 2),
+        (128, 32, 4, 2),
+        (128, 64, 8, 2),
+        (64, 32, 4, 3),
+        (32, 32, 4, 2),
+        (64, 32, 4, 2, True),
+    ],
+    "dkdv": [
+        (32, 64, 4, 2),
+        (32, 32, 4, 2),
+        (32, 128, 8, 1),
+        (32, 32, 4, 1, True),
+        (32, 64, 4, 2, True),
+    ],
+    "dq": [
+        (64, 32, 4, 2),
+        (64, 64, 4, 2),
+        (128, 32, 8, 2),
+        (64, 32, 4, 1),
+        (32, 32, 4, 1, True),
+        (64, 32, 4, 2, True),
+    ],
+}
+FLASH_TABLE = {
+    (16, "bf16"): _BF16_SMALL_D,
+    (32, "bf16"): _BF16_SMALL_D,
+    (16, "fp32"): _FP32_SMALL_D,
+    (32, "fp32"): _FP32_SMALL_D,
+    (64, "fp32"): {
+        "fwd": [(64, 32, 4, 3), (64, 64, 4, 2), (128, 32, 8, 2), (32, 32, 4, 2), (64, 16, 4, 3),
+                (32, 64, 4, 2), (64, 32, 4, 2, True), (64, 32, 4, 3, True)],
+        "dkdv": [(32, 32, 4, 2), (16, 32, 4, 2), (32, 64, 8, 2), (16, 64, 4, 2),
+                 (32, 32, 4, 1, True), (16, 32, 4, 2, True), (32, 32, 4, 2, True)],
+        "dq": [(32, 32, 4, 2), (64, 32, 4, 2), (64, 32, 8, 2), (32, 64, 4, 2), (16, 32, 4, 2),
+               (32, 32, 4, 1, True), (32, 32, 4, 2, True)],
+    },
+    (128, "fp32"): {
+        "fwd": [(32, 32, 8, 2), (32, 64, 8, 1), (32, 32, 8, 1, True), (32, 32, 8, 2, True),
+                (32, 64, 8, 1, True)],
+        "dkdv": [(16, 32, 8, 2), (32, 32, 8, 1), (16, 16, 4, 2), (16, 32, 8, 1, True),
+                 (16, 32, 8, 2, True), (16, 16, 4, 2, True)],
+        "dq": [(32, 32, 8, 2), (16, 32, 4, 2), (32, 32, 8, 1, True), (16, 32, 4, 2, True),
+               (16, 32, 8, 1), (16, 32, 8, 1, True)],
+    },
+}  # fmt: skip
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SDPA = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
     "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -72,11 +155,11 @@ def fwd_flops(b, h, n, d, causal):
     return 4.0 * b * h * n * n * d / (2 if causal else 1)
 
 
-def inputs(b, h, n, d, seed=0):
+def inputs(b, h, n, d, seed=0, dtype=torch.bfloat16):
     g = torch.Generator(device="cuda").manual_seed(seed)
 
     def r():
-        return torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        return torch.randn(b, n, h, d, device="cuda", dtype=dtype, generator=g)
 
     return r(), r(), r(), r()
 
@@ -152,7 +235,107 @@ def run_ab(cases, n, rounds, bh=None):
 
 
 def tile_str(t):
-    return f"{t.block_m}x{t.block_n} w{t.warps} s{t.stages}"
+    return f"{t.block_m}x{t.block_n} w{t.warps} s{t.stages}" + (" tma" if t.tma else "")
+
+
+def table_plans(d, dt):
+    """[(kind, tile, plan)]: op.py's causal plan for (d, dtype) first (kind "default"), then each
+    FLASH_TABLE candidate of one kernel with the other two kernels at op.py's tiles."""
+    base = fa_op.plan_for(d, True, DTYPES[dt])
+    out = [("default", None, base)]
+    for kind, tiles in FLASH_TABLE.get((d, dt), {}).items():  # none: op.py's tiles only
+        for t in map(lambda t: Tile(*t), tiles):
+            if t != getattr(base, kind):
+                out.append((kind, t, replace(base, **{kind: t})))
+    return out
+
+
+def screen_flash_table(cases):
+    """CPU: registers / spill bytes / shared KB for sm_90a of every candidate (tile_screen.py)."""
+    from tile_screen import screen_plan
+
+    for d, dt in cases:
+        for kind, tile, plan in table_plans(d, dt):
+            kinds = ("fwd", "dkdv", "dq") if kind == "default" else (kind,)
+            try:
+                usage = screen_plan(d, DTYPES[dt], True, plan, kinds)
+            except Exception as e:  # e.g. out of shared memory: report and go on
+                print(f"d{d} {dt} {kind:7s} {tile_str(tile) if tile else '':18s} failed: {e!s:.80}")
+                continue
+            for k, u in usage.items():
+                t = getattr(plan, k)
+                flag = "  SPILLS" if u["stack"] > 0 else ""
+                print(f"d{d} {dt} {kind:7s} {k:4s} {tile_str(t):18s} regs {u['regs']:3d} "
+                      f"stack {u['stack']:5d} B smem {u['smem']:6.1f} KB{flag}", flush=True)  # fmt: skip
+
+
+def _median(xs):
+    return sorted(xs)[len(xs) // 2]
+
+
+def _best_sdpa(q, k, v, do):
+    """((fwd ms, backend), (bwd ms, backend)) of the fastest SDPA backend that takes the case."""
+    times = {}
+    for name, backend in SDPA.items():
+        fwd, bwd, _ = time_sdpa(q, k, v, do, True, backend)
+        if fwd is not None:
+            times[name] = (fwd, bwd)
+    return tuple(min(((t[j], n) for n, t in times.items()), default=(None, "-")) for j in (0, 1))
+
+
+def _vs(peer, ms):
+    return f"x{peer[0] / ms:4.2f} {peer[1]}" if peer[0] else "(no SDPA backend)"
+
+
+def run_flash_table(cases, ns, rounds, defaults_only=False):
+    """Suite-2 shapes (B = H = 1, causal): op.py's tiles and each candidate, forward or backward
+    ms (median of `rounds` round-robin passes), beside the best SDPA backend that takes the case;
+    per kernel the candidate with the best geometric-mean speed-up over op.py's tile across N;
+    then the plan of the winners against SDPA."""
+    summary = []
+    for d, dt in cases:
+        plans = table_plans(d, dt)[: 1 if defaults_only else None]
+        ratios = {}  # (kind, tile) -> [op.py's ms / candidate ms, per N]
+        peers = {}
+        for n in ns:
+            q, k, v, do = inputs(1, 1, n, d, dtype=DTYPES[dt])
+            peers[n] = _best_sdpa(q, k, v, do)
+            times = {i: [] for i in range(len(plans))}
+            for _ in range(rounds):
+                for i, (kind, _, plan) in enumerate(plans):
+                    dirs = {"default": ("fwd", "bwd"), "fwd": ("fwd",)}.get(kind, ("bwd",))
+                    times[i].append([time_plan(q, k, v, do, True, plan, r) for r in dirs])
+            f0, b0 = (_median([t[j] for t in times[0]]) for j in (0, 1))
+            ff = fwd_flops(1, 1, n, d, True)
+            print(f"d{d} {dt} N{n}: op.py tiles fwd {f0:.4f} ms ({ff / f0 / 1e9:.1f} TF, "
+                  f"{_vs(peers[n][0], f0)}), bwd {b0:.4f} ms ({_vs(peers[n][1], b0)})", flush=True)  # fmt: skip
+            for i, (kind, tile, _) in enumerate(plans[1:], start=1):
+                ms, ref = _median([t[0] for t in times[i]]), f0 if kind == "fwd" else b0
+                ratios.setdefault((kind, tile), []).append(ref / ms)
+                print(f"  {kind:4s} {tile_str(tile):18s} {ms:8.4f} ms  x{ref / ms:5.2f} vs op.py")
+            del q, k, v, do
+            torch.cuda.empty_cache()
+        print(f"d{d} {dt}: best candidate per kernel (geomean speed-up over op.py's tile; per N)")
+        win = {}
+        for kind in ("fwd", "dkdv", "dq"):
+            cands = [(math.prod(r) ** (1 / len(r)), t, r) for (k, t), r in ratios.items() if k == kind]  # fmt: skip
+            if cands:
+                g, t, r = max(cands, key=lambda c: c[0])
+                if g >= 1.03:  # beyond the noise between passes
+                    win[kind] = t
+                print(f"  {kind:4s} {tile_str(t):18s} x{g:4.2f} ({' '.join(f'{x:.2f}' for x in r)})"
+                      f"{'  <- wins' if kind in win else '  (keep op.py)'}")  # fmt: skip
+        plan = replace(plans[0][2], **win)
+        for n in ns:  # the chosen plan (op.py's tiles if nothing won) against SDPA
+            q, k, v, do = inputs(1, 1, n, d, dtype=DTYPES[dt])
+            f, b = (time_plan(q, k, v, do, True, plan, r) for r in ("fwd", "bwd"))
+            summary.append((f"d{d} {dt} N{n}", plan, f, b, *peers[n]))
+            del q, k, v, do
+        print(flush=True)
+    print("chosen plans against the best SDPA backend (x > 1: we are faster; goal >= 1 at N >= 1k)")
+    for tag, plan, f, b, pf, pb in summary:
+        tiles = " / ".join(tile_str(getattr(plan, k)) for k in ("fwd", "dkdv", "dq"))
+        print(f"  {tag:18s} fwd {f:8.4f} {_vs(pf, f):22s} bwd {b:8.4f} {_vs(pb, b):22s} [{tiles}]")
 
 
 def main():
@@ -166,8 +349,35 @@ def main():
     ap.add_argument("--kernels", default="fwd,dkdv,dq", help="which kernels' tiles to sweep")
     ap.add_argument("--ab", type=int, default=0, help="time whole plans side by side, R rounds")
     ap.add_argument("--bh", help="B,H for --ab (default: the suite's 16384/N, 2048/d)")
+    ap.add_argument("--flash-table", action="store_true", help="suite-2 shapes: B = H = 1, causal")
+    ap.add_argument("--table-cases", default="16:bf16,32:bf16,16:fp32,32:fp32,64:fp32,128:fp32")
+    ap.add_argument("--ns", default="1024,4096,16384", help="N list for --flash-table")
+    ap.add_argument("--rounds", type=int, default=2, help="round-robin passes for --flash-table")
+    ap.add_argument("--screen", action="store_true", help="CPU: sm_90a registers/spills only")
     args = ap.parse_args()
     kernels = tuple(args.kernels.split(","))
+    if args.flash_table:
+        cases = [(int(c.split(":")[0]), c.split(":")[1]) for c in args.table_cases.split(",")]
+        shard, nshards = (int(x) for x in args.shard.split("/"))
+        if args.screen:
+            screen_flash_table(cases[shard::nshards])
+        elif args.compile_only:  # the timed shapes' specialisation (B = H = 1), tiny N
+            jobs = [
+                (d, dt, plan)
+                for d, dt in cases
+                for kind, _, plan in table_plans(d, dt)
+                if kind == "default" or not args.defaults_only
+            ]
+            for d, dt, plan in jobs[shard::nshards]:
+                q, k, v, do = inputs(1, 1, 256, d, dtype=DTYPES[dt])
+                o, lse = fa_op.forward(q, k, v, True, 1.0 / math.sqrt(d), plan)
+                fa_op.backward(do, q, k, v, o, lse, None, True, 1.0 / math.sqrt(d), plan)
+            torch.cuda.synchronize()
+        else:
+            print(f"GPU {torch.cuda.get_device_name()}  flash table: B 1, H 1, causal")
+            ns = [int(n) for n in args.ns.split(",")]
+            run_flash_table(cases, ns, args.rounds, args.defaults_only)
+        return
     cases = [(int(c.split(":")[0]), c.split(":")[1] == "1") for c in args.cases.split(",")]
     shard, nshards = (int(x) for x in args.shard.split("/"))
 

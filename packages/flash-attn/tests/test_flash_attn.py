@@ -15,6 +15,7 @@ import torch
 from kernelkit.flash_attn import FlashAttentionFunction, flash_attn, flash_attn_varlen
 from kernelkit.flash_attn import op as fa_op
 from kernelkit.flash_attn.reference import attention_reference, attention_varlen_reference
+from kernelkit.shared.runtime import interpreting
 from kernelkit.shared.testing import assert_close
 
 HALF = (torch.float16, torch.bfloat16)
@@ -611,12 +612,12 @@ def test_split_plan_rule(monkeypatch):
     monkeypatch.setattr(fa_op, "interpreting", lambda: False)
     monkeypatch.setattr(fa_op, "num_sms", lambda device: 132)
     decode = fa_op.Tile(16, *fa_op.SPLIT_TILES[128])
-    # Decode, GQA 32/8: 64 query tiles; 396 // 64 = 6 splits of 11 key blocks (64 keys each).
-    assert fa_op.split_plan(*_meta(8, 1, 4096, 32, 8, 128)) == fa_op.SplitPlan(decode, 6, 704)
-    assert fa_op.split_plan(*_meta(8, 1, 32768, 32, 8, 128)) == fa_op.SplitPlan(decode, 6, 5504)
+    # Decode, GQA 32/8: 64 query tiles; one wave: 132 // 64 = 2 splits of 128-key blocks.
+    assert fa_op.split_plan(*_meta(8, 1, 4096, 32, 8, 128)) == fa_op.SplitPlan(decode, 2, 2048)
+    assert fa_op.split_plan(*_meta(8, 1, 32768, 32, 8, 128)) == fa_op.SplitPlan(decode, 2, 16384)
     # Speculative decoding: 4 query heads x 16 queries = 64 packed rows, one tile.
     plan = fa_op.split_plan(*_meta(8, 16, 8192, 32, 8, 128))
-    assert plan.tile.block_m == 64 and plan.splits == 6
+    assert plan.tile.block_m == 64 and plan.splits == 2
     # Training shapes fill the GPU: the dense forward.
     assert fa_op.split_plan(*_meta(8, 4096, 4096, 32, 8, 128)) is None
     assert fa_op.split_plan(*_meta(1, 4096, 4096, 32, 32, 128)) is None
@@ -631,16 +632,24 @@ def test_split_plan_rule(monkeypatch):
         16, *fa_op.SPLIT_FP32_TILES[128]
     )
     # A forced count: runs of whole key blocks of one length (5 blocks in 4 splits: 2, 2, 1).
-    forced = fa_op.split_plan(*_meta(1, 1, 300, 4, 1, 128), num_splits=4)
-    assert (forced.splits, forced.split_len) == (3, 128)
-    assert fa_op.split_plan(*_meta(1, 1, 300, 4, 1, 128), num_splits=99).splits == 5
+    forced = fa_op.split_plan(*_meta(1, 1, 600, 4, 1, 64), num_splits=4)
+    assert (forced.splits, forced.split_len) == (3, 256)
+    assert fa_op.split_plan(*_meta(1, 1, 600, 4, 1, 64), num_splits=99).splits == 5
     # A sliding window: only the keys from the first query's window on are split.
     assert fa_op.split_plan(*_meta(8, 1, 32768, 32, 8, 128), left=4095) == fa_op.SplitPlan(
-        decode, 6, 704, 28672
+        decode, 2, 2048, 28672
     )
 
 
 # (B, Nq, Nk, H, Hkv, D, dtype, causal)
+def takes_split_path(q, k) -> bool:
+    """The automatic plan takes the split-KV forward. Under the interpreter (a 4-SM stand-in)
+    these small shapes split the keys several ways; a real GPU gives them one split (several
+    splits are forced in test_split_counts_agree_with_dense and run at large shapes on the GPU)."""
+    plan = fa_op.split_plan(q, k)
+    return plan is not None and (plan.splits >= 2 or not interpreting())
+
+
 SPLIT_CASES = [
     (2, 1, 100, 4, 1, 128, torch.bfloat16, True),  # decode, MQA; Nk no multiple of tile/split
     (1, 3, 77, 4, 2, 80, torch.float16, True),  # GQA, D = 80 (padded), causal Nq = 3
@@ -657,7 +666,7 @@ def test_split_kv(case, device):
     backward, from the split forward's o and LSE) against the reference."""
     *shape, dtype, causal = case
     q, k, v = qkv(*shape, dtype, device)
-    assert fa_op.split_plan(q, k).splits >= 2
+    assert takes_split_path(q, k)
     check(q, k, v, causal=causal)
 
 
@@ -700,13 +709,13 @@ def test_split_kv_cache_slices(layout, device):
             for s in (4, 5)
         )
     q = make((b, h, nq, d), torch.bfloat16, device, seed=6).transpose(1, 2)
-    assert not k.is_contiguous() and fa_op.split_plan(q, k).splits >= 2
+    assert not k.is_contiguous() and takes_split_path(q, k)
     check(q, k, v, causal=True)
 
 
 def test_split_kv_deterministic(device):
     q, k, v = qkv(2, 1, 90, 4, 2, 32, torch.bfloat16, device)
-    assert fa_op.split_plan(q, k).splits >= 2
+    assert takes_split_path(q, k)
     first = flash_attn(q, k, v, causal=True, return_lse=True)
     second = flash_attn(q, k, v, causal=True, return_lse=True)
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
@@ -715,7 +724,7 @@ def test_split_kv_deterministic(device):
 def test_split_kv_opcheck(device):
     """The registered forward on a split-path shape (fake tensors, dynamic shapes)."""
     q, k, v = (t.requires_grad_() for t in qkv(1, 1, 70, 4, 2, 32, torch.float32, device))
-    assert fa_op.split_plan(q, k).splits >= 2
+    assert takes_split_path(q, k)
     torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_fwd, (q, k, v, True, 0.25))
 
 
@@ -727,7 +736,7 @@ def test_split_kv_torch_compile_fullgraph(device):
         backend=backend,
     )
     q, k, v = qkv(1, 2, 70, 4, 2, 32, torch.float32, device)
-    assert fa_op.split_plan(q, k).splits >= 2
+    assert takes_split_path(q, k)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     o, lse = compiled(*leaves)
     o.sum().backward()

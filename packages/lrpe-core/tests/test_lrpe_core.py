@@ -12,7 +12,12 @@ import triton
 import triton.language as tl
 
 from kernelkit.lrpe_core.kernels import cos_sin, grid_positions, token_positions
-from kernelkit.lrpe_core.op import position_args, reduce_dtheta, validate_positions
+from kernelkit.lrpe_core.op import (
+    position_args,
+    position_strides,
+    reduce_dtheta,
+    validate_positions,
+)
 from kernelkit.lrpe_core.reference import (
     grid_positions as grid_positions_ref,
 )
@@ -79,7 +84,9 @@ def test_token_positions_forms(form, device):
         table.to(device) if "table" in form else None,
     )
     out = torch.empty(b, n, dtype=torch.int64, device=device)
-    launch(_positions_kernel)[(b,)](out=out, N=n, BLOCK=16, **position_args(start, starts, tab))
+    launch(_positions_kernel)[(b,)](
+        out=out, N=n, BLOCK=16, **position_args(start, starts, tab), **position_strides(tab)
+    )
     ref = sequence_positions(table if "table" in form else offset, n, "cpu").expand(b, n)
     assert torch.equal(out.cpu(), ref)
 

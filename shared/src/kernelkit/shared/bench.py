@@ -289,11 +289,12 @@ class OpSuite:
         tag = f"{self.seed_tag}-act_{act}{dims}-bf16"
         self._cell(benchmark, direction, provider, shape, act, dim, False, tag=tag, x=x)
 
-    def model_cell(self, benchmark, direction, act, param_grad, model, provider) -> None:
-        """A model-table cell: MODEL_SHAPES[model] (or a stand-in off the GPU), act without dim,
-        learnable parameters (theta) when `param_grad` (tag suffix `-dtheta`)."""
+    def model_cell(self, benchmark, direction, act, param_grad, model, provider, dim=None) -> None:
+        """A model-table cell: MODEL_SHAPES[model] (or a stand-in off the GPU), act (over `dim`
+        for a softmax), learnable parameters (theta) when `param_grad` (tag suffix `-dtheta`)."""
         shape = MODEL_SHAPES[model] if torch.cuda.is_available() else (2, 5, 2, 16)
-        tag = f"model-act_{act}{'-dtheta' if param_grad else ''}-bf16"
+        dims = "" if dim is None else f"-dim_{dim}"
+        tag = f"model-act_{act}{dims}{'-dtheta' if param_grad else ''}-bf16"
         label = f"{model} {'x'.join(map(str, shape))}"
         self._cell(
             benchmark,
@@ -301,7 +302,7 @@ class OpSuite:
             provider,
             shape,
             act,
-            None,
+            dim,
             param_grad,
             tag=tag,
             x=label,

@@ -14,7 +14,6 @@ when running from source).
 from __future__ import annotations
 
 import os
-import re
 
 
 def _gpu_present() -> bool:
@@ -38,7 +37,9 @@ def gpu_name() -> str:
 
 
 def gpu_slug() -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "-", gpu_name()).strip("-")
+    from .report import slug
+
+    return slug(gpu_name())
 
 
 def pytest_addoption(parser):

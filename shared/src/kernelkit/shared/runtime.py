@@ -11,6 +11,11 @@ Eager calls skip the dispatcher: the torch.library path costs tens of microsecon
 `KernelOp` that, on plain tensors outside torch.compile, runs the function directly (through a
 `torch.autograd.Function` built from the same backward/setup_context once autograd is
 registered) and otherwise calls the registered op. Both paths run the same code.
+
+Eager launches skip Triton's `kernel[grid]` too once a kernel has been compiled for a call's
+specialisation: `launch` caches the compiled kernel's launcher per specialisation key and calls
+it directly (see `_Launcher`); `launch(kernel).prepare(...)` fixes all but the tensors for ops
+that plan their launches once per shape.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from .compile_check import record_launch
 
 __all__ = [
     "KernelOp",
+    "PlanCache",
     "cdiv",
     "define_op",
     "interpreting",
@@ -59,6 +65,29 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index or 0) if device.type == "cuda" else 4
 
 
+class PlanCache:
+    """Launch plans (grids and the non-tensor kernel arguments) per layout key, so a repeated
+    call with the same shapes and strides costs a dict lookup. Traced calls (fake tensors,
+    symbolic sizes) must not be cached: build their plan and use it once (`cacheable`)."""
+
+    def __init__(self, size: int = 4096):
+        self.size = size
+        self._plans: dict = {}
+
+    def get(self, key, build: Callable, *args):
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= self.size:  # distinct layouts kept; then start over
+                self._plans.clear()
+            plan = self._plans[key] = build(*args)
+        return plan
+
+    @staticmethod
+    def cacheable(*tensors) -> bool:
+        """Plain tensors (or None) only: no fake, functional or symbolic-size tensors."""
+        return all(t is None or t.__class__ is torch.Tensor for t in tensors)
+
+
 def interpreting() -> bool:
     """True when Triton kernels run in the interpreter (decided before kernels are imported)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -66,7 +95,7 @@ def interpreting() -> bool:
 
 def use_triton(t: torch.Tensor) -> bool:
     """Whether tensors on this device run the Triton kernels (else the PyTorch reference)."""
-    return t.device.type == "cuda" or (t.device.type == "cpu" and interpreting())
+    return t.is_cuda or (t.device.type == "cpu" and interpreting())
 
 
 def _as_float32_storage(t: torch.Tensor):
@@ -113,42 +142,295 @@ class _InterpretedLauncher:
 
         return run
 
+    def prepare(self, grid, *args, **kwargs):
+        return _Replay(self, grid, args, kwargs)
 
-def _eager(args) -> bool:
+
+def _eager(args, kwargs=None) -> bool:
     """Plain tensors outside torch.compile/tracing: no dispatcher and no wrap_triton needed."""
     if torch.compiler.is_compiling():
         return False
-    return all(type(a) is torch.Tensor for a in args if isinstance(a, torch.Tensor))
+    values = args if not kwargs else (*args, *kwargs.values())
+    return all(type(a) is torch.Tensor for a in values if isinstance(a, torch.Tensor))
+
+
+# ---------------------------------------------------------------------------------------------
+# The eager launch path. Triton's `kernel[grid](...)` (JITFunction.run) spends ~10 us of Python
+# per call before its C launcher runs: it binds and specialises every argument, renders the
+# options into a string key, builds launch metadata and calls two (empty) launch hooks. A
+# `_Launcher` keeps, per kernel, a dict from a cheap key of everything that decides Triton's
+# specialisation to the compiled kernel's launcher, and calls that launcher directly.
+# ---------------------------------------------------------------------------------------------
+
+_T = torch.Tensor
+_I32_MIN, _I32_MAX, _I64_MAX = -(2**31), 2**31 - 1, 2**63 - 1
+_get_device = getattr(torch._C, "_cuda_getDevice", None)  # the device Triton compiles for
+_get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+class _UnkeyedArgError(Exception):
+    """An argument the cached path does not key (tensor subclass, tuple, descriptor, ...)."""
+
+
+def _other(a):
+    """Key part of a non-constexpr argument that is neither a plain tensor nor an int."""
+    if a is None:
+        return None  # Triton: constexpr None
+    t = type(a)
+    if t is bool:
+        return "u1"
+    if t is float:
+        return "fp32"  # Triton never specialises float arguments on their value
+    raise _UnkeyedArgError
+
+
+def _runtime_key(name: str, p) -> str:
+    """Source of the key part of runtime (non-constexpr) parameter `name`: what Triton's
+    specialisation depends on. Tensors: dtype and 16-byte alignment of the data pointer (kept
+    even under do_not_specialize_on_alignment: a finer key is never wrong). Ints: the i32 / i64 /
+    u64 width and, unless in do_not_specialize, equal to 1 (Triton makes it a constant) and
+    divisible by 16."""
+    tensor = f"({name}.dtype, not {name}.data_ptr() & 15)"
+    width = f"0 if {_I32_MIN} <= {name} <= {_I32_MAX} else 1 if {name} <= {_I64_MAX} else 2"
+    integer = width if p.do_not_specialize else f"({name} == 1, not {name} & 15, {width})"
+    return (
+        f"{tensor} if {name}.__class__ is _kk_T"
+        f" else ({integer}) if {name}.__class__ is int else _kk_other({name})"
+    )
+
+
+def _make_binder(kernel):
+    """A function `bind(device, *args, **kwargs) -> (key, params, options)` generated for this
+    kernel's signature (as Triton generates its own binder): `params` are all of the kernel's
+    arguments in order, defaults filled in (what the compiled launcher takes), `options` the
+    remaining keywords (num_warps, num_stages, ...). None for objects that are not plain
+    JITFunctions (autotuners, heuristics): those always take Triton's own path."""
+    params = getattr(kernel, "params", None)
+    if not _SUPPORTED or params is None or type(kernel).__name__ != "JITFunction":
+        return None
+    names = [p.name for p in params]
+    if any(n.startswith("_kk_") for n in names):
+        return None
+    sig, key, defaults = ["_kk_device"], ["_kk_device"], {}
+    for p in params:
+        if p.has_default:
+            defaults[f"_kk_default_{p.name}"] = p.default
+            sig.append(f"{p.name}=_kk_default_{p.name}")
+        else:
+            sig.append(p.name)
+        # A constexpr's value is its specialisation; its type too (True, 1 and 1.0 are equal).
+        key.append(f"{p.name}.__class__, {p.name}" if p.is_constexpr else _runtime_key(p.name, p))
+    # Every name of the generated code but the parameters starts with _kk_ (no clashes).
+    src = (
+        f"def bind({', '.join(sig)}, **_kk_options):\n"
+        f"    _kk_key = ({', '.join(key)}, *_kk_options.items())\n"
+        f"    return _kk_key, ({', '.join(names)},), _kk_options\n"
+    )
+    namespace = {"_kk_T": _T, "_kk_other": _other, **defaults}
+    exec(src, namespace)  # source generated from the kernel's parameter names
+    return namespace["bind"]
+
+
+try:  # the launch conventions this module calls directly are triton 3.6's
+    import triton
+    from triton import knobs as _knobs
+    from triton.backends.nvidia import driver as _nv_driver
+
+    _SUPPORTED = tuple(int(v) for v in triton.__version__.split(".")[:2]) == (3, 6)
+    _CudaLauncher = (
+        _nv_driver.CudaLauncher if _nv_driver._BASE_ARGS_FORMAT == "iiiKKppOOOOOO" else None
+    )
+except (ImportError, AttributeError, ValueError):  # pragma: no cover - other triton builds
+    _SUPPORTED, _CudaLauncher = False, None
+
+
+def _fast_ok(kernel) -> bool:
+    """Nothing asks for Triton's own path: no launch hooks (profilers), no debug or
+    instrumentation mode (they change the compiled kernel), no pre-run hooks."""
+    rt = _knobs.runtime
+    try:
+        hooks = rt.launch_enter_hook.calls or rt.launch_exit_hook.calls
+    except AttributeError:  # a hook set as a plain function (or None)
+        hooks = rt.launch_enter_hook or rt.launch_exit_hook
+    return not (
+        hooks or rt.debug or _knobs.compilation.instrumentation_mode or kernel.pre_run_hooks
+    )
+
+
+def _entry(compiled):
+    """(launch function, the arguments it takes between the stream and the kernel's own)."""
+    run = compiled.run  # the launcher (loads the module on first use)
+    if (
+        _CudaLauncher is not None
+        and isinstance(run, _CudaLauncher)
+        and not run.global_scratch_size
+        and not run.profile_scratch_size
+    ):
+        # CudaLauncher.__call__ only allocates scratch: call its C launch function directly.
+        head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None)
+        return run.launch, (*head, compiled.packed_metadata, None, None, None)
+    # No launch metadata and no hooks: _fast_ok checked there are none.
+    return run, (compiled.function, compiled.packed_metadata, None, None, None)
 
 
 class _Launcher:
-    """`kernel[grid](...)`: the kernel itself on plain tensors, `wrap_triton` while tracing."""
+    """`kernel[grid](...)`: the kernel itself on plain tensors, `wrap_triton` while tracing.
+
+    Eager launches look up the compiled kernel for this call's specialisation in `_cache`
+    (key: device, per argument dtype / alignment / int class / constexpr value, options) and
+    call its launcher with the current stream. A miss (or anything unusual: hooks, debug,
+    a grid function, an argument the key does not cover) goes through Triton's
+    `kernel[grid]`, which compiles when needed; the compiled kernel then fills the cache.
+    """
 
     def __init__(self, kernel):
         self._kernel = kernel
-        self._wrapped = torch.library.wrap_triton(kernel)
+        # wrap_triton returns the bare kernel when called with wrapping switched off, as it is
+        # inside a triton_op's eager body; the first launch may come from there, and the wrapper
+        # is kept for the fake/traced calls that need it.
+        from torch._library.triton import set_wrap_triton_enabled
+
+        with set_wrap_triton_enabled(True):
+            self._wrapped = torch.library.wrap_triton(kernel)
+        self._bind = _make_binder(kernel)
+        self._cache: dict = {}
 
     def __getitem__(self, grid):
-        kernel, wrapped = self._kernel, self._wrapped
+        return functools.partial(self._run, grid)
 
-        def run(*args, **kwargs):
-            if _eager(args):
-                return kernel[grid](*args, **kwargs)
-            return wrapped[grid](*args, **kwargs)
+    def _run(self, grid, *args, **kwargs):
+        bind = self._bind
+        key = None
+        if bind is not None and type(grid) is tuple and _fast_ok(self._kernel):
+            try:
+                device = _get_device()
+                key, params, _ = bind(device, *args, **kwargs)
+                entry = self._cache.get(key)
+            except (_UnkeyedArgError, TypeError):  # an uncovered argument, an unhashable constexpr
+                key = entry = None
+            if entry is not None:  # an entry implies plain tensors: not traced
+                call, head = entry
+                g = (*grid, 1, 1)[:3]
+                return call(*g, _get_stream(device), *head, *params)
+        if not _eager(args, kwargs):
+            return self._wrapped[grid](*args, **kwargs)
+        compiled = self._kernel.run(*args, grid=grid, warmup=False, **kwargs)
+        if key is not None and compiled is not None:
+            self._cache[key] = _entry(compiled)
+        return compiled
 
-        return run
+    def prepare(self, grid, *args, **kwargs) -> Callable[..., object]:
+        """`kernel[grid](*args, **kwargs)` with everything but the tensors fixed: returns a
+        function that launches it with new tensors, passed in the order the tensors appear
+        here (positional ones, then keywords). For launches planned once per shape."""
+        if self._bind is None or type(grid) is not tuple:
+            return _Replay(self, grid, args, kwargs)
+        try:
+            _, params, options = self._bind(None, *args, **kwargs)
+        except (_UnkeyedArgError, TypeError):
+            return _Replay(self, grid, args, kwargs)
+        if any(isinstance(a, (tuple, list)) for a in params):  # may hold tensors: not keyed
+            return _Replay(self, grid, args, kwargs)
+        names = self._kernel.arg_names
+        slots = [i for i, a in enumerate(args) if isinstance(a, _T)]
+        slots += [names.index(k) for k, v in kwargs.items() if isinstance(v, _T)]
+        return _Prepared(self, grid, params, options, tuple(slots))
+
+
+class _Prepared:
+    """A launch with fixed grid, sizes, constexprs and options; the tensors come per call.
+
+    The fixed arguments' specialisation never changes, so the key is the device and each
+    tensor's dtype and alignment; a hit calls the compiled launcher directly."""
+
+    def __init__(self, launcher: _Launcher, grid, params, options, slots):
+        self._launcher = launcher
+        self._kernel = launcher._kernel
+        self._grid = grid
+        self._g = (*grid, 1, 1)[:3]
+        self._slots = slots
+        self._template = [None if i in slots else a for i, a in enumerate(params)]
+        # The common layout: the tensors are the leading parameters, then `_rest`.
+        self._leading = slots == tuple(range(len(slots)))
+        self._rest = tuple(self._template[len(slots) :])
+        self._options = options
+        self._cache: dict = {}
+
+    def _params(self, tensors):
+        if self._leading:
+            return (*tensors, *self._rest)
+        params = list(self._template)
+        for i, t in zip(self._slots, tensors):
+            params[i] = t
+        return params
+
+    def __call__(self, *tensors):
+        key = None
+        if _fast_ok(self._kernel):
+            try:
+                device = _get_device()
+                key = (
+                    device,
+                    *[
+                        (t.dtype, not t.data_ptr() & 15) if t.__class__ is _T else _other(t)
+                        for t in tensors
+                    ],
+                )
+            except (_UnkeyedArgError, TypeError):
+                key = None
+            entry = self._cache.get(key)
+            if entry is not None:  # an entry implies plain tensors: not traced
+                call, head = entry
+                g = self._g
+                if self._leading:
+                    return call(*g, _get_stream(device), *head, *tensors, *self._rest)
+                return call(*g, _get_stream(device), *head, *self._params(tensors))
+        params = self._params(tensors)
+        if key is None or not _eager(params):
+            return self._launcher._run(self._grid, *params, **self._options)
+        compiled = self._kernel.run(*params, grid=self._grid, warmup=False, **self._options)
+        if compiled is not None:
+            self._cache[key] = _entry(compiled)
+        return compiled
+
+
+class _Replay:
+    """`prepare` where the cached path does not apply (interpreter, grid functions): the
+    launch replayed with new tensors through `launcher[grid]`."""
+
+    def __init__(self, launcher, grid, args, kwargs):
+        self._launcher, self._grid, self._kwargs = launcher, grid, dict(kwargs)
+        self._args = [None if isinstance(a, _T) else a for a in args]
+        self._pos = [i for i, a in enumerate(args) if isinstance(a, _T)]
+        self._names = [k for k, v in kwargs.items() if isinstance(v, _T)]
+        for k in self._names:
+            self._kwargs[k] = None
+
+    def __call__(self, *tensors):
+        args, kwargs = list(self._args), dict(self._kwargs)
+        for i, t in zip(self._pos, tensors):
+            args[i] = t
+        for k, t in zip(self._names, tensors[len(self._pos) :]):
+            kwargs[k] = t
+        return self._launcher[self._grid](*args, **kwargs)
 
 
 _launchers: dict[int, object] = {}
 
 
 def launch(kernel):
-    """Wrap a @triton.jit kernel for launching from inside an op defined with `define_op`."""
+    """Wrap a @triton.jit kernel for launching from inside an op defined with `define_op`:
+    `launch(kernel)[grid](*args, **kwargs)`, or `launch(kernel).prepare(grid, *args, **kwargs)`
+    for a launch replayed with new tensors."""
     launcher = _launchers.get(id(kernel))
     if launcher is None:
         launcher = _InterpretedLauncher(kernel) if interpreting() else _Launcher(kernel)
         _launchers[id(kernel)] = launcher  # kernels are module globals: ids stay valid
     return launcher
+
+
+# torch builds without it: always take autograd.Function.apply's own path
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
 
 
 class KernelOp:
@@ -162,18 +444,27 @@ class KernelOp:
         self.fn = fn
         self.op = op
         self._function = None
+        self._apply = None
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args):
-        if _eager(args):
-            if (
-                self._function is not None
-                and torch.is_grad_enabled()
-                and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-            ):
-                return self._function.apply(*args)
+        # One pass over the arguments: any tensor subclass (fake, functional, ...) or tracing
+        # takes the registered op; plain tensors run the function, through autograd when one
+        # of them requires grad.
+        if torch.compiler.is_compiling():
+            return self.op(*args)
+        needs_grad = False
+        for a in args:
+            if isinstance(a, _T):
+                if a.__class__ is not _T:
+                    return self.op(*args)
+                if a.requires_grad:
+                    needs_grad = True
+        if not (needs_grad and self._apply is not None and torch.is_grad_enabled()):
             return self.fn(*args)
-        return self.op(*args)
+        if _functorch_active():
+            return self._function.apply(*args)  # functorch's path for autograd.Function
+        return self._apply(*args)
 
     def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
         """Same contract as `torch.library.register_autograd`; also builds the eager Function."""
@@ -192,6 +483,10 @@ class KernelOp:
             (torch.autograd.Function,),
             {"forward": staticmethod(forward), "backward": staticmethod(backward)},
         )
+        # Function.apply's Python wrapper only matters under functorch transforms (checked in
+        # __call__); outside them, its C implementation is called directly.
+        c_apply = getattr(torch._C._FunctionBase, "__dict__", {}).get("apply")
+        self._apply = c_apply.__get__(None, self._function) if c_apply else self._function.apply
 
 
 def define_op(qualname: str, *, mutates_args: Iterable[str] = ()) -> Callable[[Callable], KernelOp]:

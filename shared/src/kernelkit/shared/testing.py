@@ -1,4 +1,4 @@
-"""Numerics helpers for tests: compare against a float64 evaluation of the reference.
+"""Test helpers: compare against a float64 evaluation of the reference; CUDA-graph replay.
 
 The rule every kernelkit test applies (FlashAttention's convention, generalised):
   * the relative-norm error ||out - ref64|| / ||ref64|| stays under a per-dtype bound, and
@@ -17,6 +17,7 @@ import torch
 __all__ = [
     "DTYPE_BOUND",
     "assert_close",
+    "assert_graph_replays",
     "compilations",
     "rel_err",
 ]
@@ -81,6 +82,49 @@ def assert_close(
                 f"{ref_err:.3e}"
             )
     return err
+
+
+def _flat(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for o in out for t in _flat(o)] if isinstance(out, (tuple, list)) else []
+
+
+def assert_graph_replays(fn, inputs, new_inputs, *, warmup: int = 2, name: str = "output"):
+    """Capture `fn(*inputs)` into a torch.cuda.CUDAGraph and replay it with each of
+    `new_inputs` (sequences shaped like `inputs`) copied into the static inputs: every tensor
+    `fn` returns must equal, bit for bit, `fn(*new)` run eagerly. `fn` may run a backward
+    (e.g. `torch.autograd.grad`); inputs that require grad stay leaves that require grad.
+
+    Warm-up calls run first on a side stream (Triton compiles, plans and caches fill there,
+    as a CUDA graph needs: nothing may compile, allocate outside the pool or sync in capture).
+    """
+    static = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = _flat(fn(*static))
+    if not outs:
+        raise AssertionError(f"{name}: fn returned no tensor")
+    for i, new in enumerate(new_inputs):
+        with torch.no_grad():
+            for s, t in zip(static, new):
+                s.copy_(t)
+        graph.replay()
+        expected = _flat(fn(*[t.detach().clone().requires_grad_(t.requires_grad) for t in new]))
+        torch.cuda.synchronize()
+        for j, (got, want) in enumerate(zip(outs, expected)):
+            if not torch.equal(got, want):
+                diff = (got.double() - want.double()).abs().max().item()
+                raise AssertionError(
+                    f"{name} {j}: replay {i} differs from eager (max abs diff {diff:.3e})"
+                )
+    return graph
 
 
 @contextlib.contextmanager

@@ -299,8 +299,7 @@ def _chunk_coords(L, I, O1, chunk, BLOCK_I: tl.constexpr):
 @triton.jit(do_not_specialize=_SPLIT_SIZES)
 def softmax_chunk_stats_kernel(
     x_ptr,
-    m_ptr,
-    s_ptr,
+    stats_ptr,
     L,
     I,
     O1,
@@ -327,9 +326,12 @@ def softmax_chunk_stats_kernel(
         ).to(tl.float32)
         bm, bs = softmax_stats(x, 0)
         m, s = softmax_merge(m, s, bm, bs)
+    # stats (2, O, C, I): maxima, then sums. One pointer, not two views of one buffer: a traced
+    # launch treats each pointer argument it writes as a separate output.
     out = (o.to(tl.int64) * num_chunks + tl.program_id(1)) * I + cols
-    tl.store(m_ptr + out, m, mask=c_ok)
-    tl.store(s_ptr + out, s, mask=c_ok)
+    part = (tl.num_programs(0) // tl.cdiv(I, BLOCK_I)).to(tl.int64) * num_chunks * I
+    tl.store(stats_ptr + out, m, mask=c_ok)
+    tl.store(stats_ptr + part + out, s, mask=c_ok)
 
 
 @triton.jit(do_not_specialize=_SPLIT_SIZES)

@@ -6,6 +6,7 @@ import torch
 
 from kernelkit.shared.layout import collapse_dims, is_dense
 from kernelkit.shared.runtime import (
+    PlanCache,
     cdiv,
     define_op,
     interpreting,
@@ -53,12 +54,13 @@ def validate(x, act: str, dim: int | None) -> int | None:
         raise ValueError("dim: softmax needs the dimension to normalise over (e.g. dim=-1)")
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise ValueError(f"dim: expected an int, got {type(dim).__name__}")
-    if x.dim() == 0:
+    nd = x.dim()
+    if nd == 0:
         raise ValueError("x: softmax needs at least one dimension")
-    if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim: {dim} is out of range for x with {x.dim()} dimensions")
-    dim %= x.dim()
-    if x.shape[dim] == 0:
+    if not -nd <= dim < nd:
+        raise ValueError(f"dim: {dim} is out of range for x with {nd} dimensions")
+    dim %= nd
+    if x.size(dim) == 0:
         raise ValueError(f"dim: softmax over dimension {dim} of size 0 is undefined")
     return dim
 
@@ -75,27 +77,33 @@ def _strided4(shape, strides):
     return sizes[1:], [[0] * pad + list(s) for s in strides]
 
 
-def _elementwise(kernel, out: torch.Tensor, *tensors: torch.Tensor, act: str) -> torch.Tensor:
-    n = out.numel()
-    if n == 0:
-        return out
+# Plans (grid, sizes, strides, prepared launches) depend only on shapes and strides: eager calls
+# keep them in `_PLANS`, so a repeated call costs a dict lookup. Traced calls (fake tensors,
+# symbolic sizes) build a plan and use it once.
+_PLANS = PlanCache()
+
+
+def _elementwise_plan(kernel, act: str, *tensors: torch.Tensor):
+    """A function of (*inputs, out) that launches the element-wise `kernel` on them."""
+    out = tensors[-1]
     # Contiguous (the common case, checked in C) or dense with one shared stride order.
-    flat = out.is_contiguous() and all(t.is_contiguous() for t in tensors)
+    flat = all(t.is_contiguous() for t in tensors)
     if not flat:
         stride = out.stride()
         flat = all(t.stride() == stride for t in tensors) and is_dense(out.shape, stride)
     if flat:
-        sizes, strides = [1, 1, 1], [[0, 0, 0, 1]] * (len(tensors) + 1)
+        sizes, strides = [1, 1, 1], [[0, 0, 0, 1]] * len(tensors)
     else:
-        shape, strides = collapse_dims(out.shape, *(t.stride() for t in tensors), out.stride())
+        shape, strides = collapse_dims(out.shape, *(t.stride() for t in tensors))
         if len(shape) > 4:  # layouts no 4-D view describes: read a compact copy instead
-            return _elementwise(kernel, out, *(t.contiguous() for t in tensors), act=act)
+            return lambda *ts: _elementwise(
+                kernel, ts[-1], *(t.contiguous() for t in ts[:-1]), act=act
+            )
         sizes, strides = _strided4(shape, strides)
-    grid = (cdiv(n, ELEMENTWISE_BLOCK),)
-    launch(kernel)[grid](
+    return launch(kernel).prepare(
+        (cdiv(out.numel(), ELEMENTWISE_BLOCK),),
         *tensors,
-        out,
-        n,
+        out.numel(),
         *sizes,
         *(s for st in strides for s in st),
         ACT=act,
@@ -103,6 +111,25 @@ def _elementwise(kernel, out: torch.Tensor, *tensors: torch.Tensor, act: str) ->
         BLOCK=ELEMENTWISE_BLOCK,
         num_warps=ELEMENTWISE_WARPS,
     )
+
+
+def _elementwise(kernel, out: torch.Tensor, *tensors: torch.Tensor, act: str) -> torch.Tensor:
+    n = out.numel()
+    if n == 0:
+        return out
+    ts = (*tensors, out)
+    for t in ts:
+        if t.__class__ is not torch.Tensor or not t.is_contiguous():
+            break
+    else:  # plain and contiguous: the plan depends on the size only
+        # (id: a JITFunction hashes its source's cache key, ~0.3 us)
+        _PLANS.get((id(kernel), act, n), _elementwise_plan, kernel, act, *ts)(*ts)
+        return out
+    if all(t.__class__ is torch.Tensor for t in ts):
+        key = (id(kernel), act, out.shape, *(t.stride() for t in ts))
+        _PLANS.get(key, _elementwise_plan, kernel, act, *ts)(*ts)
+    else:  # traced: fake tensors, maybe symbolic sizes
+        _elementwise_plan(kernel, act, *ts)(*ts)
     return out
 
 
@@ -147,6 +174,39 @@ def _use_rows(view: SoftmaxView) -> bool:
     return view.I == 1 and view.L <= ROWS_MAX_L
 
 
+class _SplitLaunches:
+    """The split-L plan of one layout: float32 scratch of `shape` (from `new`, a float32 tensor
+    on the device: `new.new_empty(shape)` is the cheapest allocation call) and the grid, sizes
+    and block shapes shared by the split kernels."""
+
+    def __init__(self, t: torch.Tensor, view: SoftmaxView, plan=None):
+        self.plan = plan or _split_plan(view, t.device)
+        block_l, block_i, chunk, num_chunks = self.plan
+        self.shape = (2, view.O0 * view.O1, num_chunks, view.I)
+        self.new = torch.empty(0, dtype=torch.float32, device=t.device)
+        self.grid = (view.O0 * view.O1 * cdiv(view.I, block_i), num_chunks)
+        self.sizes = (view.L, view.I, view.O1, chunk, num_chunks)
+        self.blocks = {"BLOCK_L": block_l, "BLOCK_I": block_i, "num_warps": SPLIT_WARPS}
+
+    def prepare(self, kernel, *tensors, strides):
+        return launch(kernel).prepare(self.grid, *tensors, *self.sizes, *strides, **self.blocks)
+
+
+class _StatsPlan(_SplitLaunches):
+    """softmax_chunk_stats of one layout: a function of x returning the (2, O, C, I) stats."""
+
+    def __init__(self, x: torch.Tensor, view: SoftmaxView, plan=None):
+        super().__init__(x, view, plan)
+        stats = self.new.new_empty(self.shape)
+        self.launch = self.prepare(K.softmax_chunk_stats_kernel, x, stats, strides=view.strides[0])
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(stats, stats[1]): the maxima start where stats does."""
+        stats = self.new.new_empty(self.shape)
+        self.launch(x, stats)
+        return stats, stats[1]
+
+
 def softmax_chunk_stats(x: torch.Tensor, dim: int, *, view=None, plan=None) -> torch.Tensor:
     """Per-chunk float32 (max, sum) of a softmax over `dim` of x: shape (2, O, C, I), where O
     is the product of the dims before `dim`, I of those after it, and C the number of chunks
@@ -158,78 +218,111 @@ def softmax_chunk_stats(x: torch.Tensor, dim: int, *, view=None, plan=None) -> t
     collapse to at most two and those after it to one (always true for a (B, H, N, D) view).
     `view` and `plan` are for callers in this module that already built them.
     """
+    if view is None and plan is None and x.__class__ is torch.Tensor:
+        key = ("stats", dim, x.get_device(), x.shape, x.stride())
+        return _PLANS.get(key, _stats_plan, x, dim)(x)[0]
     view = view or SoftmaxView(x.shape, dim, [x.stride()])
     if not view.ok:
         raise ValueError("x: layout not supported by the split softmax (collapse failed)")
-    block_l, block_i, chunk, num_chunks = plan or _split_plan(view, x.device)
-    stats = x.new_empty((2, view.O0 * view.O1, num_chunks, view.I), dtype=torch.float32)
-    grid = (view.O0 * view.O1 * cdiv(view.I, block_i), num_chunks)
-    launch(K.softmax_chunk_stats_kernel)[grid](
+    return _StatsPlan(x, view, plan)(x)[0]
+
+
+def _stats_plan(x: torch.Tensor, dim: int) -> _StatsPlan:
+    view = SoftmaxView(x.shape, dim, [x.stride()])
+    if not view.ok:
+        raise ValueError("x: layout not supported by the split softmax (collapse failed)")
+    return _StatsPlan(x, view)
+
+
+class _SplitSoftmaxFwd(_SplitLaunches):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, view: SoftmaxView):
+        super().__init__(x, view)
+        self.stats = _StatsPlan(x, view, self.plan)
+        m = self.new.new_empty(self.shape)
+        self.apply = self.prepare(
+            K.softmax_fwd_apply_kernel, x, y, m, m[1], strides=(*view.strides[0], *view.strides[1])
+        )
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.apply(x, y, *self.stats(x))
+
+
+class _SplitSoftmaxBwd(_SplitLaunches):
+    def __init__(self, y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, view: SoftmaxView):
+        super().__init__(y, view)
+        self.shape = self.shape[1:]  # one float32 sum(y * dy) per (outer, chunk, column)
+        p = self.new.new_empty(self.shape)
+        ys, gs, ds = view.strides
+        self.sums = self.prepare(K.softmax_bwd_chunk_sums_kernel, y, dy, p, strides=(*ys, *gs))
+        self.apply = self.prepare(K.softmax_bwd_apply_kernel, y, dy, dx, p, strides=(*ys, *gs, *ds))
+
+    def __call__(self, y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> None:
+        p = self.new.new_empty(self.shape)
+        self.sums(y, dy, p)
+        self.apply(y, dy, dx, p)
+
+
+def _softmax_fwd_plan(x: torch.Tensor, y: torch.Tensor, dim: int):
+    """A function of (x, y) that writes softmax(x, dim) into y."""
+    view = SoftmaxView(x.shape, dim, [x.stride(), y.stride()])
+    if not view.ok:
+        return lambda x, y: y.copy_(_softmax_fwd(x.contiguous(), dim))
+    if not _use_rows(view):
+        return _SplitSoftmaxFwd(x, y, view)
+    block_r, block_l, warps = _rows_plan(view)
+    rows = view.O0 * view.O1
+    xs, ys = view.strides
+    return launch(K.softmax_fwd_rows_kernel).prepare(
+        (cdiv(rows, block_r),),
         x,
-        stats[0],
-        stats[1],
+        y,
+        rows,
         view.L,
-        view.I,
         view.O1,
-        chunk,
-        num_chunks,
-        *view.strides[0],
+        *xs[:3],
+        *ys[:3],
+        BLOCK_R=block_r,
         BLOCK_L=block_l,
-        BLOCK_I=block_i,
-        num_warps=SPLIT_WARPS,
+        num_warps=warps,
     )
-    return stats
+
+
+def _softmax_bwd_plan(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, dim: int):
+    """A function of (y, dy, dx) that writes the softmax backward into dx."""
+    view = SoftmaxView(y.shape, dim, [y.stride(), dy.stride(), dx.stride()])
+    if not view.ok:
+        return lambda y, dy, dx: dx.copy_(_softmax_bwd(y.contiguous(), dy.contiguous(), dim))
+    if not _use_rows(view):
+        return _SplitSoftmaxBwd(y, dy, dx, view)
+    block_r, block_l, warps = _rows_plan(view)
+    rows = view.O0 * view.O1
+    ys, gs, ds = view.strides
+    return launch(K.softmax_bwd_rows_kernel).prepare(
+        (cdiv(rows, block_r),),
+        y,
+        dy,
+        dx,
+        rows,
+        view.L,
+        view.O1,
+        *ys[:3],
+        *gs[:3],
+        *ds[:3],
+        BLOCK_R=block_r,
+        BLOCK_L=block_l,
+        num_warps=warps,
+    )
 
 
 def _softmax_fwd(x: torch.Tensor, dim: int) -> torch.Tensor:
     y = torch.empty_like(x)
     if x.numel() == 0:
         return y
-    view = SoftmaxView(x.shape, dim, [x.stride(), y.stride()])
-    if not view.ok:
-        y.copy_(_softmax_fwd(x.contiguous(), dim))
-        return y
-    if _use_rows(view):
-        block_r, block_l, warps = _rows_plan(view)
-        rows = view.O0 * view.O1
-        xs, ys = view.strides
-        launch(K.softmax_fwd_rows_kernel)[(cdiv(rows, block_r),)](
-            x,
-            y,
-            rows,
-            view.L,
-            view.O1,
-            xs[0],
-            xs[1],
-            xs[2],
-            ys[0],
-            ys[1],
-            ys[2],
-            BLOCK_R=block_r,
-            BLOCK_L=block_l,
-            num_warps=warps,
-        )
-        return y
-    plan = _split_plan(view, x.device)
-    block_l, block_i, chunk, num_chunks = plan
-    m, s = softmax_chunk_stats(x, dim, view=view, plan=plan)
-    grid = (view.O0 * view.O1 * cdiv(view.I, block_i), num_chunks)
-    launch(K.softmax_fwd_apply_kernel)[grid](
-        x,
-        y,
-        m,
-        s,
-        view.L,
-        view.I,
-        view.O1,
-        chunk,
-        num_chunks,
-        *view.strides[0],
-        *view.strides[1],
-        BLOCK_L=block_l,
-        BLOCK_I=block_i,
-        num_warps=SPLIT_WARPS,
-    )
+    if x.__class__ is torch.Tensor:
+        key = ("fwd", dim, x.get_device(), x.shape, x.stride(), y.stride())
+        _PLANS.get(key, _softmax_fwd_plan, x, y, dim)(x, y)
+    else:
+        _softmax_fwd_plan(x, y, dim)(x, y)
     return y
 
 
@@ -237,64 +330,11 @@ def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
     dx = torch.empty_like(y)
     if y.numel() == 0:
         return dx
-    view = SoftmaxView(y.shape, dim, [y.stride(), dy.stride(), dx.stride()])
-    if not view.ok:
-        dx.copy_(_softmax_bwd(y.contiguous(), dy.contiguous(), dim))
-        return dx
-    ys, gs, ds = view.strides
-    if _use_rows(view):
-        block_r, block_l, warps = _rows_plan(view)
-        rows = view.O0 * view.O1
-        launch(K.softmax_bwd_rows_kernel)[(cdiv(rows, block_r),)](
-            y,
-            dy,
-            dx,
-            rows,
-            view.L,
-            view.O1,
-            *ys[:3],
-            *gs[:3],
-            *ds[:3],
-            BLOCK_R=block_r,
-            BLOCK_L=block_l,
-            num_warps=warps,
-        )
-        return dx
-    block_l, block_i, chunk, num_chunks = _split_plan(view, y.device)
-    p = y.new_empty((view.O0 * view.O1, num_chunks, view.I), dtype=torch.float32)
-    grid = (view.O0 * view.O1 * cdiv(view.I, block_i), num_chunks)
-    launch(K.softmax_bwd_chunk_sums_kernel)[grid](
-        y,
-        dy,
-        p,
-        view.L,
-        view.I,
-        view.O1,
-        chunk,
-        num_chunks,
-        *ys,
-        *gs,
-        BLOCK_L=block_l,
-        BLOCK_I=block_i,
-        num_warps=SPLIT_WARPS,
-    )
-    launch(K.softmax_bwd_apply_kernel)[grid](
-        y,
-        dy,
-        dx,
-        p,
-        view.L,
-        view.I,
-        view.O1,
-        chunk,
-        num_chunks,
-        *ys,
-        *gs,
-        *ds,
-        BLOCK_L=block_l,
-        BLOCK_I=block_i,
-        num_warps=SPLIT_WARPS,
-    )
+    if y.__class__ is torch.Tensor and dy.__class__ is torch.Tensor:
+        key = ("bwd", dim, y.get_device(), y.shape, y.stride(), dy.stride(), dx.stride())
+        _PLANS.get(key, _softmax_bwd_plan, y, dy, dx, dim)(y, dy, dx)
+    else:
+        _softmax_bwd_plan(y, dy, dx, dim)(y, dy, dx)
     return dx
 
 

@@ -284,7 +284,7 @@ INTERPRETER_DQ = Tile(32, 16, 4, 1, tma=True)
 # so TMA loads, two stages of K/V ahead, and little shared memory (d = 128, 16 x 64: 70 KB,
 # 80 registers, three programs per SM; NOTES.md). To be measured: benchmarks/tune_decode.py.
 SPLIT_TILES = {16: (128, 4, 3, True), 32: (128, 4, 3, True), 64: (128, 4, 3, True),
-               128: (64, 4, 3, True), 256: (32, 8, 3, True)}  # fmt: skip
+               128: (128, 4, 2, True), 256: (32, 8, 3, True)}  # fmt: skip
 SPLIT_FP32_TILES = {16: (32, 4, 2, True), 32: (32, 4, 2, True), 64: (32, 4, 2, True),
                     128: (32, 4, 2, True), 256: (16, 8, 2, True)}  # fmt: skip
 # The number of splits (`split_plan`): as many as keep the launch within SPLIT_WAVES programs per
@@ -292,7 +292,7 @@ SPLIT_FP32_TILES = {16: (32, 4, 2, True), 32: (32, 4, 2, True), 64: (32, 4, 2, T
 # max(SPLIT_MIN_KEYS, SPLIT_KEYS_PER_ROW * padded rows) keys:
 # its float32 partial (8 bytes per row and head-dim element, written and read back) then costs
 # at most 1/8 of the K/V bytes it reads (4 per key and element in half precision).
-SPLIT_WAVES, SPLIT_MIN_KEYS, SPLIT_KEYS_PER_ROW, SPLIT_MAX = 3, 256, 16, 128
+SPLIT_WAVES, SPLIT_MIN_KEYS, SPLIT_KEYS_PER_ROW, SPLIT_MAX = 1, 256, 16, 128
 # Nq up to this always takes the split kernel (even unsplit): the dense one would read each K/V
 # byte once per query head and fill 128-row tiles with a few rows.
 DECODE_MAX_NQ = 16

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernelkit.act import ACTS, ELEMENTWISE_ACTS, FLOAT_DTYPES, softmax_chunk_stats
-from kernelkit.shared.runtime import num_sms
+from kernelkit.shared.runtime import PlanCache, num_sms
 
 from .reference import packed_positions
 
@@ -19,8 +19,9 @@ __all__ = [
     "KINDS",
     "SEQ",
     "act_and_dim",
-    "per_row_positions",
+    "cached_plan",
     "position_args",
+    "position_strides",
     "programs_target",
     "reduce_dtheta",
     "sequence_softmax_stats",
@@ -167,28 +168,39 @@ def act_and_dim(kind: str) -> tuple[str, int | None]:
 # ---------------------------------------------------------------------------------------------
 
 
-def per_row_positions(pos) -> bool:
-    """Whether the positions (start, starts, table) differ between batch rows: kernels then
-    compute cos/sin per row instead of once per program."""
-    return pos[1] is not None or pos[2] is not None
-
-
 def position_args(start: int, starts: torch.Tensor | None, table: torch.Tensor | None) -> dict:
-    """Keyword arguments `offset`, `positions`, `stride_pb`, `stride_pn` of an LRPE kernel."""
-    if table is not None:
-        stride_b = table.stride(0) if table.shape[0] > 1 else 0
-        return {
-            "offset": 0,
-            "positions": table,
-            "stride_pb": stride_b,
-            "stride_pn": table.stride(1),
-        }
+    """Per-call keyword arguments `offset` and `positions` of an LRPE kernel (the int start or
+    the (B,) starts tensor; the per-token table or None)."""
+    return {"offset": start if starts is None else starts, "positions": table}
+
+
+def position_strides(table: torch.Tensor | None) -> dict:
+    """Layout keyword arguments `stride_pb`, `stride_pn` of the positions table (one row
+    broadcast over the batch: stride 0)."""
+    if table is None:
+        return {"stride_pb": 0, "stride_pn": 0}
     return {
-        "offset": start if starts is None else starts,
-        "positions": None,
-        "stride_pb": 0,
-        "stride_pn": 0,
+        "stride_pb": table.stride(0) if table.shape[0] > 1 else 0,
+        "stride_pn": table.stride(1),
     }
+
+
+_PLANS = PlanCache()
+
+
+def cached_plan(build, tensors, *args):
+    """`build(*tensors, *args)` (a launch plan: grid and the non-tensor kernel arguments), made
+    once per layout (shapes and strides of `tensors`, None allowed; the hashable `args`; the
+    device of the first tensor) and reused; traced calls build it every time."""
+    if not PlanCache.cacheable(*tensors):
+        return build(*tensors, *args)
+    key = (
+        build,
+        tensors[0].get_device(),
+        *args,
+        *((None if t is None else (t.shape, t.stride())) for t in tensors),
+    )
+    return _PLANS.get(key, build, *tensors, *args)
 
 
 def theta_args(theta: torch.Tensor, slots: int) -> dict:

@@ -47,8 +47,9 @@ from kernelkit.lrpe_core.kernels import (
 )
 from kernelkit.lrpe_core.op import (
     SEQ,
-    per_row_positions,
+    cached_plan,
     position_args,
+    position_strides,
     programs_target,
     theta_args,
 )
@@ -369,25 +370,14 @@ def cosine_fwd_kernel(
         tl.store(y_rows + D * stride_yd, (xbar * sin_t).to(y.dtype.element_ty), mask=mask)
 
 
-def cosine_fwd(
-    x, theta, pos, kind, stats=None, *, grid: Grid | None = None, angles=None, plan: Plan = PLAN
-) -> torch.Tensor:
-    """y (B, N, H, 2D) = [act(x) cos, act(x) sin]; pos = (start, starts, table) of a sequence
-    (ignored with a `grid`); `stats` for softmax_seq; `angles` (N, H, D) float32 to fill."""
+def _fwd_plan(x, y, theta, starts, table, stats, kind, grid, plan):
+    """(launch grid, layout kwargs) of cosine_fwd_kernel."""
     b, n, heads, d = x.shape
-    y = x.new_empty((b, n, heads, 2 * d))
-    per_row = per_row_positions(pos) and grid is None
+    per_row = (starts is not None or table is not None) and grid is None
     block_n, block_d = tile_sizes(d, plan.small_tile if per_row else plan.tile)
     n_blocks = cdiv(n, block_n)
     rows, groups = batch_groups(plan, b, n_blocks * heads, x.device)
-    launch(cosine_fwd_kernel)[(n_blocks, heads, groups)](
-        x=x,
-        y=y,
-        theta=theta,
-        **position_args(*pos),
-        m=stats[0] if stats is not None else None,
-        s=stats[1] if stats is not None else None,
-        angles=angles,
+    kwargs = dict(
         B=b,
         N=n,
         D=d,
@@ -395,12 +385,35 @@ def cosine_fwd(
         num_stat_chunks=stats.shape[2] if stats is not None else 0,
         **_strides("x", x),
         **_strides("y", y),
+        **position_strides(table),
         **_angle_args(theta, d, grid),
         ACT=kind,
         ROWS=ROWS,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         num_warps=plan.warps,
+    )
+    return (n_blocks, heads, groups), kwargs
+
+
+def cosine_fwd(
+    x, theta, pos, kind, stats=None, *, grid: Grid | None = None, angles=None, plan: Plan = PLAN
+) -> torch.Tensor:
+    """y (B, N, H, 2D) = [act(x) cos, act(x) sin]; pos = (start, starts, table) of a sequence
+    (ignored with a `grid`); `stats` for softmax_seq; `angles` (N, H, D) float32 to fill."""
+    b, n, heads, d = x.shape
+    y = x.new_empty((b, n, heads, 2 * d))
+    tensors = (x, y, theta, pos[1], pos[2], stats)
+    launch_grid, kwargs = cached_plan(_fwd_plan, tensors, kind, grid, plan)
+    launch(cosine_fwd_kernel)[launch_grid](
+        x=x,
+        y=y,
+        theta=theta,
+        **position_args(*pos),
+        m=stats[0] if stats is not None else None,
+        s=stats[1] if stats is not None else None,
+        angles=angles,
+        **kwargs,
     )
     return y
 
@@ -654,6 +667,48 @@ def cosine_bwd_seq_sums_kernel(
         )
 
 
+def _bwd_plan(dy, x, dx, theta, starts, table, stats, kind, grid, plan, need_dtheta):
+    """Launch grids and layout kwargs of the backward: {"common": kwargs of both kernels,
+    "sums": (grid, kwargs) of the softmax_seq sums kernel or None, "main": (grid, kwargs) of
+    cosine_bwd_kernel or None (d(theta) only, from the sums kernel)}."""
+    b, n, heads, d2 = dy.shape
+    d = d2 // 2
+    per_row = (starts is not None or table is not None) and grid is None
+    common = dict(
+        B=b,
+        N=n,
+        D=d,
+        num_stat_chunks=stats.shape[2] if stats is not None else 0,
+        **_strides("x", x),
+        **_strides("g", dy),
+        **position_strides(table),
+        **_angle_args(theta, d, grid),
+        ROWS=ROWS,
+        num_warps=plan.warps,
+    )
+    sums, num_chunks = None, 0
+    if kind == SEQ:
+        block_n, block_d = tile_sizes(d, plan.small_tile)
+        groups, chunk, num_chunks = sequence_chunks(plan, b, n, heads, block_n, dy.device)
+        sums_kwargs = dict(chunk=chunk, num_chunks=num_chunks, BLOCK_N=block_n, BLOCK_D=block_d)
+        sums = ((num_chunks, heads, groups), sums_kwargs)
+    main = None
+    if dx is not None or (need_dtheta and kind != SEQ):
+        block_n, block_d = tile_sizes(d, plan.small_tile if per_row else plan.tile)
+        n_blocks = cdiv(n, block_n)
+        rows, groups = batch_groups(plan, b, n_blocks * heads, dy.device)
+        main_kwargs = dict(
+            rows_per_program=rows,
+            num_chunks=num_chunks,
+            **_strides("d", dx),
+            ACT=kind,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+        )
+        main = ((n_blocks, heads, groups), main_kwargs)
+    return {"common": common, "sums": sums, "main": main}
+
+
 def cosine_bwd(
     dy,
     x,
@@ -672,65 +727,46 @@ def cosine_bwd(
     none without d(theta); `stats` for softmax_seq; `angles` the forward's table or None."""
     b, n, heads, d2 = dy.shape
     d = d2 // 2
-    dx = (
-        (torch.empty_like(x) if x is not None else dy.new_empty((b, n, heads, d)))
-        if need_dx
-        else None
-    )
-    per_row = per_row_positions(pos) and grid is None
-    common = dict(
+    dx = None
+    if need_dx:
+        dx = torch.empty_like(x) if x is not None else dy.new_empty((b, n, heads, d))
+    tensors = (dy, x, dx, theta, pos[1], pos[2], stats)
+    launches = cached_plan(_bwd_plan, tensors, kind, grid, plan, need_dtheta)
+    tensor_args = dict(
         theta=theta,
         **position_args(*pos),
         m=stats[0] if stats is not None else None,
         s=stats[1] if stats is not None else None,
         angles=angles,
-        B=b,
-        N=n,
-        D=d,
-        num_stat_chunks=stats.shape[2] if stats is not None else 0,
-        **_strides("x", x),
-        **_strides("g", dy),
-        **_angle_args(theta, d, grid),
-        ROWS=ROWS,
-        num_warps=plan.warps,
     )
-    sums, partials, num_chunks = None, None, 0
-    if kind == SEQ:
-        block_n, block_d = tile_sizes(d, plan.small_tile)
-        groups, chunk, num_chunks = sequence_chunks(plan, b, n, heads, block_n, dy.device)
-        sums = dy.new_empty((b * heads, num_chunks, d), dtype=torch.float32)
+    sums, partials = None, None
+    if launches["sums"] is not None:
+        sums_grid, sums_kwargs = launches["sums"]
+        sums = dy.new_empty((b * heads, sums_kwargs["num_chunks"], d), dtype=torch.float32)
         if need_dtheta:
-            partials = dy.new_empty((num_chunks * groups, heads, d), dtype=torch.float32)
-        launch(cosine_bwd_seq_sums_kernel)[(num_chunks, heads, groups)](
+            partials = dy.new_empty((sums_grid[0] * sums_grid[2], heads, d), dtype=torch.float32)
+        launch(cosine_bwd_seq_sums_kernel)[sums_grid](
             x=x,
             dy=dy,
             sums=sums,
             dtheta_partials=partials,
-            chunk=chunk,
-            num_chunks=num_chunks,
-            BLOCK_N=block_n,
-            BLOCK_D=block_d,
-            **common,
+            **tensor_args,
+            **launches["common"],
+            **sums_kwargs,
         )
-    fuse_dtheta = need_dtheta and kind != SEQ
-    if need_dx or fuse_dtheta:
-        block_n, block_d = tile_sizes(d, plan.small_tile if per_row else plan.tile)
-        n_blocks = cdiv(n, block_n)
-        rows, groups = batch_groups(plan, b, n_blocks * heads, dy.device)
+    if launches["main"] is not None:
+        main_grid, main_kwargs = launches["main"]
+        fuse_dtheta = need_dtheta and kind != SEQ
         if fuse_dtheta:
-            partials = dy.new_empty((n_blocks * groups, heads, d), dtype=torch.float32)
-        launch(cosine_bwd_kernel)[(n_blocks, heads, groups)](
+            partials = dy.new_empty((main_grid[0] * main_grid[2], heads, d), dtype=torch.float32)
+        launch(cosine_bwd_kernel)[main_grid](
             x=x,
             dy=dy,
             dx=dx,
             sums=sums,
             dtheta_partials=partials if fuse_dtheta else None,
-            rows_per_program=rows,
-            num_chunks=num_chunks,
-            **_strides("d", dx),
-            ACT=kind,
-            BLOCK_N=block_n,
-            BLOCK_D=block_d,
-            **common,
+            **tensor_args,
+            **launches["common"],
+            **main_kwargs,
         )
     return dx, partials

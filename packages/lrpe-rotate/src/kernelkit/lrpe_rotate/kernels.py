@@ -37,8 +37,9 @@ from kernelkit.lrpe_core.kernels import (
 )
 from kernelkit.lrpe_core.op import (
     SEQ,
-    per_row_positions,
+    cached_plan,
     position_args,
+    position_strides,
     programs_target,
     theta_args,
 )
@@ -213,31 +214,42 @@ def rotate_fwd_kernel(
         store_halves(y + b * stride_yb, y_off, HALF * stride_yd, y1, y2, mask)
 
 
-def rotate_fwd(x, theta, pos, kind, plan: Plan = PLAN) -> torch.Tensor:
-    """y = rotate(act(x)) for an element-wise act or softmax over D; pos = (start, starts,
-    table) from kernelkit.lrpe_core.op.validate_positions."""
-    y = torch.empty_like(x)
+def _rotate_plan(x, y, theta, starts, table, kind, plan):
+    """(grid, layout kwargs) of rotate_fwd_kernel / rotate_bwd_kernel (y: the output or dx)."""
     batch, n, heads, d = x.shape
     half = d // 2
     block_n, block_e, warps = _tile(plan, kind, half)
     n_tiles = cdiv(n, block_n)
-    per_group, groups = _batch_groups(plan, batch, n_tiles, heads, x.device, per_row_positions(pos))
-    launch(rotate_fwd_kernel)[(n_tiles * groups, heads)](
-        x=x,
-        y=y,
-        theta=theta,
-        **position_args(*pos),
+    per_row = starts is not None or table is not None
+    per_group, groups = _batch_groups(plan, batch, n_tiles, heads, x.device, per_row)
+    kwargs = dict(
         B=batch,
         N=n,
         rows_per_program=per_group,
-        **_strides("x", x),
-        **_strides("y", y),
+        **position_strides(table),
         **theta_args(theta, half),
         KIND=kind,
         HALF=half,
         BLOCK_N=block_n,
         BLOCK_E=block_e,
         num_warps=warps,
+    )
+    return (n_tiles * groups, heads), kwargs
+
+
+def rotate_fwd(x, theta, pos, kind, plan: Plan = PLAN) -> torch.Tensor:
+    """y = rotate(act(x)) for an element-wise act or softmax over D; pos = (start, starts,
+    table) from kernelkit.lrpe_core.op.validate_positions."""
+    y = torch.empty_like(x)
+    grid, kwargs = cached_plan(_rotate_plan, (x, y, theta, pos[1], pos[2]), kind, plan)
+    launch(rotate_fwd_kernel)[grid](
+        x=x,
+        y=y,
+        theta=theta,
+        **position_args(*pos),
+        **_strides("x", x),
+        **_strides("y", y),
+        **kwargs,
     )
     return y
 
@@ -332,35 +344,21 @@ def rotate_bwd(dy, x, theta, pos, kind, need_dtheta, plan: Plan = PLAN):
     """(dx, float32 d(theta) partials (programs, H, D/2) or None) for an element-wise act or
     softmax over D; x may be None for act none without d(theta)."""
     dx = torch.empty_like(dy)
-    batch, n, heads, d = dy.shape
-    half = d // 2
-    block_n, block_e, warps = _tile(plan, kind, half)
-    n_tiles = cdiv(n, block_n)
-    per_group, groups = _batch_groups(
-        plan, batch, n_tiles, heads, dy.device, per_row_positions(pos)
-    )
+    grid, kwargs = cached_plan(_rotate_plan, (dy, dx, theta, pos[1], pos[2]), kind, plan)
     partials = None
     if need_dtheta:
-        partials = dy.new_empty((n_tiles * groups, heads, half), dtype=torch.float32)
-    launch(rotate_bwd_kernel)[(n_tiles * groups, heads)](
+        partials = dy.new_empty((grid[0], grid[1], dy.shape[3] // 2), dtype=torch.float32)
+    launch(rotate_bwd_kernel)[grid](
         x=x,
         dy=dy,
         dx=dx,
         theta=theta,
         **position_args(*pos),
         dtheta_partials=partials,
-        B=batch,
-        N=n,
-        rows_per_program=per_group,
         **_strides("x", x if x is not None else dy),
         **_strides("g", dy),
         **_strides("d", dx),
-        **theta_args(theta, half),
-        KIND=kind,
-        HALF=half,
-        BLOCK_N=block_n,
-        BLOCK_E=block_e,
-        num_warps=warps,
+        **kwargs,
     )
     return dx, partials
 
@@ -445,31 +443,41 @@ def seq_softmax_fwd_kernel(
         )
 
 
-def seq_softmax_fwd(x, theta, pos, stats, plan: Plan = PLAN) -> torch.Tensor:
-    """y = rotate(softmax over the sequence of x) with `stats` from sequence_softmax_stats."""
-    y = torch.empty_like(x)
+def _seq_plan(x, theta, table, stats, plan):
+    """(grid, layout kwargs) of the softmax-over-N kernels."""
     batch, n, heads, d = x.shape
     half = d // 2
     block_n, block_e, warps = _tile(plan, SEQ, half)
     chunk, chunks = _seq_chunks(plan, batch, n, heads, block_n, x.device)
-    launch(seq_softmax_fwd_kernel)[(chunks * batch, heads)](
+    kwargs = dict(
+        N=n,
+        chunk=chunk,
+        num_chunks=chunks,
+        num_stat_chunks=stats.shape[2],
+        **position_strides(table),
+        **theta_args(theta, half),
+        HALF=half,
+        BLOCK_N=block_n,
+        BLOCK_E=block_e,
+        num_warps=warps,
+    )
+    return (chunks * batch, heads), kwargs
+
+
+def seq_softmax_fwd(x, theta, pos, stats, plan: Plan = PLAN) -> torch.Tensor:
+    """y = rotate(softmax over the sequence of x) with `stats` from sequence_softmax_stats."""
+    y = torch.empty_like(x)
+    grid, kwargs = cached_plan(_seq_plan, (x, theta, pos[2], stats), plan)
+    launch(seq_softmax_fwd_kernel)[grid](
         x=x,
         y=y,
         theta=theta,
         **position_args(*pos),
         m=stats[0],
         s=stats[1],
-        N=n,
-        chunk=chunk,
-        num_chunks=chunks,
-        num_stat_chunks=stats.shape[2],
         **_strides("x", x),
         **_strides("y", y),
-        **theta_args(theta, half),
-        HALF=half,
-        BLOCK_N=block_n,
-        BLOCK_E=block_e,
-        num_warps=warps,
+        **kwargs,
     )
     return y
 
@@ -638,32 +646,21 @@ def seq_softmax_bwd_apply_kernel(
 def seq_softmax_bwd(dy, x, theta, pos, stats, need_dtheta, plan: Plan = PLAN):
     """(dx, d(theta) partials or None) of rotate(softmax over the sequence of x)."""
     dx = torch.empty_like(dy)
-    batch, n, heads, d = dy.shape
-    half = d // 2
-    block_n, block_e, warps = _tile(plan, SEQ, half)
-    chunk, chunks = _seq_chunks(plan, batch, n, heads, block_n, dy.device)
-    grid = (chunks * batch, heads)
-    sums = dy.new_empty((batch * heads, chunks, d), dtype=torch.float32)
+    grid, kwargs = cached_plan(_seq_plan, (dy, theta, pos[2], stats), plan)
+    batch, _, heads, d = dy.shape
+    sums = dy.new_empty((batch * heads, kwargs["num_chunks"], d), dtype=torch.float32)
     partials = None
     if need_dtheta:
-        partials = dy.new_empty((chunks * batch, heads, half), dtype=torch.float32)
+        partials = dy.new_empty((grid[0], heads, d // 2), dtype=torch.float32)
     common = dict(
         theta=theta,
         **position_args(*pos),
         m=stats[0],
         s=stats[1],
         sums=sums,
-        N=n,
-        chunk=chunk,
-        num_chunks=chunks,
-        num_stat_chunks=stats.shape[2],
         **_strides("x", x),
         **_strides("g", dy),
-        **theta_args(theta, half),
-        HALF=half,
-        BLOCK_N=block_n,
-        BLOCK_E=block_e,
-        num_warps=warps,
+        **kwargs,
     )
     launch(seq_softmax_bwd_sums_kernel)[grid](x=x, dy=dy, **common)
     launch(seq_softmax_bwd_apply_kernel)[grid](
