@@ -267,10 +267,11 @@ FP32_TILES = {
     256: (Tile(16, 16, 4, 1), Tile(16, 16, 4, 1), Tile(16, 16, 4, 1)),
 }
 PREPROCESS_BLOCK_M = 64
-# A window's left edge adds a third (masked) loop to the forward; with pointer loads the d = 128
-# 128 x 128 tile then needs 1.9 KB of stack (1.1 KB without), with TMA loads none: windowed
-# forwards at d >= 128 read K/V through TMA. A register-screen choice, to be timed.
-LOCAL_TMA_MIN_D = 128
+# A window's left edge adds a third (masked) loop to the forward, and packed batches always run
+# the ragged-length masks; with pointer loads the d = 128 128 x 128 forward tile then needs
+# 1.7-1.9 KB of stack (1.1 KB without), with TMA loads none: such forwards at d >= 128 read K/V
+# through TMA. A register-screen choice, to be timed (a larger value switches it off).
+MASKED_FWD_TMA_MIN_D = 128
 # Under the interpreter: small, unequal tiles so that tests at small N still walk several
 # blocks, the causal diagonal and the sequence ends in every kernel; TMA loads (the pointer
 # path runs where inputs are misaligned and in test_other_tile_shapes).
@@ -315,9 +316,10 @@ def block_d_for(d: int) -> int:
     return max(16, next_power_of_2(d))
 
 
-def plan_for(d: int, causal: bool, dtype: torch.dtype, local: bool = False) -> Plan:
+def plan_for(d: int, causal: bool, dtype: torch.dtype, masked_fwd: bool = False) -> Plan:
     """The tiles used for head dim d (padded to a power of two), causal (or any right-bounded
-    window) or not, dtype; local: a window with a left edge."""
+    window) or not, dtype; masked_fwd: a forward with more masked code (a window's left edge,
+    or per-sequence lengths)."""
     if interpreting():
         return Plan(INTERPRETER_FWD, INTERPRETER_DKDV, INTERPRETER_DQ)
     bd = block_d_for(d)
@@ -325,7 +327,7 @@ def plan_for(d: int, causal: bool, dtype: torch.dtype, local: bool = False) -> P
         return Plan(*FP32_TILES[bd])
     fwd, dkdv, dq = CAUSAL_TILES.get(bd, (None, None, None)) if causal else (None, None, None)
     fwd = fwd or FWD_TILES[bd]
-    if local and bd >= LOCAL_TMA_MIN_D:
+    if masked_fwd and bd >= MASKED_FWD_TMA_MIN_D:
         fwd = replace(fwd, tma=True)
     return Plan(fwd, dkdv or DKDV_TILES[bd], dq or DQ_TILES[bd])
 
@@ -534,7 +536,7 @@ def forward(
         if q.shape[0] == 0 or k.shape[0] == 0:  # no rows, or rows that see no key
             return o.zero_(), lse.fill_(-math.inf)
     upper, local, win_left, win_right = _window_args(causal, window)
-    plan = plan or plan_for(d, upper, q.dtype, local)
+    plan = plan or plan_for(d, upper, q.dtype, local or varlen is not None)
     t = plan.fwd
     qk_scale, cap_scale, softcap_mode = _score_args(scale, softcap, q)
     grid = (cdiv(nq, t.block_m) * b * h,)
@@ -691,7 +693,7 @@ def backward(
         if q.shape[0] == 0 or k.shape[0] == 0:
             return dq.zero_(), dk.zero_(), dv.zero_()
     upper, local, win_left, win_right = _window_args(causal, window)
-    plan = plan or plan_for(d, upper, q.dtype, local)
+    plan = plan or plan_for(d, upper, q.dtype, local or varlen is not None)
     bd = block_d_for(d)
     prec = dot_precision(q.dtype)
     qk_scale, cap_scale, softcap_mode = _score_args(scale, softcap, q)
