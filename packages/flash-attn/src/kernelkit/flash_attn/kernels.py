@@ -181,11 +181,20 @@ def _ranges(first, last, start, end, lo_shift, hi_shift, BLOCK: tl.constexpr,
         full_lo = start + tl.cdiv(tl.maximum(last + lo_shift - start, 0), BLOCK) * BLOCK
     if UPPER:
         hi = tl.minimum(end, last + hi_shift + 1)
-        full_hi = tl.minimum(end, first + hi_shift + 1)
-    if UPPER or ALIGN_END:
-        full_hi = start + tl.maximum(full_hi - start, 0) // BLOCK * BLOCK
-    mid_lo = tl.maximum(tl.minimum(full_lo, hi), lo)
-    mid_hi = tl.maximum(tl.minimum(full_hi, hi), mid_lo)
+        # (the last full block ends at the first row's edge, or at the last whole block)
+        full_hi = tl.minimum(start + tl.maximum(first + hi_shift + 1 - start, 0) // BLOCK * BLOCK,
+                             start + (end - start) // BLOCK * BLOCK)  # fmt: skip
+    elif ALIGN_END:
+        full_hi = start + (end - start) // BLOCK * BLOCK
+    # Without a lower bound the full range starts at `start` and ends at full_hi (<= hi, or
+    # both at `start`); the clamps below are only needed with one (and keep the plain causal
+    # kernels' bounds as they were).
+    mid_lo = start
+    mid_hi = full_hi
+    if LOWER:
+        mid_lo = tl.maximum(tl.minimum(full_lo, hi), lo)
+        if UPPER or ALIGN_END:
+            mid_hi = tl.maximum(tl.minimum(full_hi, hi), mid_lo)
     return lo, mid_lo, mid_hi, hi
 
 

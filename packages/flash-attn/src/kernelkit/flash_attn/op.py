@@ -832,6 +832,19 @@ def attn_fwd(
     return forward(q, k, v, causal, scale, softcap=softcap, window=window)
 
 
+def _reference_grads(reference, do, dlse, q, k, v, *args, **kwargs):
+    """(dq, dk, dv) through `reference(q, k, v, *args, **kwargs)`: the CPU fallback's backward."""
+    with torch.enable_grad():
+        qkv = [t.detach().requires_grad_() for t in (q, k, v)]
+        o, lse = reference(*qkv, *args, return_lse=True, **kwargs)
+        outs, grads = [o], [do]
+        if dlse is not None:
+            outs.append(lse)
+            grads.append(dlse.to(lse.dtype))
+        dqkv = torch.autograd.grad(outs, qkv, grads, allow_unused=True)
+    return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(dqkv, qkv))
+
+
 @define_op("kernelkit_flash_attn::attn_bwd")
 def attn_bwd(
     do: torch.Tensor,
@@ -849,17 +862,8 @@ def attn_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     window = (window_left, window_right)
     if not use_triton(q):
-        with torch.enable_grad():
-            qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
-            o_r, lse_r = attention_reference(
-                qr, kr, vr, causal, scale, return_lse=True, window_size=window, softcap=softcap
-            )
-            outs, grads = [o_r], [do]
-            if dlse is not None:
-                outs.append(lse_r)
-                grads.append(dlse.to(lse_r.dtype))
-            dq, dk, dv = torch.autograd.grad(outs, (qr, kr, vr), grads)
-        return dq, dk, dv
+        return _reference_grads(attention_reference, do, dlse, q, k, v, causal, scale,
+                                window_size=window, softcap=softcap)  # fmt: skip
     return backward(do, q, k, v, o, lse, dlse, causal, scale, softcap=softcap, window=window)
 
 
@@ -936,20 +940,9 @@ def attn_varlen_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     window = (window_left, window_right)
     if not use_triton(q):
-        with torch.enable_grad():
-            qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
-            o_r, lse_r = attention_varlen_reference(
-                qr, kr, vr, cu_seqlens_q, cu_seqlens_k, causal=causal, softmax_scale=scale,
-                window_size=window, softcap=softcap, return_lse=True,
-            )  # fmt: skip
-            outs, grads = [o_r], [do]
-            if dlse is not None:
-                outs.append(lse_r)
-                grads.append(dlse.to(lse_r.dtype))
-            dq, dk, dv = torch.autograd.grad(outs, (qr, kr, vr), grads, allow_unused=True)
-        return tuple(
-            torch.zeros_like(t) if g is None else g for g, t in zip((dq, dk, dv), (q, k, v))
-        )
+        return _reference_grads(attention_varlen_reference, do, dlse, q, k, v, cu_seqlens_q,
+                                cu_seqlens_k, causal=causal, softmax_scale=scale,
+                                window_size=window, softcap=softcap)  # fmt: skip
     varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return backward(do, q, k, v, o, lse, dlse, causal, scale, softcap=softcap, window=window,
                     varlen=varlen)  # fmt: skip
