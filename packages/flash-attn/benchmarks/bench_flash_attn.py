@@ -116,6 +116,21 @@ def _raise_oom():
     raise torch.OutOfMemoryError("eager attention's score matrices do not fit (estimated)")
 
 
+def direction_call(fn, inputs, o, do, direction):
+    """The timed callable of one direction, given o = fn(*inputs) from an untimed call: "fwd"
+    calls fn without autograd, "bwd" backpropagates do through o, "fwd_bwd" does both."""
+    if direction == "bwd":
+        return lambda: o.backward(do, retain_graph=True)
+    if direction == "fwd":
+
+        def call():
+            with torch.no_grad():
+                return fn(*inputs)
+
+        return call
+    return lambda: fn(*inputs).backward(do)
+
+
 def run_case(benchmark, *, op, tag, x, shape, causal, provider, direction, flops, dtype=DTYPE):
     fn, layout = attention_fn(provider, causal)
     info = {"layout": layout}
@@ -137,26 +152,8 @@ def run_case(benchmark, *, op, tag, x, shape, causal, provider, direction, flops
         raise
     if o is not None and provider in SDPA:
         info["kernel"] = type(o.grad_fn).__name__
-    if o is None:
-        call = _raise_oom
-    elif direction == "fwd":
-        del o
-
-        def call():
-            with torch.no_grad():
-                return fn(q, k, v)
-
-    elif direction == "bwd":
-
-        def call():
-            o.backward(do, retain_graph=True)
-
-    else:
-        del o
-
-        def call():
-            fn(q, k, v).backward(do)
-
+    call = _raise_oom if o is None else direction_call(fn, (q, k, v), o, do, direction)
+    del o  # only the bwd call keeps it (and its graph)
     record(benchmark, call, op=op, direction=direction, tag=tag, x=x, provider=provider,
            flops=flops, grad_to_none=[q, k, v], info=info)  # fmt: skip
 

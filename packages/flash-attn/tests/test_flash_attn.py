@@ -12,11 +12,11 @@ import math
 import pytest
 import torch
 
-from kernelkit.flash_attn import FlashAttentionFunction, flash_attn
+from kernelkit.flash_attn import FlashAttentionFunction, flash_attn, flash_attn_varlen
 from kernelkit.flash_attn import op as fa_op
-from kernelkit.flash_attn.reference import attention_reference
+from kernelkit.flash_attn.reference import attention_reference, attention_varlen_reference
 from kernelkit.shared.runtime import interpreting
-from kernelkit.shared.testing import assert_close
+from kernelkit.shared.testing import assert_close, assert_graph_replays
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -51,20 +51,23 @@ def _run(fn, q, k, v, do, dlse, **kw):
     return o, lse, (dq, dk, dv)
 
 
-def check(q, k, v, causal=False, softmax_scale=None, with_dlse=True):
+def check(q, k, v, causal=False, softmax_scale=None, with_dlse=True, **options):
     """flash_attn vs the float64 reference (and, for half precision, the reference evaluated in
-    q.dtype: the error may be at most 2x that one's): o, LSE, dq, dk, dv."""
-    kw = dict(causal=causal, softmax_scale=softmax_scale)
-    do = make(q.shape[:-1] + (v.shape[-1],), q.dtype, q.device, seed=7)
+    q.dtype: the error may be at most 2x that one's): o, LSE, dq, dk, dv. options: softcap,
+    window_size."""
     lse_shape = (q.shape[0], q.shape[1]) if q.dim() == 3 else (q.shape[0], q.shape[2], q.shape[1])
+    kw = dict(causal=causal, softmax_scale=softmax_scale, **options)
+    return _check(flash_attn, attention_reference, q, k, v, lse_shape, with_dlse, **kw)
+
+
+def _check(fn, reference, q, k, v, lse_shape, with_dlse, **kw):
+    do = make(q.shape[:-1] + (v.shape[-1],), q.dtype, q.device, seed=7)
     dlse = make(lse_shape, torch.float32, q.device, seed=8) if with_dlse else None
-    o, lse, grads = _run(flash_attn, q, k, v, do, dlse, **kw)
-    o64, lse64, grads64 = _run(
-        attention_reference, q.double(), k.double(), v.double(), do, dlse, **kw
-    )
+    o, lse, grads = _run(fn, q, k, v, do, dlse, **kw)
+    o64, lse64, grads64 = _run(reference, q.double(), k.double(), v.double(), do, dlse, **kw)
     lowp = q.dtype in HALF
     if lowp:
-        o_l, _, grads_l = _run(attention_reference, q, k, v, do, dlse, **kw)
+        o_l, _, grads_l = _run(reference, q, k, v, do, dlse, **kw)
     assert o.dtype == q.dtype and o.shape == q.shape[:-1] + (v.shape[-1],)
     assert lse.dtype == torch.float32 and lse.shape == lse_shape
     assert_close(o, o64, ref_lowp=o_l if lowp else None, name="o")
@@ -279,6 +282,327 @@ def test_deterministic(device):
 
 
 # ------------------------------------------------------------------------------------------
+# Softcap (Gemma 2): scores -> softcap * tanh(scores / softcap) before the softmax
+# ------------------------------------------------------------------------------------------
+
+# (softcap, causal, dtype, shape): q is scaled by 3 so that small caps saturate (tanh ~ +-1).
+SOFTCAP_CASES = [
+    (0.5, True, torch.bfloat16, (1, 37, 41, 2, 1, 32)),
+    (5.0, False, torch.float32, (1, 37, 41, 2, 1, 32)),
+    (30.0, True, torch.float16, (2, 21, 21, 2, 2, 64)),
+    (2.0, True, torch.bfloat16, (2, 1, 100, 4, 1, 32)),  # decoding: the split-KV forward
+]
+
+
+@pytest.mark.parametrize(
+    "case", SOFTCAP_CASES, ids=lambda c: f"cap{c[0]}-causal{int(c[1])}-{c[2]}-q{c[3][1]}"
+)
+def test_softcap(case, device):
+    softcap, causal, dtype, shape = case
+    q, k, v = qkv(*shape, dtype, device)
+    check((q.double() * 3).to(dtype), k, v, causal=causal, softcap=softcap)
+
+
+def test_softcap_changes_the_scores(device):
+    """The cap is applied (a capped run differs from the uncapped reference by far more than the
+    tolerance), and softcap=0 is the uncapped kernel bit for bit."""
+    q, k, v = qkv(1, 19, 23, 2, 2, 32, torch.float32, device)
+    q = q * 3
+    o_cap = flash_attn(q, k, v, causal=True, softcap=1.0)
+    ref = attention_reference(q.double(), k.double(), v.double(), causal=True)
+    assert (o_cap.double() - ref).norm() > 0.1 * ref.norm()
+    assert torch.equal(flash_attn(q, k, v, causal=True, softcap=0.0), flash_attn(q, k, v, True))
+
+
+# ------------------------------------------------------------------------------------------
+# Sliding windows: query i sees keys i + Nk - Nq - left ..= i + Nk - Nq + right
+# ------------------------------------------------------------------------------------------
+
+# (shape, window_size, causal, dtype). The interpreter's tiles are 32 x 16 (forward, dq) and
+# 16 x 32 (dk/dv): these windows cut blocks on one or both sides, are narrower than a block, or
+# leave rows that see no key (Nq > Nk with a right bound).
+WINDOW_CASES = [
+    ((1, 70, 60, 2, 1, 16), (5, 3), False, torch.bfloat16),
+    ((2, 45, 45, 2, 2, 32), (0, 0), False, torch.float32),  # the diagonal only
+    ((1, 50, 80, 2, 1, 16), (7, -1), False, torch.float16),  # left edge only
+    ((1, 80, 50, 4, 2, 16), (-1, 9), False, torch.bfloat16),  # right edge only, empty rows
+    ((1, 70, 70, 2, 1, 16), (20, -1), True, torch.bfloat16),  # window with causal
+    ((1, 40, 90, 2, 2, 16), (3, 11), False, torch.float32),
+    ((2, 1, 100, 4, 1, 32), (10, -1), True, torch.bfloat16),  # decoding: split-KV forward
+    ((1, 3, 77, 4, 2, 32), (20, 5), False, torch.float32),  # split-KV, both edges
+]
+
+
+@pytest.mark.parametrize(
+    "case",
+    WINDOW_CASES,
+    ids=lambda c: "q{}-k{}-w{}_{}-causal{}".format(c[0][1], c[0][2], *c[1], c[2]),
+)
+def test_window(case, device):
+    shape, window, causal, dtype = case
+    check(*qkv(*shape, dtype, device), causal=causal, window_size=window)
+
+
+def test_window_with_softcap(device):
+    q, k, v = qkv(1, 37, 53, 2, 1, 32, torch.bfloat16, device)
+    check((q.double() * 3).to(dtype=q.dtype), k, v, window_size=(9, 4), softcap=1.5)
+
+
+@pytest.mark.parametrize("case", ["keys-left-of-every-window", "queries-that-see-no-key"])
+def test_window_skips_blocks_outside(case, device):
+    """Blocks outside every window are never loaded: NaN in them (keys left of every query's
+    window; queries whose window holds no key) must not reach any output, and dk/dv of keys
+    no query sees are zeros. P is a multiple of every tile size in use."""
+    p = 160 if device.type == "cpu" else 1024
+    if case == "keys-left-of-every-window":  # keys < P + 14 are seen by no query
+        nq, nk, causal, window, poison = 16, p + 40, True, (10, 0), ("k", "v")
+    else:  # queries < P + 21 see no key
+        nq, nk, causal, window, poison = p + 40, 16, False, (-1, 3), ("q", "do")
+    clean = dict(zip("qkv", qkv(1, nq, nk, 2, 1, 16, torch.float32, device)))
+    clean["do"] = make(clean["q"].shape, torch.float32, device, seed=9)
+    bad = {name: t.clone() for name, t in clean.items()}
+    for name in poison:
+        bad[name][:, :p] = math.nan
+    scale, window_arg = 0.25, fa_op.window_for(window, causal, nq, nk)
+    plan = fa_op.plan_for(16, True, torch.float32)
+    o, lse = fa_op.forward(bad["q"], bad["k"], bad["v"], causal, scale, plan, window=window_arg)
+    grads = fa_op.backward(bad["do"], bad["q"], bad["k"], bad["v"], o, lse, None, causal, scale,
+                           plan, window=window_arg)  # fmt: skip
+    ref64 = {name: t.double() for name, t in clean.items()}
+    o64, lse64, grads64 = _run(attention_reference, ref64["q"], ref64["k"], ref64["v"],
+                               ref64["do"], None, causal=causal, softmax_scale=scale,
+                               window_size=window)  # fmt: skip
+    assert_close(o, o64, name="o")
+    assert_close(_finite(lse), _finite(lse64), name="lse")
+    for g, g64, name in zip(grads, grads64, ("dq", "dk", "dv")):
+        assert_close(g, g64, name=name)
+    # The automatic forward (split-KV for the 16 decoding rows) skips them too.
+    o_auto = flash_attn(bad["q"], bad["k"], bad["v"], causal, scale, window_size=window)
+    assert_close(o_auto, o64, name="o (automatic forward)")
+
+
+def test_masked_forward_plan(monkeypatch):
+    """Windows with a left edge and packed batches read K/V through TMA in the forward at
+    d >= 128 (their pointer tile spills; NOTES.md)."""
+    monkeypatch.setattr(fa_op, "interpreting", lambda: False)
+    assert fa_op.plan_for(128, True, torch.bfloat16, masked_fwd=True).fwd.tma
+    assert not fa_op.plan_for(128, True, torch.bfloat16).fwd.tma
+    assert not fa_op.plan_for(64, False, torch.bfloat16, masked_fwd=True).fwd.tma
+
+
+def test_window_size_normalisation():
+    """Bounds no row can reach are dropped (plain kernels); causal is right = 0."""
+    assert fa_op.window_for((-1, -1), False, 10, 20) == (-1, -1)
+    assert fa_op.window_for((19, 9), False, 10, 20) == (-1, -1)
+    assert fa_op.window_for((18, 8), False, 10, 20) == (18, 8)
+    assert fa_op.window_for((5, -1), True, 10, 20) == (5, 0)
+    assert fa_op.window_for([3, 0], True, 1, 20) == (3, 0)  # causal stays causal
+
+
+# ------------------------------------------------------------------------------------------
+# Packed variable-length batches (flash_attn_varlen)
+# ------------------------------------------------------------------------------------------
+
+
+def cu_seqlens(lengths, device):
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths).cumsum(0)
+    return cu.to(device)
+
+
+def packed(lens_q, lens_k, h, hkv, d, dtype, device, seed=0):
+    """q (total_q, H, D), k/v (total_k, Hkv, D) and flash_attn_varlen's cu_seqlens/max_seqlen
+    keyword arguments."""
+    q = make((sum(lens_q), h, d), dtype, device, seed)
+    k = make((sum(lens_k), hkv, d), dtype, device, seed + 1)
+    v = make((sum(lens_k), hkv, d), dtype, device, seed + 2)
+    kw = dict(cu_seqlens_q=cu_seqlens(lens_q, device), cu_seqlens_k=cu_seqlens(lens_k, device),
+              max_seqlen_q=max(1, *lens_q), max_seqlen_k=max(1, *lens_k))  # fmt: skip
+    return q, k, v, kw
+
+
+def random_lengths(n, longest, seed):
+    """n lengths in 0..longest, with a 0 and a 1 among them."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, longest + 1, (n,), generator=g).tolist()
+    lengths[seed % n], lengths[(seed + 2) % n] = 0, 1
+    return lengths
+
+
+def check_varlen(q, k, v, with_dlse=True, **kw):
+    """flash_attn_varlen against the loop over sequences of the dense reference."""
+    lse_shape = (q.shape[1], q.shape[0])
+    return _check(flash_attn_varlen, attention_varlen_reference, q, k, v, lse_shape, with_dlse,
+                  **kw)  # fmt: skip
+
+
+# (name, lengths of q, lengths of k, H, Hkv, D, dtype, causal, window_size, softcap)
+VARLEN_CASES = [
+    ("same-lengths", [5, 1, 33, 0, 17, 64], [5, 1, 33, 0, 17, 64], 4, 2, 32, torch.bfloat16,
+     False, (-1, -1), 0.0),
+    # Nq != Nk per sequence; a sequence with keys and no queries next to one with queries and no
+    # keys (its rows see nothing: zeros, LSE -inf), bottom-right causal per sequence.
+    ("causal-nq-ne-nk", [3, 0, 20, 1, 40, 9], [10, 5, 0, 1, 37, 9], 4, 2, 32, torch.bfloat16,
+     True, (-1, -1), 0.0),
+    ("random-window-softcap", random_lengths(7, 70, 1), random_lengths(7, 70, 2), 2, 1, 16,
+     torch.float32, False, (6, 2), 2.0),
+    ("random-causal-window", random_lengths(8, 70, 3), random_lengths(8, 70, 4), 6, 3, 16,
+     torch.float16, True, (12, -1), 0.0),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda c: c[0])
+def test_varlen(case, device):
+    _, lens_q, lens_k, h, hkv, d, dtype, causal, window, softcap = case
+    q, k, v, kw = packed(lens_q, lens_k, h, hkv, d, dtype, device)
+    o, lse, (dq, dk, dv) = check_varlen(q, k, v, causal=causal, window_size=window,
+                                        softcap=softcap, **kw)  # fmt: skip
+    cq, ck = kw["cu_seqlens_q"].tolist(), kw["cu_seqlens_k"].tolist()
+    for q0, q1, k0, k1 in zip(cq, cq[1:], ck, ck[1:]):
+        if k0 == k1:  # queries without keys
+            assert (o[q0:q1] == 0).all() and torch.isneginf(lse[:, q0:q1]).all()
+            assert (dq[q0:q1] == 0).all()
+        if q0 == q1:  # keys without queries
+            assert (dk[k0:k1] == 0).all() and (dv[k0:k1] == 0).all()
+
+
+def test_varlen_equals_dense_on_equal_lengths(device):
+    """Equal lengths packed = the dense batch (same tiles; per-sequence bounds)."""
+    b, n, h, hkv, d = 3, 37, 4, 2, 32
+    q, k, v = qkv(b, n, n, h, hkv, d, torch.float32, device)
+    do = make(q.shape, q.dtype, device, seed=5)
+    kw = dict(causal=True, window_size=(9, -1))
+    o, lse, grads = _run(flash_attn, q, k, v, do, None, **kw)
+    cu = cu_seqlens([n] * b, device)
+    flat = [t.flatten(0, 1) for t in (q, k, v, do)]
+    o_p, lse_p, grads_p = _run(flash_attn_varlen, *flat[:3], flat[3], None, cu_seqlens_q=cu,
+                               cu_seqlens_k=cu, max_seqlen_q=n, max_seqlen_k=n, **kw)  # fmt: skip
+    assert_close(o_p, o.flatten(0, 1), name="o")
+    assert_close(lse_p, lse.transpose(0, 1).flatten(1), name="lse")
+    for g_p, g, name in zip(grads_p, grads, ("dq", "dk", "dv")):
+        assert_close(g_p, g.flatten(0, 1), name=name)
+
+
+def test_varlen_deterministic(device):
+    q, k, v, kw = packed([30, 0, 45, 7], [12, 20, 45, 1], 4, 2, 32, torch.bfloat16, device)
+    do = make(q.shape, q.dtype, device, seed=5)
+    first = _run(flash_attn_varlen, q, k, v, do, None, causal=True, **kw)
+    second = _run(flash_attn_varlen, q, k, v, do, None, causal=True, **kw)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    for a, b in zip(first[2], second[2]):
+        assert torch.equal(a, b)
+
+
+def test_varlen_empty_batches(device):
+    """No query rows at all, or no keys at all: outputs of the right shapes, zeros / -inf."""
+    q, k, v, kw = packed([0, 0], [3, 4], 2, 1, 16, torch.float32, device)
+    o, lse = flash_attn_varlen(q, k, v, return_lse=True, **kw)
+    assert o.shape == (0, 2, 16) and lse.shape == (2, 0)
+    q, k, v, kw = packed([3, 4], [0, 0], 2, 1, 16, torch.float32, device)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    o, lse = flash_attn_varlen(*leaves, causal=True, return_lse=True, **kw)
+    assert (o == 0).all() and torch.isneginf(lse).all()
+    o.sum().backward()
+    assert (leaves[0].grad == 0).all() and leaves[1].grad.shape == (0, 1, 16)
+
+
+def _varlen_errors(device):
+    def i32(*values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    q = torch.zeros(10, 4, 32, device=device)
+    kv = torch.zeros(12, 2, 32, device=device)
+    kv3 = torch.zeros(12, 3, 32, device=device)
+    good = dict(cu_seqlens_q=i32(0, 4, 10), cu_seqlens_k=i32(0, 5, 12), max_seqlen_q=6,
+                max_seqlen_k=7)  # fmt: skip
+    host = device.type == "cpu"  # values are checked only where they are free to read
+    cases = [
+        ((q[None], kv, kv), {}, r"q: expected shape \(total_q, H, D\)"),
+        ((q, kv[None], kv), {}, r"k: expected shape \(total_k, Hkv, D\)"),
+        ((q, kv, kv[:11]), {}, "v: shape"),
+        ((q, kv3, kv3), {}, "not a multiple"),
+        ((q, kv, kv), dict(cu_seqlens_q=[0, 4, 10]), "cu_seqlens_q: expected a torch.Tensor"),
+        ((q, kv, kv), dict(cu_seqlens_q=i32(0, 4, 10).long()), "cu_seqlens_q: dtype must be"),
+        ((q, kv, kv), dict(cu_seqlens_k=i32(0, 5, 12)[None]), r"cu_seqlens_k: expected shape"),
+        ((q, kv, kv), dict(cu_seqlens_k=i32(0)), r"cu_seqlens_k: expected shape"),
+        ((q, kv, kv), dict(cu_seqlens_k=i32(0, 12)), "cu_seqlens_k: 1 sequences, cu_seqlens_q"),
+        ((q, kv, kv), dict(max_seqlen_q=0), "max_seqlen_q: must be >= 1"),
+        ((q, kv, kv), dict(max_seqlen_k=7.0), "max_seqlen_k: expected an int"),
+        ((q, kv, kv), dict(causal=True, window_size=(3, 1)), "window_size: right=1 conflicts"),
+        ((q, kv, kv), dict(softcap=-2.0), "softcap: must"),
+    ]  # fmt: skip
+    if host:
+        cases += [
+            ((q, kv, kv), dict(cu_seqlens_q=i32(1, 4, 10)), "cu_seqlens_q: must start at 0"),
+            ((q, kv, kv), dict(cu_seqlens_q=i32(0, 11, 10)), "cu_seqlens_q: must be non-decreasing"),
+            ((q, kv, kv), dict(cu_seqlens_k=i32(0, 5, 11)), "cu_seqlens_k: last entry 11 must"),
+            ((q, kv, kv), dict(max_seqlen_k=6), "max_seqlen_k: 6 is less than the longest"),
+        ]  # fmt: skip
+    return [(args, {**good, **over}, match) for args, over, match in cases]
+
+
+@pytest.mark.parametrize("case", range(17))
+def test_varlen_errors(case, device):
+    cases = _varlen_errors(device)
+    if case >= len(cases):
+        pytest.skip("cu_seqlens values are the caller's contract on the GPU (no sync)")
+    args, kw, match = cases[case]
+    with pytest.raises(ValueError, match=match):
+        flash_attn_varlen(*args, **kw)
+
+
+def test_varlen_opcheck(device):
+    q, k, v, kw = packed([5, 0, 19], [8, 3, 21], 2, 1, 32, torch.float32, device)
+    cu_q, cu_k, mq, mk = kw.values()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    args = (q, k, v, cu_q, cu_k, mq, mk, True, 0.25)
+    torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_varlen_fwd, args)
+    o, lse = fa_op.attn_varlen_fwd(q.detach(), k.detach(), v.detach(), *args[3:])
+    do = make(o.shape, o.dtype, device, seed=3)
+    dlse = make(lse.shape, lse.dtype, device, seed=4)
+    bwd = (do, q.detach(), k.detach(), v.detach(), o, lse, dlse, cu_q, cu_k, mq, mk, False, 0.25,
+           1.5, 4, 2)  # fmt: skip
+    torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_varlen_bwd, bwd)
+
+
+def test_varlen_torch_compile_fullgraph(device):
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    q, k, v, kw = packed([5, 0, 30, 1], [8, 3, 30, 1], 4, 2, 32, torch.float32, device)
+
+    def f(q, k, v, cu_q, cu_k):
+        o, lse = flash_attn_varlen(q, k, v, cu_q, cu_k, 30, 30, causal=True, softcap=4.0,
+                                   return_lse=True)  # fmt: skip
+        return o * 2.0, lse
+
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, lse = compiled(*leaves, kw["cu_seqlens_q"], kw["cu_seqlens_k"])
+    o.sum().backward()
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    o64, lse64 = attention_varlen_reference(*ref, kw["cu_seqlens_q"], kw["cu_seqlens_k"],
+                                            causal=True, softcap=4.0, return_lse=True)  # fmt: skip
+    (o64 * 2.0).sum().backward()
+    assert_close(o, o64 * 2.0, name="compiled o")
+    assert_close(_finite(lse), _finite(lse64), name="compiled lse")
+    for a, r, name in zip(leaves, ref, ("dq", "dk", "dv")):
+        assert_close(a.grad, r.grad, name=f"compiled {name}")
+
+
+def test_varlen_cpu_tensors_without_interpreter_use_the_reference(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v, kw = packed([4, 0, 9], [6, 2, 9], 2, 1, 16, torch.float32, "cpu")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    o, lse = flash_attn_varlen(q, k, v, causal=True, return_lse=True, **kw)
+    o.sum().backward()
+    ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    o_r, lse_r = attention_varlen_reference(*ref, causal=True, return_lse=True, **kw)
+    o_r.sum().backward()
+    assert torch.equal(o, o_r) and torch.equal(lse, lse_r.float())
+    for a, r in zip((q, k, v), ref):
+        assert torch.equal(a.grad, r.grad)
+
+
+# ------------------------------------------------------------------------------------------
 # Split-KV forward (decoding): keys split across programs, partials merged through their LSEs.
 # Under the interpreter num_sms is 4 and the split rule small (op.INTERPRETER_SPLIT_RULE), so
 # a few dozen keys already take several splits; the backward is the dense kernels' either way.
@@ -320,6 +644,10 @@ def test_split_plan_rule(monkeypatch):
     forced = fa_op.split_plan(*_meta(1, 1, 600, 4, 1, 64), num_splits=4)
     assert (forced.splits, forced.split_len) == (3, 256)
     assert fa_op.split_plan(*_meta(1, 1, 600, 4, 1, 64), num_splits=99).splits == 5
+    # A sliding window: only the keys from the first query's window on are split.
+    assert fa_op.split_plan(*_meta(8, 1, 32768, 32, 8, 128), left=4095) == fa_op.SplitPlan(
+        decode, 2, 2048, 28672
+    )
 
 
 # (B, Nq, Nk, H, Hkv, D, dtype, causal)
@@ -465,7 +793,7 @@ def test_gluon_forward_launches_are_compile_checked(monkeypatch):
     """The Gluon forward (kernels_gluon.py) runs only on an sm_90 GPU (Gluon has no interpreter):
     here its launches are captured as on one (CPU tensors taken as TMA-aligned on Hopper) and
     recorded for the end-of-session compile check, which lowers them to TTGIR for sm_90.
-    GQA, Nq != Nk, ragged ends, a padded head dim, causal and not."""
+    GQA, Nq != Nk, ragged ends, a padded head dim (non-causal: the case it ships for)."""
     from kernelkit.shared.compile_check import record_launch
 
     calls = []
@@ -480,7 +808,7 @@ def test_gluon_forward_launches_are_compile_checked(monkeypatch):
     monkeypatch.setattr(fa_op, "launch", Capture)
     monkeypatch.setattr(fa_op, "use_tma", lambda *t: True)
     monkeypatch.setattr(fa_op, "_gluon_device", lambda device: True)
-    for d, causal, tile in [(64, True, (128, 64, 3)), (80, False, (128, 128, 2))]:
+    for d, causal, tile in [(64, False, (128, 64, 3)), (80, False, (128, 128, 2))]:
         q, k, v = qkv(2, 300, 260, 4, 2, d, torch.bfloat16, "cpu")
         plan = fa_op.Plan(fa_op.Tile(*tile[:2], 4, tile[2], tma=True, gluon=True), *([None] * 2))
         fa_op.forward(q, k, v, causal, 0.125, plan)
@@ -527,7 +855,10 @@ def test_opcheck(device):
     dlse = make(lse.shape, lse.dtype, device, seed=4)
     args = (do, q.detach(), k.detach(), v.detach(), o, lse)
     torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_bwd, (*args, dlse, True, 0.25))
-    torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_bwd, (*args, None, True, 0.25))
+    # The options after the scale (softcap, window left and right), passed explicitly.
+    torch.library.opcheck(
+        torch.ops.kernelkit_flash_attn.attn_bwd, (*args, None, False, 0.25, 2.0, 3, 5)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -558,6 +889,23 @@ def test_torch_compile_fullgraph(causal, device):
     (o64 * 2.0 * do.double()).sum().backward()
     assert_close(o, o64 * 2.0, name="compiled o")
     assert_close(lse, lse64, name="compiled lse")
+    for a, r, name in zip(leaves, ref, ("dq", "dk", "dv")):
+        assert_close(a.grad, r.grad, name=f"compiled {name}")
+
+
+def test_torch_compile_window_softcap(device):
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    compiled = torch.compile(
+        lambda q, k, v: flash_attn(q, k, v, True, window_size=(12, -1), softcap=3.0),
+        fullgraph=True,
+        backend=backend,
+    )
+    q, k, v = qkv(1, 40, 40, 2, 1, 32, torch.float32, device)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    compiled(*leaves).sum().backward()
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    o64 = attention_reference(*ref, causal=True, window_size=(12, -1), softcap=3.0)
+    o64.sum().backward()
     for a, r, name in zip(leaves, ref, ("dq", "dk", "dv")):
         assert_close(a.grad, r.grad, name=f"compiled {name}")
 
@@ -617,6 +965,19 @@ def test_argument_errors(device):
         flash_attn(q, q, q, softmax_scale="0.1")
     with pytest.raises(ValueError, match="q: expected"):
         FlashAttentionFunction.apply(q, q, q, False)
+    for bad, match in ((-1.0, "softcap: must be finite and >= 0"), (math.nan, "softcap: must"),
+                       (math.inf, "softcap: must"), ("50", "softcap: expected a float"),
+                       (True, "softcap: expected a float")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            flash_attn(q, q, q, softcap=bad)
+    for bad, match in ((4, "window_size: expected a pair"), ((1, 2, 3), "window_size: expected"),
+                       ((1.0, 2), "window_size: expected"), ((True, 0), "window_size: expected"),
+                       ((-2, 0), "window_size: sizes must be >= 0, or -1"),
+                       ((0, -5), "window_size: sizes must")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            flash_attn(q, q, q, window_size=bad)
+    with pytest.raises(ValueError, match="window_size: right=2 conflicts with causal=True"):
+        flash_attn(q, q, q, causal=True, window_size=(4, 2))
 
 
 @pytest.mark.gpu
@@ -654,6 +1015,49 @@ def test_gpu_shapes(shape, causal, device):
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_dtypes(dtype, d, device):
     check(*qkv(2, 1024, 1024, 4, 2, d, dtype, device), causal=True)
+
+
+# (d, dtype, causal, softcap, tanh.approx): GPU softcap uses the approximate instruction for half
+# precision by default (op.FAST_TANH); the exact formula is what float32 and CPU runs use.
+GPU_SOFTCAP = [
+    (128, torch.bfloat16, True, 30.0, True),
+    (64, torch.float16, False, 5.0, True),
+    (128, torch.bfloat16, True, 30.0, False),
+    (64, torch.float16, True, 0.5, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case", GPU_SOFTCAP, ids=lambda c: "d{}-{}-causal{}-cap{}-fast{}".format(*c)
+)
+def test_gpu_softcap(case, device, monkeypatch):
+    d, dtype, causal, softcap, fast = case
+    monkeypatch.setattr(fa_op, "FAST_TANH", fast)
+    q, k, v = qkv(2, 1000, 1024, 8, 2, d, dtype, device)
+    check((q.double() * 3).to(dtype), k, v, causal=causal, softcap=softcap)
+
+
+# (shape, window_size, causal, dtype)
+GPU_WINDOWS = [
+    ((2, 2048, 2048, 8, 2, 128), (256, 0), True, torch.bfloat16),
+    ((1, 2048, 2048, 4, 4, 64), (100, 37), False, torch.bfloat16),
+    ((1, 1000, 2048, 4, 1, 128), (1000, -1), False, torch.float16),
+    ((1, 2048, 1000, 4, 2, 64), (-1, 300), False, torch.bfloat16),  # empty rows
+    ((2, 777, 777, 3, 3, 80), (129, 0), True, torch.bfloat16),
+    ((4, 1, 4096, 32, 8, 128), (1023, 0), True, torch.bfloat16),  # decoding: split-KV
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case",
+    GPU_WINDOWS,
+    ids=lambda c: "q{}-k{}-d{}-w{}_{}-causal{}".format(*c[0][1:3], c[0][5], *c[1], c[2]),
+)
+def test_gpu_window(case, device):
+    shape, window, causal, dtype = case
+    check(*qkv(*shape, dtype, device), causal=causal, window_size=window)
 
 
 @pytest.mark.gpu
@@ -753,6 +1157,16 @@ HOPPER_GPU_SHAPES = [
     (1, 100, 100, 2, 2, 64),
 ]
 
+# (lengths of q, lengths of k, H, Hkv, D, dtype, causal, window_size, softcap)
+GPU_VARLEN = [
+    (random_lengths(12, 2048, 5), None, 8, 2, 128, torch.bfloat16, True, (-1, -1), 0.0),
+    (random_lengths(10, 2000, 6), random_lengths(10, 2000, 7), 4, 4, 64, torch.bfloat16, False,
+     (256, 64), 30.0),
+    (random_lengths(6, 1500, 8), None, 4, 1, 80, torch.float16, True, (-1, -1), 0.0),
+    (random_lengths(5, 700, 9), random_lengths(5, 900, 10), 2, 1, 64, torch.float32, True,
+     (100, -1), 0.0),
+]  # fmt: skip
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
@@ -783,3 +1197,30 @@ def test_gpu_default_plan_takes_gluon_where_it_ships(device, monkeypatch):
         check(q, k, v, causal=causal)
         gluon = "attn_fwd_gluon_kernel" in launched
         assert gluon == (d == 128 and not causal and torch.cuda.get_device_capability()[0] == 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case", GPU_VARLEN, ids=["d128-causal", "d64-window-softcap", "d80-fp16-causal", "d64-fp32"]
+)
+def test_gpu_varlen(case, device):
+    lens_q, lens_k, h, hkv, d, dtype, causal, window, softcap = case
+    q, k, v, kw = packed(lens_q, lens_k or lens_q, h, hkv, d, dtype, device)
+    check_varlen(q, k, v, causal=causal, window_size=window, softcap=softcap, **kw)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_cuda_graph(device):
+    lens_q, lens_k = [700, 0, 1, 1300, 64], [700, 5, 1, 1300, 100]
+    q, _, _, kw = packed(lens_q, lens_k, 8, 2, 128, torch.bfloat16, device)
+    do = make(q.shape, q.dtype, device, seed=5)
+
+    def fwd_bwd(q, k, v):
+        o, lse = flash_attn_varlen(q, k, v, causal=True, return_lse=True, **kw)
+        return (o, lse, *torch.autograd.grad(o, (q, k, v), do))
+
+    def inputs(seed):
+        return [t.requires_grad_() for t in packed(lens_q, lens_k, 8, 2, 128, torch.bfloat16,
+                                                   device, seed=seed)[:3]]  # fmt: skip
+
+    assert_graph_replays(fwd_bwd, inputs(0), [inputs(10), inputs(20)])

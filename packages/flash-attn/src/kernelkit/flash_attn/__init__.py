@@ -1,8 +1,9 @@
 """kernelkit-flash-attn: FlashAttention-2 style fused attention in Triton, forward and backward
-(causal, GQA/MQA, any N, head dim 16..256, deterministic gradients)."""
+(causal, sliding windows, softcap, GQA/MQA, any N, packed variable-length batches, head dim
+16..256, deterministic gradients)."""
 
 from .adapter import FlashAttentionFunction
-from .op import flash_attn
+from .op import flash_attn, flash_attn_varlen
 
 __version__ = "0.2.0"
-__all__ = ["FlashAttentionFunction", "__version__", "flash_attn"]
+__all__ = ["FlashAttentionFunction", "__version__", "flash_attn", "flash_attn_varlen"]

@@ -7,13 +7,30 @@ Query head h reads kv head h // GROUP.
 
 Scores are kept in log2 units, s2 = (q . k) * scale * log2(e), so that exp2 replaces exp.
 Causal masking is bottom-right aligned: query i sees key j iff j <= i + SHIFT, SHIFT = Nk - Nq.
+Sliding windows generalise it: query i sees key j iff i + SHIFT - left <= j (LOCAL) and
+j <= i + SHIFT + right (CAUSAL; right = 0 for causal attention), i.e. lo_shift <= j - i <=
+hi_shift. `_ranges` turns these bounds into the blocks a program visits: blocks outside the
+window are never loaded, blocks inside it run without a mask, and only the boundary blocks pay.
+Softcap (SOFTCAP != 0, Gemma 2): the scores become softcap * tanh(scores / softcap) before the
+softmax; the host then passes qk_scale = softcap * log2(e) and cap_scale = scale / softcap, and
+the kernels replace q . k by tanh(q . k * cap_scale) right after the product, so the rest of the
+softmax is unchanged. The backward recomputes tanh from the raw scores and multiplies dS by
+1 - tanh^2. SOFTCAP = 0 compiles none of it.
 Every kernel splits its key (or query) loop into blocks no mask can touch, walked without a
-mask, and the few blocks on the causal diagonal or past the end of a sequence, walked with one.
+mask, and the few blocks on the causal diagonal, the window's edges or past the end of a
+sequence, walked with one.
 
 The tiles a loop streams are read through `_head_source` / `_load_block`: a TMA descriptor per
 (program, head) when the TMA flag is set (the host checks that rows are 16-byte aligned), else
 masked pointer loads. TMA keeps no per-element addresses in registers, which lets the larger
 tiles run without spilling.
+
+Packed variable-length batches (VARLEN): the batch axis becomes the sequence index. The host
+passes zero batch strides and the longest sequence as Nq / Nk (the grid), and each program reads
+its sequence's first row and length from the cu_seqlens prefix sums (`_sequence`), moves its base
+pointers to that row and works on that sequence alone; a program whose block starts past its
+sequence's end returns at once (those rows are another sequence's, or none). The LSE and delta
+are read through (batch, head) strides: (H * Nq, Nq) for a dense batch, (0, total_q) packed.
 
 Offsets: per-(batch, head) bases and block starts are 64-bit; offsets inside a block are 32-bit.
 A program id enumerates (sequence block, batch * head) with the block index fastest, so the
@@ -104,6 +121,84 @@ def _lse_log2(lse):
 
 
 @triton.jit
+def _tanh(x, FAST: tl.constexpr):
+    """tanh in float32. FAST: the tanh.approx.f32 instruction (one MUFU op; relative error
+    below 2^-10.9, what FlashAttention's softcap uses), for half-precision inputs on the GPU.
+    Else 1 - 2 / (e^2x + 1): float32-accurate to ~1e-7 absolute, +-1 at the ends, and what the
+    interpreter runs (no inline assembly there)."""
+    if FAST:
+        t = tl.inline_asm_elementwise(
+            "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        t = 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+    return t
+
+
+@triton.jit
+def _sequence(CU, b):
+    """(first row (64-bit), number of rows) of sequence b of a packed batch."""
+    start = tl.load(CU + b)
+    return start.to(tl.int64), tl.load(CU + b + 1) - start
+
+
+@triton.jit
+def _visible(rows, cols, n_cols, lo_shift, hi_shift, LOWER: tl.constexpr, UPPER: tl.constexpr,
+             CHECK_COLS: tl.constexpr):  # fmt: skip
+    """Mask of the (row, col) pairs (broadcast) where col is visible to row:
+    row + lo_shift <= col (LOWER), col <= row + hi_shift (UPPER), col < n_cols (CHECK_COLS)."""
+    if UPPER:
+        keep = cols <= rows + hi_shift
+        if LOWER:
+            keep = keep & (cols >= rows + lo_shift)
+        if CHECK_COLS:
+            keep = keep & (cols < n_cols)
+    elif LOWER:
+        keep = cols >= rows + lo_shift
+        if CHECK_COLS:
+            keep = keep & (cols < n_cols)
+    else:
+        keep = cols < n_cols
+    return keep
+
+
+@triton.jit
+def _ranges(first, last, start, end, lo_shift, hi_shift, BLOCK: tl.constexpr,
+            LOWER: tl.constexpr, UPPER: tl.constexpr, ALIGN_END: tl.constexpr):  # fmt: skip
+    """The blocks of [start, end) (BLOCK wide, counted from `start`) that rows first..last visit
+    when row x sees y iff x + lo_shift <= y (LOWER) and y <= x + hi_shift (UPPER).
+
+    Returns (lo, mid_lo, mid_hi, hi): [lo, mid_lo) and [mid_hi, hi) need the mask, every row
+    sees all of [mid_lo, mid_hi), and no row sees anything outside [lo, hi) (so those blocks are
+    skipped). Each range is empty or starts on a block boundary. ALIGN_END: [mid_lo, mid_hi)
+    stops at a block boundary, so a ragged last block (positions past `end`) is masked too."""
+    lo = start
+    hi = end
+    full_lo = start
+    full_hi = end
+    if LOWER:
+        lo = start + tl.maximum(first + lo_shift - start, 0) // BLOCK * BLOCK
+        full_lo = start + tl.cdiv(tl.maximum(last + lo_shift - start, 0), BLOCK) * BLOCK
+    if UPPER:
+        hi = tl.minimum(end, last + hi_shift + 1)
+        # (the last full block ends at the first row's edge, or at the last whole block)
+        full_hi = tl.minimum(start + tl.maximum(first + hi_shift + 1 - start, 0) // BLOCK * BLOCK,
+                             start + (end - start) // BLOCK * BLOCK)  # fmt: skip
+    elif ALIGN_END:
+        full_hi = start + (end - start) // BLOCK * BLOCK
+    # Without a lower bound the full range starts at `start` and ends at full_hi (<= hi, or
+    # both at `start`); the clamps below are only needed with one (and keep the plain causal
+    # kernels' bounds as they were).
+    mid_lo = start
+    mid_hi = full_hi
+    if LOWER:
+        mid_lo = tl.maximum(tl.minimum(full_lo, hi), lo)
+        if UPPER or ALIGN_END:
+            mid_hi = tl.maximum(tl.minimum(full_hi, hi), mid_lo)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
 def _program_ids(num_blocks, REVERSE: tl.constexpr):
     """(block index, batch * head index) of this program; REVERSE starts with the last blocks
     (the longest causal rows), which balances the tail of the launch."""
@@ -133,8 +228,10 @@ def _fwd_steps(
     lo,
     hi,
     Nk,
-    shift,
+    lo_shift,
+    hi_shift,
     qk_scale,
+    cap_scale,
     MASK: tl.constexpr,
     CAUSAL: tl.constexpr,
     CHECK_N: tl.constexpr,
@@ -143,8 +240,10 @@ def _fwd_steps(
     BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    LOCAL: tl.constexpr,
 ):
-    """Online-softmax accumulation of key blocks [lo, hi). MASK: apply the causal and
+    """Online-softmax accumulation of key blocks [lo, hi). MASK: apply the window (causal) and
     end-of-sequence masks (the scores of hidden keys are -inf)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -152,13 +251,11 @@ def _fwd_steps(
         cols = start_n + offs_n
         k = _load_block(k_src, start_n, stride_kn, offs_n, Nk, offs_d, CHECK_N, HEAD_DIM, TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        if SOFTCAP:
+            qk = _tanh(qk * cap_scale, SOFTCAP == 2)
         if MASK:
-            if CAUSAL:
-                keep = cols[None, :] <= rows[:, None] + shift
-                if CHECK_N:
-                    keep = keep & (cols[None, :] < Nk)
-            else:
-                keep = cols[None, :] < Nk
+            keep = _visible(rows[:, None], cols[None, :], Nk, lo_shift, hi_shift, LOCAL, CAUSAL,
+                            CHECK_N)  # fmt: skip
             qk = tl.where(keep, qk * qk_scale, -float("inf"))
             m_ij = tl.maximum(m_i, tl.max(qk, 1))
             # A row that has seen no key yet keeps m = -inf; shift it by 0 to avoid inf - inf.
@@ -177,13 +274,15 @@ def _fwd_steps(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["Nq", "Nk"])
+@triton.jit(do_not_specialize=["Nq", "Nk", "win_left", "win_right"])
 def attn_fwd_kernel(
     Q,
     K,
     V,
     O,
     LSE,
+    CU_Q,
+    CU_K,
     stride_qb,
     stride_qn,
     stride_qh,
@@ -196,11 +295,16 @@ def attn_fwd_kernel(
     stride_ob,
     stride_on,
     stride_oh,
+    stride_lb,
+    stride_lh,
     H,
     GROUP,
     Nq,
     Nk,
     qk_scale,
+    cap_scale,
+    win_left,
+    win_right,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -210,14 +314,30 @@ def attn_fwd_kernel(
     EVEN_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    LOCAL: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
+    """o and LSE of one block of query rows of one head. CAUSAL: keys past i + shift + win_right
+    are hidden (win_right = 0: causal); LOCAL: keys before i + shift - win_left."""
     # Scalars may arrive as float64 (torch.compile passes Python floats so): keep math float32.
     qk_scale = tl.cast(qk_scale, tl.float32)
+    cap_scale = tl.cast(cap_scale, tl.float32)
     pid_m, bh = _program_ids(tl.cdiv(Nq, BLOCK_M), CAUSAL)
     b = (bh // H).to(tl.int64)
     h = bh % H
     hk = (h // GROUP).to(tl.int64)
     h = h.to(tl.int64)
+    if VARLEN:
+        q0, Nq = _sequence(CU_Q, b)
+        k0, Nk = _sequence(CU_K, b)
+        if pid_m * BLOCK_M >= Nq:
+            return
+        Q += q0 * stride_qn
+        O += q0 * stride_on
+        LSE += q0
+        K += k0 * stride_kn
+        V += k0 * stride_vn
     start_m = pid_m * BLOCK_M
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_m = tl.arange(0, BLOCK_M)
@@ -234,31 +354,37 @@ def attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
-    shift = Nk - Nq
-    if CAUSAL:
-        # Key blocks every row of this block sees in full, then the diagonal ones.
-        full_hi = tl.maximum(start_m + shift + 1, 0) // BLOCK_N * BLOCK_N
-        hi = tl.minimum(start_m + BLOCK_M + shift, Nk)
-    else:
-        full_hi = Nk // BLOCK_N * BLOCK_N
-        hi = Nk
-    acc, l_i, m_i = _fwd_steps(
-        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, 0, full_hi, Nk, shift,
-        qk_scale, False, CAUSAL, False, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
-    )  # fmt: skip
-    if CAUSAL or not EVEN_N:
+    lo_shift = Nk - Nq - win_left
+    hi_shift = Nk - Nq + win_right
+    # Key blocks cut by the window's left edge, those every row of this block sees in full, then
+    # the diagonal (right edge) and the ragged end; the rest are never loaded.
+    lo, mid_lo, mid_hi, hi = _ranges(start_m, start_m + BLOCK_M - 1, 0, Nk, lo_shift, hi_shift,
+                                     BLOCK_N, LOCAL, CAUSAL, True)  # fmt: skip
+    if LOCAL:
         acc, l_i, m_i = _fwd_steps(
-            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, full_hi, hi, Nk,
-            shift, qk_scale, True, CAUSAL, not EVEN_N, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
+            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, lo, mid_lo, Nk,
+            lo_shift, hi_shift, qk_scale, cap_scale, True, CAUSAL, not EVEN_N, HEAD_DIM,
+            BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, LOCAL,
+        )  # fmt: skip
+    acc, l_i, m_i = _fwd_steps(
+        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, mid_lo, mid_hi, Nk,
+        lo_shift, hi_shift, qk_scale, cap_scale, False, CAUSAL, False, HEAD_DIM, BLOCK_N,
+        BLOCK_D, DOT_PREC, TMA, SOFTCAP, LOCAL,
+    )  # fmt: skip
+    if CAUSAL or LOCAL or not EVEN_N:
+        acc, l_i, m_i = _fwd_steps(
+            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, mid_hi, hi, Nk,
+            lo_shift, hi_shift, qk_scale, cap_scale, True, CAUSAL, not EVEN_N, HEAD_DIM,
+            BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, LOCAL,
         )  # fmt: skip
 
-    # A row that sees no key (causal, Nq > Nk) has l = 0: output zeros and LSE = -inf.
+    # A row that sees no key (causal with Nq > Nk, windows) has l = 0: zeros and LSE = -inf.
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_ptrs = O + b * stride_ob + h * stride_oh + start_m.to(tl.int64) * stride_on
     o_ptrs = o_ptrs + offs_m[:, None] * stride_on + offs_d[None, :]
     _store_rows(o_ptrs, o.to(O.dtype.element_ty), rows, Nq, offs_d, not EVEN_M, HEAD_DIM)
     lse = (m_i + tl.math.log2(l_i)) * LN2
-    lse_ptrs = LSE + bh.to(tl.int64) * Nq + rows
+    lse_ptrs = LSE + b * stride_lb + h * stride_lh + rows
     if EVEN_M:
         tl.store(lse_ptrs, lse)
     else:
@@ -283,7 +409,18 @@ def attn_fwd_kernel(
 # tile unmasked (rows past GROUP * Nq are padding the merge never stores).
 
 
-@triton.jit(do_not_specialize=["Nq", "Nk", "num_splits", "split_len", "rows_pad"])
+@triton.jit(
+    do_not_specialize=[
+        "Nq",
+        "Nk",
+        "num_splits",
+        "split_len",
+        "rows_pad",
+        "k_start",
+        "win_left",
+        "win_right",
+    ]
+)
 def attn_fwd_split_kernel(
     Q,
     K,
@@ -304,9 +441,13 @@ def attn_fwd_split_kernel(
     Nq,
     Nk,
     qk_scale,
+    cap_scale,
     num_splits,
     split_len,
     rows_pad,
+    k_start,
+    win_left,
+    win_right,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -314,10 +455,14 @@ def attn_fwd_split_kernel(
     CAUSAL: tl.constexpr,
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    LOCAL: tl.constexpr,
 ):
     """Partial attention of BLOCK_M packed query rows of one kv head over the keys of one split,
-    [split * split_len, (split + 1) * split_len) (split_len: a multiple of BLOCK_N)."""
+    k_start + [split * split_len, (split + 1) * split_len) (split_len and k_start: multiples of
+    BLOCK_N; k_start > 0 skips keys no window reaches)."""
     qk_scale = tl.cast(qk_scale, tl.float32)
+    cap_scale = tl.cast(cap_scale, tl.float32)
     # Program order: row block fastest, then split, then (batch, kv head): the row blocks that
     # read one split's keys run together (L2).
     pid = tl.program_id(0)
@@ -345,25 +490,31 @@ def attn_fwd_split_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
-    shift = Nk - Nq
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, Nk)
-    if CAUSAL:
-        # Keys past the last real row's diagonal are skipped (a split beyond it runs no step and
-        # keeps the neutral partial); keys before the first row's diagonal need no mask.
-        last_q = tl.minimum((start_r + BLOCK_M - 1) // GROUP, Nq - 1)
-        hi = tl.minimum(hi, last_q + shift + 1)
-        full_hi = tl.minimum(start_r // GROUP + shift + 1, hi)
-    else:
-        full_hi = hi
-    full_hi = lo + tl.maximum(full_hi - lo, 0) // BLOCK_N * BLOCK_N
+    lo_shift = Nk - Nq - win_left
+    hi_shift = Nk - Nq + win_right
+    # This split's keys that the real rows (first_q..last_q) see: keys past the last row's
+    # diagonal or before the first row's window are skipped (a split outside runs no step and
+    # keeps the neutral partial); only blocks on the window's edges need the mask.
+    first_q = start_r // GROUP
+    last_q = tl.minimum((start_r + BLOCK_M - 1) // GROUP, Nq - 1)
+    k_lo = k_start + split * split_len
+    lo, mid_lo, mid_hi, hi = _ranges(first_q, last_q, k_lo, tl.minimum(k_lo + split_len, Nk),
+                                     lo_shift, hi_shift, BLOCK_N, LOCAL, CAUSAL, True)  # fmt: skip
+    if LOCAL:
+        acc, l_i, m_i = _fwd_steps(
+            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, qi, lo, mid_lo, Nk, lo_shift,
+            hi_shift, qk_scale, cap_scale, True, CAUSAL, True, HEAD_DIM, BLOCK_N, BLOCK_D,
+            DOT_PREC, TMA, SOFTCAP, LOCAL,
+        )  # fmt: skip
     acc, l_i, m_i = _fwd_steps(
-        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, qi, lo, full_hi, Nk, shift,
-        qk_scale, False, CAUSAL, False, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
+        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, qi, mid_lo, mid_hi, Nk, lo_shift,
+        hi_shift, qk_scale, cap_scale, False, CAUSAL, False, HEAD_DIM, BLOCK_N, BLOCK_D,
+        DOT_PREC, TMA, SOFTCAP, LOCAL,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_steps(
-        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, qi, full_hi, hi, Nk, shift,
-        qk_scale, True, CAUSAL, True, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
+        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, qi, mid_hi, hi, Nk, lo_shift,
+        hi_shift, qk_scale, cap_scale, True, CAUSAL, True, HEAD_DIM, BLOCK_N, BLOCK_D,
+        DOT_PREC, TMA, SOFTCAP, LOCAL,
     )  # fmt: skip
 
     empty = l_i == 0.0
@@ -494,8 +645,10 @@ def _dkdv_steps(
     lo,
     hi,
     Nq,
-    shift,
+    lo_shift,
+    hi_shift,
     qk_scale,
+    cap_scale,
     MASK: tl.constexpr,
     CHECK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -503,10 +656,13 @@ def _dkdv_steps(
     BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    LOCAL: tl.constexpr,
 ):
     """Accumulate dk, dv of one key block over the query blocks [lo, hi), in the transposed
     (key x query) orientation. Query rows past Nq load q = do = 0 and LSE = +inf, so their p is 0
-    and they add nothing; MASK applies the causal mask."""
+    and they add nothing; MASK applies the window (causal) mask."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     for start_m in range(lo, hi, BLOCK_M):
@@ -514,19 +670,25 @@ def _dkdv_steps(
         q = _load_block(q_src, start_m, stride_qn, offs_m, Nq, offs_d, CHECK_M, HEAD_DIM, TMA)
         lse2 = _lse_log2(_load_vec(lse_base + rows, rows, Nq, float("inf"), CHECK_M))
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
+        if SOFTCAP:  # qk_t holds tanh(s / softcap) from here on
+            qk_t = _tanh(qk_t * cap_scale, SOFTCAP == 2)
         p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
         if MASK:
-            p_t = tl.where(cols[:, None] <= rows[None, :] + shift, p_t, 0.0)
+            keep = _visible(rows[None, :], cols[:, None], 0, lo_shift, hi_shift, LOCAL, CAUSAL,
+                            False)  # fmt: skip
+            p_t = tl.where(keep, p_t, 0.0)
         do = _load_block(do_src, start_m, stride_don, offs_m, Nq, offs_d, CHECK_M, HEAD_DIM, TMA)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
         delta = _load_vec(delta_base + rows, rows, Nq, 0.0, CHECK_M)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:  # d(softcap * tanh(s / softcap)) / ds
+            ds_t = ds_t * (1.0 - qk_t * qk_t)
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["Nq", "Nk"])
+@triton.jit(do_not_specialize=["Nq", "Nk", "win_left", "win_right"])
 def attn_bwd_dkdv_kernel(
     Q,
     K,
@@ -536,6 +698,8 @@ def attn_bwd_dkdv_kernel(
     DELTA,
     DK,
     DV,
+    CU_Q,
+    CU_K,
     stride_qb,
     stride_qn,
     stride_qh,
@@ -554,6 +718,8 @@ def attn_bwd_dkdv_kernel(
     stride_dvb,
     stride_dvn,
     stride_dvh,
+    stride_lb,
+    stride_lh,
     H,
     Hkv,
     GROUP,
@@ -561,6 +727,9 @@ def attn_bwd_dkdv_kernel(
     Nk,
     qk_scale,
     sm_scale,
+    cap_scale,
+    win_left,
+    win_right,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -570,15 +739,32 @@ def attn_bwd_dkdv_kernel(
     EVEN_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    LOCAL: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """dk, dv of one key block of one kv head. With GQA the program loops over the GROUP query
     heads that read this kv head, so their contributions add up in a fixed order (deterministic,
-    no atomics)."""
+    no atomics). A key block whose sequence has no query rows writes zeros."""
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
+    cap_scale = tl.cast(cap_scale, tl.float32)
     pid_n, bhk = _program_ids(tl.cdiv(Nk, BLOCK_N), False)
     b = (bhk // Hkv).to(tl.int64)
     hk = bhk % Hkv
+    if VARLEN:
+        q0, Nq = _sequence(CU_Q, b)
+        k0, Nk = _sequence(CU_K, b)
+        if pid_n * BLOCK_N >= Nk:
+            return
+        Q += q0 * stride_qn
+        DO += q0 * stride_don
+        LSE += q0
+        DELTA += q0
+        K += k0 * stride_kn
+        V += k0 * stride_vn
+        DK += k0 * stride_dkn
+        DV += k0 * stride_dvn
     start_n = pid_n * BLOCK_N
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
@@ -604,33 +790,38 @@ def attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    shift = Nk - Nq
-    if CAUSAL:
-        # Query blocks that see part of this key block (masked), then those that see all of it.
-        m_lo = tl.maximum(start_n - shift, 0) // BLOCK_M * BLOCK_M
-        m_full = tl.maximum(start_n + BLOCK_N - 1 - shift, m_lo)
-        m_full = tl.minimum((m_full + BLOCK_M - 1) // BLOCK_M * BLOCK_M, Nq)
-    else:
-        m_lo = 0
-        m_full = 0
+    lo_shift = Nk - Nq - win_left
+    hi_shift = Nk - Nq + win_right
+    # Query blocks that see part of this key block (masked: the diagonal / right edge), then
+    # those that see all of it, then those cut by the window's left edge; no others.
+    m_lo, m_full, m_full_hi, m_hi = _ranges(start_n, start_n + BLOCK_N - 1, 0, Nq, -hi_shift,
+                                            -lo_shift, BLOCK_M, CAUSAL, LOCAL, False)  # fmt: skip
     for g in range(GROUP):
         h = (hk * GROUP + g).to(tl.int64)
         q_src = _head_source(Q + b * stride_qb + h * stride_qh, Nq, stride_qn, BLOCK_M, HEAD_DIM,
                              BLOCK_D, TMA)  # fmt: skip
         do_src = _head_source(DO + b * stride_dob + h * stride_doh, Nq, stride_don, BLOCK_M,
                               HEAD_DIM, BLOCK_D, TMA)  # fmt: skip
-        vec_base = (b * H + h) * Nq
+        vec_base = b * stride_lb + h * stride_lh
         if CAUSAL:
             dk, dv = _dkdv_steps(
                 dk, dv, k, v, q_src, do_src, LSE + vec_base, DELTA + vec_base, stride_qn,
-                stride_don, cols, m_lo, m_full, Nq, shift, qk_scale, True, not EVEN_M,
-                HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA,
+                stride_don, cols, m_lo, m_full, Nq, lo_shift, hi_shift, qk_scale, cap_scale,
+                True, not EVEN_M, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL,
+                LOCAL,
             )  # fmt: skip
         dk, dv = _dkdv_steps(
             dk, dv, k, v, q_src, do_src, LSE + vec_base, DELTA + vec_base, stride_qn,
-            stride_don, cols, m_full, Nq, Nq, shift, qk_scale, False, not EVEN_M,
-            HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA,
+            stride_don, cols, m_full, m_full_hi, Nq, lo_shift, hi_shift, qk_scale, cap_scale,
+            False, not EVEN_M, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
         )  # fmt: skip
+        if LOCAL:
+            dk, dv = _dkdv_steps(
+                dk, dv, k, v, q_src, do_src, LSE + vec_base, DELTA + vec_base, stride_qn,
+                stride_don, cols, m_full_hi, m_hi, Nq, lo_shift, hi_shift, qk_scale, cap_scale,
+                True, not EVEN_M, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL,
+                LOCAL,
+            )  # fmt: skip
 
     dk *= sm_scale
     dk_ptrs = DK + b * stride_dkb + hk.to(tl.int64) * stride_dkh + start_n.to(tl.int64) * stride_dkn
@@ -660,8 +851,10 @@ def _dq_steps(
     lo,
     hi,
     Nk,
-    shift,
+    lo_shift,
+    hi_shift,
     qk_scale,
+    cap_scale,
     MASK: tl.constexpr,
     CHECK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -669,9 +862,12 @@ def _dq_steps(
     BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    LOCAL: tl.constexpr,
 ):
     """Accumulate dq of one query block over the key blocks [lo, hi). Keys past Nk load
-    k = v = 0 and so add nothing to dq; MASK applies the causal mask."""
+    k = v = 0 and so add nothing to dq; MASK applies the window (causal) mask."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
@@ -679,16 +875,22 @@ def _dq_steps(
         k = _load_block(k_src, start_n, stride_kn, offs_n, Nk, offs_d, CHECK_N, HEAD_DIM, TMA)
         v = _load_block(v_src, start_n, stride_vn, offs_n, Nk, offs_d, CHECK_N, HEAD_DIM, TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        if SOFTCAP:  # qk holds tanh(s / softcap) from here on
+            qk = _tanh(qk * cap_scale, SOFTCAP == 2)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASK:
-            p = tl.where(cols[None, :] <= rows[:, None] + shift, p, 0.0)
+            keep = _visible(rows[:, None], cols[None, :], Nk, lo_shift, hi_shift, LOCAL, CAUSAL,
+                            False)  # fmt: skip
+            p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:  # d(softcap * tanh(s / softcap)) / ds
+            ds = ds * (1.0 - qk * qk)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
     return dq
 
 
-@triton.jit(do_not_specialize=["Nq", "Nk"])
+@triton.jit(do_not_specialize=["Nq", "Nk", "win_left", "win_right"])
 def attn_bwd_dq_kernel(
     Q,
     K,
@@ -697,6 +899,8 @@ def attn_bwd_dq_kernel(
     LSE,
     DELTA,
     DQ,
+    CU_Q,
+    CU_K,
     stride_qb,
     stride_qn,
     stride_qh,
@@ -712,12 +916,17 @@ def attn_bwd_dq_kernel(
     stride_dqb,
     stride_dqn,
     stride_dqh,
+    stride_lb,
+    stride_lh,
     H,
     GROUP,
     Nq,
     Nk,
     qk_scale,
     sm_scale,
+    cap_scale,
+    win_left,
+    win_right,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -727,15 +936,31 @@ def attn_bwd_dq_kernel(
     EVEN_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    LOCAL: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """dq of one query block: a pass over the key blocks of its own (no atomics)."""
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
+    cap_scale = tl.cast(cap_scale, tl.float32)
     pid_m, bh = _program_ids(tl.cdiv(Nq, BLOCK_M), CAUSAL)
     b = (bh // H).to(tl.int64)
     h = bh % H
     hk = (h // GROUP).to(tl.int64)
     h = h.to(tl.int64)
+    if VARLEN:
+        q0, Nq = _sequence(CU_Q, b)
+        k0, Nk = _sequence(CU_K, b)
+        if pid_m * BLOCK_M >= Nq:
+            return
+        Q += q0 * stride_qn
+        DO += q0 * stride_don
+        DQ += q0 * stride_dqn
+        LSE += q0
+        DELTA += q0
+        K += k0 * stride_kn
+        V += k0 * stride_vn
     start_m = pid_m * BLOCK_M
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_m = tl.arange(0, BLOCK_M)
@@ -758,7 +983,7 @@ def attn_bwd_dq_kernel(
         not EVEN_M,
         HEAD_DIM,
     )
-    vec = bh.to(tl.int64) * Nq + rows
+    vec = b * stride_lb + h * stride_lh + rows
     lse2 = _lse_log2(_load_vec(LSE + vec, rows, Nq, float("inf"), not EVEN_M))
     delta = _load_vec(DELTA + vec, rows, Nq, 0.0, not EVEN_M)
     k_src = _head_source(K + b * stride_kb + hk * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM,
@@ -767,22 +992,34 @@ def attn_bwd_dq_kernel(
                          BLOCK_D, TMA)  # fmt: skip
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    shift = Nk - Nq
-    if CAUSAL:
-        full_hi = tl.maximum(start_m + shift + 1, 0) // BLOCK_N * BLOCK_N
+    lo_shift = Nk - Nq - win_left
+    hi_shift = Nk - Nq + win_right
+    if CAUSAL or LOCAL:
+        # As in the forward, but keys past Nk need no mask here (k = v = 0 adds nothing).
+        lo, mid_lo, mid_hi, hi = _ranges(start_m, start_m + BLOCK_M - 1, 0, Nk, lo_shift,
+                                         hi_shift, BLOCK_N, LOCAL, CAUSAL, False)  # fmt: skip
+        if LOCAL:
+            dq = _dq_steps(
+                dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, lo, mid_lo, Nk,
+                lo_shift, hi_shift, qk_scale, cap_scale, True, not EVEN_N, HEAD_DIM, BLOCK_N,
+                BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
+            )  # fmt: skip
         dq = _dq_steps(
-            dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, 0, full_hi, Nk,
-            shift, qk_scale, False, False, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
+            dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, mid_lo, mid_hi, Nk,
+            lo_shift, hi_shift, qk_scale, cap_scale, False, not (EVEN_N or CAUSAL), HEAD_DIM,
+            BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
         )  # fmt: skip
-        hi = tl.minimum(start_m + BLOCK_M + shift, Nk)
-        dq = _dq_steps(
-            dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, full_hi, hi, Nk,
-            shift, qk_scale, True, not EVEN_N, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
-        )  # fmt: skip
+        if CAUSAL:
+            dq = _dq_steps(
+                dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, mid_hi, hi, Nk,
+                lo_shift, hi_shift, qk_scale, cap_scale, True, not EVEN_N, HEAD_DIM, BLOCK_N,
+                BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
+            )  # fmt: skip
     else:
         dq = _dq_steps(
             dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, 0, Nk, Nk,
-            shift, qk_scale, False, not EVEN_N, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA,
+            lo_shift, hi_shift, qk_scale, cap_scale, False, not EVEN_N, HEAD_DIM, BLOCK_N,
+            BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
         )  # fmt: skip
 
     dq *= sm_scale
