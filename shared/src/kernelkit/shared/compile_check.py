@@ -5,8 +5,11 @@ non-constexpr globals, default-valued constexpr parameters, ...). Under the inte
 kernelkit launcher records each distinct launch (kernel, argument types, constexprs, warps)
 with `record_launch`; at the end of the session the pytest plugin runs this module in a
 process without the interpreter, which compiles every record for sm_90 with Triton's own
-toolchain (no GPU or driver needed) and fails the run if one does not compile. Kernels that
-only run on a GPU (never launched by the interpreter) can be recorded by a test directly.
+toolchain (no GPU or driver needed) and fails the run if one does not compile. Each record is
+also analysed the way torch.compile analyses a traced launch (which tensors it writes): where
+that analysis fails, torch assumes every tensor is written, so a traced op copies all its
+inputs and some graphs cannot be partitioned. Kernels that only run on a GPU (never launched
+by the interpreter) can be recorded by a test directly.
 
     python -m kernelkit.shared.compile_check RECORDS.jsonl
 """
@@ -53,7 +56,7 @@ def record_launch(kernel, args, kwargs) -> None:
     params = inspect.signature(fn).parameters
     bound = dict(zip(params, args))
     bound.update({k: v for k, v in kwargs.items() if k not in _OPTIONS})
-    signature, constexprs = {}, {}
+    signature, constexprs, values = {}, {}, {}
     for name, value in bound.items():
         if _is_constexpr(params[name].annotation) or value is None or isinstance(value, str):
             signature[name] = "constexpr"
@@ -61,11 +64,12 @@ def record_launch(kernel, args, kwargs) -> None:
         elif isinstance(value, torch.Tensor):
             signature[name] = "*" + _DTYPES[str(value.dtype)]
         elif isinstance(value, bool):
-            signature[name] = "i1"
+            signature[name], values[name] = "i1", value
         elif isinstance(value, int):
             signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            values[name] = value
         elif isinstance(value, float):
-            signature[name] = "fp32"
+            signature[name], values[name] = "fp32", value
         else:
             return  # not a type this check knows; the GPU run covers it
     rec = {
@@ -75,12 +79,32 @@ def record_launch(kernel, args, kwargs) -> None:
         "constexprs": constexprs,
         "options": {k: kwargs[k] for k in _OPTIONS if k in kwargs},
     }
-    key = json.dumps(rec, sort_keys=True)
+    key = json.dumps(rec, sort_keys=True)  # one record per configuration, whatever the sizes
     if key in _seen:
         return
     _seen.add(key)
     with open(path, "a") as f:
-        f.write(key + "\n")
+        f.write(json.dumps({**rec, "values": values}, sort_keys=True) + "\n")
+
+
+def _analyse_traced_launch(kernel, rec) -> None:
+    """torch.compile's analysis of which tensors a traced launch writes must succeed: where it
+    fails, torch assumes every tensor is written, copies each before the launch, and some graphs
+    then cannot be partitioned (see kernelkit.shared.testing.written_arguments)."""
+    import torch
+
+    from .testing import written_arguments
+
+    dtypes = {v: getattr(torch, k.split(".")[1]) for k, v in _DTYPES.items()}
+    kwargs = {}
+    for name, ty in rec["signature"].items():
+        if ty == "constexpr":
+            kwargs[name] = rec["constexprs"][name]
+        elif ty.startswith("*"):
+            kwargs[name] = torch.empty(1, dtype=dtypes[ty[1:]])
+        else:
+            kwargs[name] = rec["values"][name]
+    written_arguments(kernel, kwargs)
 
 
 def _compile(key: str) -> str | None:
@@ -117,6 +141,8 @@ def _compile(key: str) -> str | None:
         for stage in ("ttir", "ttgir"):
             if stage in stages:
                 module = stages[stage](module, metadata)
+        if not kernel.is_gluon():
+            _analyse_traced_launch(kernel, rec)
     except Exception as e:  # report every failure, not just the first
         first = str(e).strip().splitlines()
         return (
@@ -134,7 +160,8 @@ def main(path: str) -> int:
     with ProcessPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         failures = [r for r in pool.map(_compile, keys) if r]
     print(
-        f"kernelkit compile check: {len(keys)} kernel configurations lowered to TTGIR for sm_90, "
+        f"kernelkit compile check: {len(keys)} kernel configurations lowered to TTGIR for sm_90 "
+        "and analysed as torch.compile traces them, "
         f"{len(failures)} failed"
     )
     for msg in failures:

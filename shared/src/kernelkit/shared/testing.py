@@ -20,6 +20,7 @@ __all__ = [
     "assert_graph_replays",
     "compilations",
     "rel_err",
+    "written_arguments",
 ]
 
 # Relative-norm bounds for a kernel that computes in float32 and rounds once to the output
@@ -147,3 +148,43 @@ def compilations():
         yield counts
     finally:
         knobs.jit_post_compile_hook = previous
+
+
+def written_arguments(kernel, kwargs: dict) -> set[str]:
+    """The tensor arguments torch.compile's analysis of a traced launch of `kernel` with
+    `kwargs` (every argument by name) finds written, for a Hopper target (no GPU needed).
+    Where that analysis fails, torch assumes every tensor is written: traced graphs then copy
+    every input before the launch (and some cannot be partitioned); this raises instead."""
+    import logging
+
+    import triton
+    from torch._higher_order_ops import triton_kernel_wrap as wrap
+    from triton.backends.compiler import GPUTarget
+
+    class _Target:  # what the analysis asks the driver
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    failures: list[str] = []
+
+    class _Catch(logging.Handler):
+        def emit(self, record):
+            if "identify_mutated_tensors" in record.getMessage():
+                error = record.exc_info[1] if record.exc_info else None
+                last = str(error).strip().splitlines()[-1] if error else ""
+                failures.append(f"{type(error).__name__}: {last}")
+
+    # torch reports the failure as a warning of its dynamo logger and carries on
+    handler, log = _Catch(level=logging.WARNING), logging.getLogger("torch._dynamo")
+    driver = triton.runtime.driver
+    previous = driver._active  # None until first used (no driver at all on a CPU machine)
+    driver.set_active(_Target())
+    log.addHandler(handler)
+    try:
+        written = wrap.identify_mutated_tensors(kernel, dict(kwargs), {})
+    finally:
+        log.removeHandler(handler)
+        driver._active = previous
+    if failures:
+        raise AssertionError(f"torch could not analyse the launch: {failures[0]}")
+    return set(written)

@@ -10,7 +10,7 @@ Positions come in three forms, told apart at compile time by what the launch pas
   * `offset` a pointer to (B,) ints:  position = offset[b] + t;
   * `positions` a pointer (not None): position = positions[b, t] (per-token table, any strides).
 and, for tokens on a grid (md-lrpe-cosine), a per-feature coordinate (`grid_positions`).
-Positions depend on the batch row exactly when `positions is not None or offset.dtype.is_ptr()`
+Positions depend on the batch row exactly when `positions is not None or is_pointer(offset)`
 (a compile-time condition): kernels then compute cos/sin per row, else once per program.
 """
 
@@ -54,6 +54,14 @@ def cos_sin(angle):
     return cos, sin
 
 
+@triton.constexpr_function
+def is_pointer(arg):
+    """Whether a kernel argument is a pointer (here: `offset` given as a tensor of per-row starts)
+    rather than an int. A compile-time function, so that it also holds where torch's analysis of
+    a traced launch passes the int `offset` as a constexpr (`offset.dtype` would not exist)."""
+    return isinstance(arg, tl.tensor) and arg.dtype.is_ptr()
+
+
 @triton.jit
 def token_positions(offset, positions, b, t, n, stride_pb, stride_pn):
     """int64 positions of tokens `t` of batch rows `b` (shaped by the caller to broadcast, e.g.
@@ -64,7 +72,7 @@ def token_positions(offset, positions, b, t, n, stride_pb, stride_pn):
     if positions is not None:
         p = tl.load(positions + b.to(tl.int64) * stride_pb + t.to(tl.int64) * stride_pn)
         p = p.to(tl.int64)
-    elif offset.dtype.is_ptr():
+    elif is_pointer(offset):
         p = t.to(tl.int64) + tl.load(offset + b).to(tl.int64)
     else:
         p = t.to(tl.int64) + offset

@@ -40,6 +40,7 @@ from kernelkit.act.kernels import (
 from kernelkit.lrpe_core.kernels import (
     cos_sin,
     grid_positions,
+    is_pointer,
     slot_frequencies,
     store_dtheta_partial,
     token_positions,
@@ -309,7 +310,7 @@ def cosine_fwd_kernel(
     feat_ok = feats < D
     tile_ok = (t < N)[:, None, None] & feat_ok[None, None, :]
     freqs = head_frequencies(theta, h, stride_th, stride_te, n_freq, feats, D, GRID_AXES)
-    per_row: tl.constexpr = positions is not None or offset.dtype.is_ptr()
+    per_row: tl.constexpr = positions is not None or is_pointer(offset)
     if not per_row:
         ang = freqs * tile_positions(
             offset,
@@ -481,7 +482,7 @@ def cosine_bwd_kernel(
     feat_ok = feats < D
     tile_ok = (t < N)[:, None, None] & feat_ok[None, None, :]
     freqs = head_frequencies(theta, h, stride_th, stride_te, n_freq, feats, D, GRID_AXES)
-    per_row: tl.constexpr = positions is not None or offset.dtype.is_ptr()
+    per_row: tl.constexpr = positions is not None or is_pointer(offset)
     if not per_row:
         pos = tile_positions(
             offset,
@@ -618,7 +619,7 @@ def cosine_bwd_seq_sums_kernel(
     m_t, s_t = sequence_stats(stats, b, h, B, H, num_stat_chunks, D, feats, stat_ok)
     x_rows = x + h.to(tl.int64) * stride_xh + (b.to(tl.int64) * stride_xb)[None, :, None]
     g_rows = dy + h.to(tl.int64) * stride_gh + (b.to(tl.int64) * stride_gb)[None, :, None]
-    per_row: tl.constexpr = positions is not None or offset.dtype.is_ptr()
+    per_row: tl.constexpr = positions is not None or is_pointer(offset)
     # Element-wise accumulators, reduced once at the end: no cross-warp reduction per block.
     acc_sums = tl.zeros([BLOCK_N, ROWS, BLOCK_D], tl.float32)
     acc = tl.zeros([BLOCK_N, ROWS, BLOCK_D], tl.float32)

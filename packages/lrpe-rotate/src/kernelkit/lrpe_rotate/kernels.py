@@ -31,6 +31,7 @@ from kernelkit.act.kernels import (
 )
 from kernelkit.lrpe_core.kernels import (
     cos_sin,
+    is_pointer,
     slot_frequencies,
     store_dtheta_partial,
     token_positions,
@@ -200,7 +201,7 @@ def rotate_fwd_kernel(
     j = tl.arange(0, BLOCK_E)
     mask = (t < N)[:, None] & (j < HALF)[None, :]
     freqs = slot_frequencies(theta + h * stride_th, stride_te, j, n_freq)
-    per_row: tl.constexpr = positions is not None or offset.dtype.is_ptr()
+    per_row: tl.constexpr = positions is not None or is_pointer(offset)
     if not per_row:
         cos, sin = rotation(freqs, offset, positions, 0, t, N, stride_pb, stride_pn)
     x_off = h.to(tl.int64) * stride_xh + tile_offsets(t, j, stride_xn, stride_xd)
@@ -301,7 +302,7 @@ def rotate_bwd_kernel(
     j = tl.arange(0, BLOCK_E)
     mask = (t < N)[:, None] & (j < HALF)[None, :]
     freqs = slot_frequencies(theta + h * stride_th, stride_te, j, n_freq)
-    per_row: tl.constexpr = positions is not None or offset.dtype.is_ptr()
+    per_row: tl.constexpr = positions is not None or is_pointer(offset)
     if not per_row:
         cos, sin = rotation(freqs, offset, positions, 0, t, N, stride_pb, stride_pn)
         pos = token_positions(offset, positions, 0, t, N, stride_pb, stride_pn).to(tl.float32)
