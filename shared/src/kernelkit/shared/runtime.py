@@ -74,6 +74,10 @@ class PlanCache:
         self.size = size
         self._plans: dict = {}
 
+    def __getitem__(self, key):
+        """The plan cached under `key` (KeyError if none): for tools that inspect plans."""
+        return self._plans[key]
+
     def get(self, key, build: Callable, *args):
         plan = self._plans.get(key)
         if plan is None:
