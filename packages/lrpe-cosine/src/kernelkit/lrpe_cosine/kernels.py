@@ -699,7 +699,7 @@ def _bwd_plan(dy, x, dx, theta, starts, table, stats, kind, grid, plan, need_dth
         rows, groups = batch_groups(plan, b, n_blocks * heads, dy.device)
         main_kwargs = dict(
             rows_per_program=rows,
-            num_chunks=num_chunks,
+            num_chunks=min(num_chunks, 1),  # the chunk sums are merged before this kernel
             **_strides("d", dx),
             ACT=kind,
             BLOCK_N=block_n,
@@ -753,6 +753,8 @@ def cosine_bwd(
             **launches["common"],
             **sums_kwargs,
         )
+    if sums is not None:  # merged once here, not in each of the main kernel's short programs
+        sums = sums.sum(1, keepdim=True)
     if launches["main"] is not None:
         main_grid, main_kwargs = launches["main"]
         fuse_dtheta = need_dtheta and kind != SEQ
