@@ -36,10 +36,6 @@ def validate(x, theta, offset, act, dim, positions=None, cu_seqlens=None):
     return kind, pos
 
 
-def _stats_or_none(stats: torch.Tensor) -> torch.Tensor | None:
-    return stats if stats.dim() == 4 else None
-
-
 @define_op("kernelkit_lrpe_cosine::fwd")
 def fwd(
     x: torch.Tensor,
@@ -57,7 +53,7 @@ def fwd(
         return x.new_empty((*x.shape[:-1], 2 * x.shape[-1])), stats
     if kind == SEQ:
         stats = sequence_softmax_stats(x)
-    return K.cosine_fwd(x, theta, pos, kind, _stats_or_none(stats)), stats
+    return K.cosine_fwd(x, theta, pos, kind, (stats if kind == SEQ else None)), stats
 
 
 @define_op("kernelkit_lrpe_cosine::bwd")
@@ -81,7 +77,14 @@ def bwd(
         return dx, (torch.zeros_like(theta) if need_dtheta else theta.new_empty((0, 0)))
     pos = (start, starts, positions)
     dx, partials = K.cosine_bwd(
-        dy, x, theta, pos, kind, _stats_or_none(stats), need_dx=need_dx, need_dtheta=need_dtheta
+        dy,
+        x,
+        theta,
+        pos,
+        kind,
+        (stats if kind == SEQ else None),
+        need_dx=need_dx,
+        need_dtheta=need_dtheta,
     )
     dx = dx if need_dx else dy.new_empty((0,))
     dtheta = reduce_dtheta(partials, theta.shape) if need_dtheta else theta.new_empty((0, 0))

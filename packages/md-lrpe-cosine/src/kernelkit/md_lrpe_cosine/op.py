@@ -59,10 +59,6 @@ def validate(x, theta, shape, l, act, dim, cache) -> tuple[str, tuple[int, ...]]
     return validate_act(x, act, dim), shape
 
 
-def _stats_or_none(stats: torch.Tensor) -> torch.Tensor | None:
-    return stats if stats.dim() == 4 else None
-
-
 def _grid(theta, shape, extra) -> K.Grid:
     return K.Grid(tuple(shape), extra, theta.shape[1])
 
@@ -85,7 +81,7 @@ def fwd(
         theta,
         _SEQUENCE,
         kind,
-        _stats_or_none(stats),
+        (stats if kind == SEQ else None),
         grid=_grid(theta, shape, extra),
         angles=angles if cache else None,
     )
@@ -117,7 +113,7 @@ def bwd(
         theta,
         _SEQUENCE,
         kind,
-        _stats_or_none(stats),
+        (stats if kind == SEQ else None),
         need_dx=need_dx,
         need_dtheta=need_dtheta,
         grid=_grid(theta, shape, extra),
