@@ -448,3 +448,34 @@ def test_benchmark_shape(case, device):
     """The benchmark's (12, N, 12, 128) bf16 with theta (12, 64), big enough for many groups."""
     x = make((12, 2048, 12, 128), torch.bfloat16, device)
     check(x, make_theta("full", 12, 128, device), 0, *case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("act", "dim", "where"),
+    [
+        ("silu", None, "int"),
+        ("softmax", 1, "int"),
+        ("none", None, "starts"),
+        ("none", None, "table"),
+    ],
+)
+def test_cuda_graph_replay(act, dim, where, device):
+    """Forward and backward (x and a learnable theta) captured into a CUDA graph replay new
+    inputs bit-exactly: no host sync, allocation outside the pool or compile in the path."""
+    from kernelkit.shared.testing import assert_graph_replays
+
+    b, n, h, d = 3, 300, 4, 64
+    offset = {"int": 7, "starts": torch.tensor([0, 5, 99], device=device), "table": 0}[where]
+    positions = torch.randint(0, 10**5, (b, n), device=device) if where == "table" else None
+
+    def fwd_bwd(x, theta, dy):
+        y = lrpe_rotate(x, theta, offset, act, dim, positions=positions)
+        return (y, *torch.autograd.grad(y, (x, theta), dy))
+
+    def data(seed):
+        x = make((b, n, h, d), torch.bfloat16, device, seed=seed).requires_grad_()
+        theta = make_theta("full", h, d, device, seed=seed + 1).requires_grad_()
+        return [x, theta, make((b, n, h, d), torch.bfloat16, device, seed=seed + 2)]
+
+    assert_graph_replays(fwd_bwd, data(0), [data(10), data(20)])

@@ -232,3 +232,26 @@ def test_no_recompile_on_new_shape_extra_or_n(device):
             run(shape, l, False)
             run(shape, l, True)
     assert not compiled, dict(compiled)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", [False, True])
+@pytest.mark.parametrize("case", [("none", None), ("softmax", 1)], ids=case_id)
+def test_cuda_graph_replay(case, cache, device):
+    """Forward and backward (x and a learnable theta) captured into a CUDA graph replay new
+    inputs bit-exactly, with and without the angle cache."""
+    from kernelkit.shared.testing import assert_graph_replays
+
+    a, dim = case
+    shape, l = (6, 7, 5), 3
+
+    def fwd_bwd(x, theta, dy):
+        y = md_lrpe_cosine(x, theta, shape, l, a, dim, cache)
+        return (y, *torch.autograd.grad(y, (x, theta), dy))
+
+    def data(seed):
+        x = x_for(2, shape, l, 4, 64, torch.bfloat16, device, seed=seed).requires_grad_()
+        dy = make((*x.shape[:-1], 128), torch.bfloat16, device, seed=seed + 2)
+        return [x, make_theta(4, 22, device, seed=seed + 1).requires_grad_(), dy]
+
+    assert_graph_replays(fwd_bwd, data(0), [data(10), data(20)])
