@@ -158,6 +158,25 @@ def test_prepared_launch(fake):
     assert len(fake.compiled) - compiled_before == 3
 
 
+def test_prepared_launch_with_a_varying_int(fake):
+    """`vary`: a do_not_specialize int passed per call after the tensors; only its width keys
+    the kernel. A specialised int cannot vary (replayed through launcher[grid] instead)."""
+    kernel = make_kernel()
+    launcher = runtime._Launcher(kernel)
+    x = torch.zeros(64, dtype=torch.float16)
+    p = launcher.prepare((2,), x_ptr=x, y_ptr=x, n=32, key=0, flag=True, BLOCK=64, vary=("key",))
+    assert isinstance(p, runtime._Prepared)
+    for key in (5, 16, 1, 2**40, 7, -3):
+        p(x, x, key)
+        check_last_launch(fake, kernel, (2,), (x, x, 32, key, True), {"BLOCK": 64})
+    assert len(p._cache) == 2  # i32 and i64
+    replayed = launcher.prepare((2,), x_ptr=x, y_ptr=x, n=32, key=0, flag=True, BLOCK=64,
+                                vary=("n",))  # fmt: skip
+    assert isinstance(replayed, runtime._Replay)
+    replayed(x, x, 48)
+    check_last_launch(fake, kernel, (2,), (x, x, 48, 0, True), {"BLOCK": 64})
+
+
 def test_prepare_falls_back_to_replay(fake):
     """A grid function or a tuple argument: `prepare` replays through launcher[grid]."""
     kernel = make_kernel()

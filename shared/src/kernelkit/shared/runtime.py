@@ -146,8 +146,8 @@ class _InterpretedLauncher:
 
         return run
 
-    def prepare(self, grid, *args, **kwargs):
-        return _Replay(self, grid, args, kwargs)
+    def prepare(self, grid, *args, vary=(), **kwargs):
+        return _Replay(self, grid, args, kwargs, vary)
 
 
 def _eager(args, kwargs=None) -> bool:
@@ -323,22 +323,39 @@ class _Launcher:
             self._cache[key] = _entry(compiled)
         return compiled
 
-    def prepare(self, grid, *args, **kwargs) -> Callable[..., object]:
+    def prepare(self, grid, *args, vary=(), **kwargs) -> Callable[..., object]:
         """`kernel[grid](*args, **kwargs)` with everything but the tensors fixed: returns a
         function that launches it with new tensors, passed in the order the tensors appear
-        here (positional ones, then keywords). For launches planned once per shape."""
+        here (positional ones, then keywords), followed by the values of the `vary` arguments:
+        ints that change per call (an offset, say), allowed for parameters Triton does not
+        specialise on (do_not_specialize; only their i32/i64 width keys the compiled kernel).
+        For launches planned once per shape."""
         if self._bind is None or type(grid) is not tuple:
-            return _Replay(self, grid, args, kwargs)
+            return _Replay(self, grid, args, kwargs, vary)
+        params_by_name = {p.name: p for p in self._kernel.params}
+        if any(k not in kwargs or not params_by_name[k].do_not_specialize for k in vary):
+            return _Replay(self, grid, args, kwargs, vary)
         try:
             _, params, options = self._bind(None, *args, **kwargs)
         except (_UnkeyedArgError, TypeError):
-            return _Replay(self, grid, args, kwargs)
+            return _Replay(self, grid, args, kwargs, vary)
         if any(isinstance(a, (tuple, list)) for a in params):  # may hold tensors: not keyed
-            return _Replay(self, grid, args, kwargs)
+            return _Replay(self, grid, args, kwargs, vary)
         names = self._kernel.arg_names
         slots = [i for i, a in enumerate(args) if isinstance(a, _T)]
         slots += [names.index(k) for k, v in kwargs.items() if isinstance(v, _T)]
+        slots += [names.index(k) for k in vary]
         return _Prepared(self, grid, params, options, tuple(slots))
+
+
+def _slot_key(t):
+    """Key part of a prepared launch's per-call value: a tensor's dtype and alignment, or a
+    varying (do_not_specialize) int's width."""
+    if t.__class__ is _T:
+        return t.dtype, not t.data_ptr() & 15
+    if t.__class__ is int:
+        return 0 if _I32_MIN <= t <= _I32_MAX else 1 if t <= _I64_MAX else 2
+    return _other(t)
 
 
 class _Prepared:
@@ -373,13 +390,7 @@ class _Prepared:
         if _fast_ok(self._kernel):
             try:
                 device = _get_device()
-                key = (
-                    device,
-                    *[
-                        (t.dtype, not t.data_ptr() & 15) if t.__class__ is _T else _other(t)
-                        for t in tensors
-                    ],
-                )
+                key = (device, *[_slot_key(t) for t in tensors])
             except (_UnkeyedArgError, TypeError):
                 key = None
             entry = self._cache.get(key)
@@ -400,21 +411,21 @@ class _Prepared:
 
 class _Replay:
     """`prepare` where the cached path does not apply (interpreter, grid functions): the
-    launch replayed with new tensors through `launcher[grid]`."""
+    launch replayed with new tensors (and `vary` values) through `launcher[grid]`."""
 
-    def __init__(self, launcher, grid, args, kwargs):
+    def __init__(self, launcher, grid, args, kwargs, vary=()):
         self._launcher, self._grid, self._kwargs = launcher, grid, dict(kwargs)
         self._args = [None if isinstance(a, _T) else a for a in args]
         self._pos = [i for i, a in enumerate(args) if isinstance(a, _T)]
-        self._names = [k for k, v in kwargs.items() if isinstance(v, _T)]
+        self._names = [k for k, v in kwargs.items() if isinstance(v, _T)] + list(vary)
         for k in self._names:
             self._kwargs[k] = None
 
-    def __call__(self, *tensors):
+    def __call__(self, *values):
         args, kwargs = list(self._args), dict(self._kwargs)
-        for i, t in zip(self._pos, tensors):
+        for i, t in zip(self._pos, values):
             args[i] = t
-        for k, t in zip(self._names, tensors[len(self._pos) :]):
+        for k, t in zip(self._names, values[len(self._pos) :]):
             kwargs[k] = t
         return self._launcher[self._grid](*args, **kwargs)
 

@@ -22,6 +22,8 @@ __all__ = [
     "cached_plan",
     "position_args",
     "position_strides",
+    "position_values",
+    "prepared_positions",
     "programs_target",
     "reduce_dtheta",
     "sequence_softmax_stats",
@@ -183,6 +185,23 @@ def position_strides(table: torch.Tensor | None) -> dict:
         "stride_pb": table.stride(0) if table.shape[0] > 1 else 0,
         "stride_pn": table.stride(1),
     }
+
+
+def prepared_positions(starts: torch.Tensor | None, table: torch.Tensor | None):
+    """(keyword arguments, vary) of the positions of a launch prepared once per layout
+    (`launch(kernel).prepare`): pass the keywords after the launch's other tensors; per call
+    `position_values` follows those tensors. An int offset varies per call (`vary`)."""
+    kwargs = {**position_args(0, starts, table), **position_strides(table)}
+    return kwargs, (("offset",) if starts is None and table is None else ())
+
+
+def position_values(start: int, starts: torch.Tensor | None, table: torch.Tensor | None):
+    """The per-call values of a prepared launch's positions (see `prepared_positions`)."""
+    if table is not None:
+        return (table,)
+    if starts is not None:
+        return (starts,)
+    return (start,)
 
 
 _PLANS = PlanCache()

@@ -49,8 +49,8 @@ from kernelkit.lrpe_core.kernels import (
 from kernelkit.lrpe_core.op import (
     SEQ,
     cached_plan,
-    position_args,
-    position_strides,
+    position_values,
+    prepared_positions,
     programs_target,
     theta_args,
 )
@@ -373,14 +373,22 @@ def cosine_fwd_kernel(
         tl.store(y_rows + D * stride_yd, (xbar * sin_t).to(y.dtype.element_ty), mask=mask)
 
 
-def _fwd_plan(x, y, theta, starts, table, stats, kind, grid, plan):
-    """(launch grid, layout kwargs) of cosine_fwd_kernel."""
+def _fwd_plan(x, y, theta, starts, table, stats, angles, kind, grid, plan):
+    """The launch of cosine_fwd_kernel prepared for this layout: a function of (x, y, theta,
+    stats if given, angles if given, *position_values)."""
     b, n, heads, d = x.shape
     per_row = (starts is not None or table is not None) and grid is None
     block_n, block_d = tile_sizes(d, plan.small_tile if per_row else plan.tile)
     n_blocks = cdiv(n, block_n)
     rows, groups = batch_groups(plan, b, n_blocks * heads, x.device)
-    kwargs = dict(
+    pos_kwargs, vary = prepared_positions(starts, table)
+    return launch(cosine_fwd_kernel).prepare(
+        (n_blocks, heads, groups),
+        x=x,
+        y=y,
+        theta=theta,
+        stats=stats,
+        angles=angles,
         B=b,
         N=n,
         D=d,
@@ -388,15 +396,15 @@ def _fwd_plan(x, y, theta, starts, table, stats, kind, grid, plan):
         num_stat_chunks=stats.shape[2] if stats is not None else 0,
         **_strides("x", x),
         **_strides("y", y),
-        **position_strides(table),
         **_angle_args(theta, d, grid),
         ACT=kind,
         ROWS=ROWS,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         num_warps=plan.warps,
+        **pos_kwargs,
+        vary=vary,
     )
-    return (n_blocks, heads, groups), kwargs
 
 
 def cosine_fwd(
@@ -406,17 +414,10 @@ def cosine_fwd(
     (ignored with a `grid`); `stats` for softmax_seq; `angles` (N, H, D) float32 to fill."""
     b, n, heads, d = x.shape
     y = x.new_empty((b, n, heads, 2 * d))
-    tensors = (x, y, theta, pos[1], pos[2], stats)
-    launch_grid, kwargs = cached_plan(_fwd_plan, tensors, kind, grid, plan)
-    launch(cosine_fwd_kernel)[launch_grid](
-        x=x,
-        y=y,
-        theta=theta,
-        **position_args(*pos),
-        stats=stats,
-        angles=angles,
-        **kwargs,
-    )
+    tensors = (x, y, theta, pos[1], pos[2], stats, angles)
+    run = cached_plan(_fwd_plan, tensors, kind, grid, plan)
+    given = [t for t in (x, y, theta, stats, angles) if t is not None]
+    run(*given, *position_values(*pos))
     return y
 
 
@@ -667,21 +668,26 @@ def cosine_bwd_seq_sums_kernel(
         )
 
 
-def _bwd_plan(dy, x, dx, theta, starts, table, stats, kind, grid, plan, need_dtheta):
-    """Launch grids and layout kwargs of the backward: {"common": kwargs of both kernels,
-    "sums": (grid, kwargs) of the softmax_seq sums kernel or None, "main": (grid, kwargs) of
-    cosine_bwd_kernel or None (d(theta) only, from the sums kernel)}."""
+def _bwd_plan(dy, x, dx, theta, starts, table, stats, angles, kind, grid, plan, need_dtheta):
+    """The backward's launches prepared for this layout: {"sums": (grid, chunks, launch) of the
+    softmax_seq sums kernel or None, "main": (grid, launch) of cosine_bwd_kernel or None
+    (d(theta) only, from the sums kernel)}. Each launch is a function of its given tensors in
+    the order x, dy, dx, sums, d(theta) partials, theta, stats, angles, then position_values."""
     b, n, heads, d2 = dy.shape
     d = d2 // 2
     per_row = (starts is not None or table is not None) and grid is None
+    pos_kwargs, vary = prepared_positions(starts, table)
+    scratch = dy.new_empty((0,))  # stands for the per-call float32 buffers in their slots
     common = dict(
+        theta=theta,
+        stats=stats,
+        angles=angles,
         B=b,
         N=n,
         D=d,
         num_stat_chunks=stats.shape[2] if stats is not None else 0,
         **_strides("x", x),
         **_strides("g", dy),
-        **position_strides(table),
         **_angle_args(theta, d, grid),
         ROWS=ROWS,
         num_warps=plan.warps,
@@ -690,23 +696,47 @@ def _bwd_plan(dy, x, dx, theta, starts, table, stats, kind, grid, plan, need_dth
     if kind == SEQ:
         block_n, block_d = tile_sizes(d, plan.small_tile)
         groups, chunk, num_chunks = sequence_chunks(plan, b, n, heads, block_n, dy.device)
-        sums_kwargs = dict(chunk=chunk, num_chunks=num_chunks, BLOCK_N=block_n, BLOCK_D=block_d)
-        sums = ((num_chunks, heads, groups), sums_kwargs)
+        sums_grid = (num_chunks, heads, groups)
+        run = launch(cosine_bwd_seq_sums_kernel).prepare(
+            sums_grid,
+            x=x,
+            dy=dy,
+            sums=scratch,
+            dtheta_partials=scratch if need_dtheta else None,
+            **common,
+            chunk=chunk,
+            num_chunks=num_chunks,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            **pos_kwargs,
+            vary=vary,
+        )
+        sums = (sums_grid, num_chunks, run)
     main = None
     if dx is not None or (need_dtheta and kind != SEQ):
         block_n, block_d = tile_sizes(d, plan.small_tile if per_row else plan.tile)
         n_blocks = cdiv(n, block_n)
         rows, groups = batch_groups(plan, b, n_blocks * heads, dy.device)
-        main_kwargs = dict(
+        main_grid = (n_blocks, heads, groups)
+        run = launch(cosine_bwd_kernel).prepare(
+            main_grid,
+            x=x,
+            dy=dy,
+            dx=dx,
+            sums=scratch if kind == SEQ else None,
+            dtheta_partials=scratch if need_dtheta and kind != SEQ else None,
+            **common,
             rows_per_program=rows,
             num_chunks=min(num_chunks, 1),  # the chunk sums are merged before this kernel
             **_strides("d", dx),
             ACT=kind,
             BLOCK_N=block_n,
             BLOCK_D=block_d,
+            **pos_kwargs,
+            vary=vary,
         )
-        main = ((n_blocks, heads, groups), main_kwargs)
-    return {"common": common, "sums": sums, "main": main}
+        main = (main_grid, run)
+    return {"sums": sums, "main": main}
 
 
 def cosine_bwd(
@@ -730,44 +760,26 @@ def cosine_bwd(
     dx = None
     if need_dx:
         dx = torch.empty_like(x) if x is not None else dy.new_empty((b, n, heads, d))
-    tensors = (dy, x, dx, theta, pos[1], pos[2], stats)
+    tensors = (dy, x, dx, theta, pos[1], pos[2], stats, angles)
     launches = cached_plan(_bwd_plan, tensors, kind, grid, plan, need_dtheta)
-    tensor_args = dict(
-        theta=theta,
-        **position_args(*pos),
-        stats=stats,
-        angles=angles,
-    )
+    where = position_values(*pos)
+    tail = [t for t in (theta, stats, angles) if t is not None]
     sums, partials = None, None
     if launches["sums"] is not None:
-        sums_grid, sums_kwargs = launches["sums"]
-        sums = dy.new_empty((b * heads, sums_kwargs["num_chunks"], d), dtype=torch.float32)
+        sums_grid, chunks, run = launches["sums"]
+        sums = dy.new_empty((b * heads, chunks, d), dtype=torch.float32)
         if need_dtheta:
             partials = dy.new_empty((sums_grid[0] * sums_grid[2], heads, d), dtype=torch.float32)
-        launch(cosine_bwd_seq_sums_kernel)[sums_grid](
-            x=x,
-            dy=dy,
-            sums=sums,
-            dtheta_partials=partials,
-            **tensor_args,
-            **launches["common"],
-            **sums_kwargs,
-        )
-    if sums is not None:  # merged once here, not in each of the main kernel's short programs
-        sums = sums.sum(1, keepdim=True)
+        given = [t for t in (x, dy, sums, partials) if t is not None]
+        run(*given, *tail, *where)
+        sums = sums.sum(1, keepdim=True)  # merged once, not in each short main-kernel program
     if launches["main"] is not None:
-        main_grid, main_kwargs = launches["main"]
-        fuse_dtheta = need_dtheta and kind != SEQ
-        if fuse_dtheta:
-            partials = dy.new_empty((main_grid[0] * main_grid[2], heads, d), dtype=torch.float32)
-        launch(cosine_bwd_kernel)[main_grid](
-            x=x,
-            dy=dy,
-            dx=dx,
-            sums=sums,
-            dtheta_partials=partials if fuse_dtheta else None,
-            **tensor_args,
-            **launches["common"],
-            **main_kwargs,
-        )
+        main_grid, run = launches["main"]
+        fused = None
+        if need_dtheta and kind != SEQ:
+            fused = partials = dy.new_empty(
+                (main_grid[0] * main_grid[2], heads, d), dtype=torch.float32
+            )
+        given = [t for t in (x, dy, dx, sums, fused) if t is not None]
+        run(*given, *tail, *where)
     return dx, partials

@@ -39,8 +39,8 @@ from kernelkit.lrpe_core.kernels import (
 from kernelkit.lrpe_core.op import (
     SEQ,
     cached_plan,
-    position_args,
-    position_strides,
+    position_values,
+    prepared_positions,
     programs_target,
     theta_args,
 )
@@ -215,8 +215,8 @@ def rotate_fwd_kernel(
         store_halves(y + b * stride_yb, y_off, HALF * stride_yd, y1, y2, mask)
 
 
-def _rotate_plan(x, y, theta, starts, table, kind, plan):
-    """(grid, layout kwargs) of rotate_fwd_kernel / rotate_bwd_kernel (y: the output or dx)."""
+def _rotate_layout(x, theta, starts, table, kind, plan):
+    """(grid, layout kwargs) of rotate_fwd_kernel / rotate_bwd_kernel."""
     batch, n, heads, d = x.shape
     half = d // 2
     block_n, block_e, warps = _tile(plan, kind, half)
@@ -227,7 +227,6 @@ def _rotate_plan(x, y, theta, starts, table, kind, plan):
         B=batch,
         N=n,
         rows_per_program=per_group,
-        **position_strides(table),
         **theta_args(theta, half),
         KIND=kind,
         HALF=half,
@@ -238,20 +237,30 @@ def _rotate_plan(x, y, theta, starts, table, kind, plan):
     return (n_tiles * groups, heads), kwargs
 
 
+def _rotate_fwd_plan(x, y, theta, starts, table, kind, plan):
+    """The launch of rotate_fwd_kernel prepared for this layout: a function of (x, y, theta,
+    *position_values)."""
+    grid, kwargs = _rotate_layout(x, theta, starts, table, kind, plan)
+    pos_kwargs, vary = prepared_positions(starts, table)
+    return launch(rotate_fwd_kernel).prepare(
+        grid,
+        x=x,
+        y=y,
+        theta=theta,
+        **_strides("x", x),
+        **_strides("y", y),
+        **kwargs,
+        **pos_kwargs,
+        vary=vary,
+    )
+
+
 def rotate_fwd(x, theta, pos, kind, plan: Plan = PLAN) -> torch.Tensor:
     """y = rotate(act(x)) for an element-wise act or softmax over D; pos = (start, starts,
     table) from kernelkit.lrpe_core.op.validate_positions."""
     y = torch.empty_like(x)
-    grid, kwargs = cached_plan(_rotate_plan, (x, y, theta, pos[1], pos[2]), kind, plan)
-    launch(rotate_fwd_kernel)[grid](
-        x=x,
-        y=y,
-        theta=theta,
-        **position_args(*pos),
-        **_strides("x", x),
-        **_strides("y", y),
-        **kwargs,
-    )
+    run = cached_plan(_rotate_fwd_plan, (x, y, theta, pos[1], pos[2]), kind, plan)
+    run(x, y, theta, *position_values(*pos))
     return y
 
 
@@ -341,26 +350,40 @@ def rotate_bwd_kernel(
         store_dtheta_partial(dtheta_partials, pid, tl.num_programs(1), h, j, HALF, tl.sum(acc, 0))
 
 
-def rotate_bwd(dy, x, theta, pos, kind, need_dtheta, plan: Plan = PLAN):
-    """(dx, float32 d(theta) partials (programs, H, D/2) or None) for an element-wise act or
-    softmax over D; x may be None for act none without d(theta)."""
-    dx = torch.empty_like(dy)
-    grid, kwargs = cached_plan(_rotate_plan, (dy, dx, theta, pos[1], pos[2]), kind, plan)
-    partials = None
-    if need_dtheta:
-        partials = dy.new_empty((grid[0], grid[1], dy.shape[3] // 2), dtype=torch.float32)
-    launch(rotate_bwd_kernel)[grid](
+def _rotate_bwd_plan(dy, x, dx, theta, starts, table, kind, need_dtheta, plan):
+    """(grid, the launch of rotate_bwd_kernel prepared for this layout: a function of (x if
+    given, dy, dx, theta, d(theta) partials if needed, *position_values))."""
+    grid, kwargs = _rotate_layout(dy, theta, starts, table, kind, plan)
+    pos_kwargs, vary = prepared_positions(starts, table)
+    partials = dy.new_empty((0,)) if need_dtheta else None  # a tensor slot, filled per call
+    run = launch(rotate_bwd_kernel).prepare(
+        grid,
         x=x,
         dy=dy,
         dx=dx,
         theta=theta,
-        **position_args(*pos),
         dtheta_partials=partials,
         **_strides("x", x if x is not None else dy),
         **_strides("g", dy),
         **_strides("d", dx),
         **kwargs,
+        **pos_kwargs,
+        vary=vary,
     )
+    return grid, run
+
+
+def rotate_bwd(dy, x, theta, pos, kind, need_dtheta, plan: Plan = PLAN):
+    """(dx, float32 d(theta) partials (programs, H, D/2) or None) for an element-wise act or
+    softmax over D; x may be None for act none without d(theta)."""
+    dx = torch.empty_like(dy)
+    tensors = (dy, x, dx, theta, pos[1], pos[2])
+    grid, run = cached_plan(_rotate_bwd_plan, tensors, kind, need_dtheta, plan)
+    partials = None
+    if need_dtheta:
+        partials = dy.new_empty((grid[0], grid[1], dy.shape[3] // 2), dtype=torch.float32)
+    given = [t for t in (x, dy, dx, theta, partials) if t is not None]
+    run(*given, *position_values(*pos))
     return dx, partials
 
 
@@ -449,7 +472,7 @@ def seq_softmax_fwd_kernel(
         )
 
 
-def _seq_plan(x, theta, table, stats, plan):
+def _seq_layout(x, theta, stats, plan):
     """(grid, layout kwargs) of the softmax-over-N kernels."""
     batch, n, heads, d = x.shape
     half = d // 2
@@ -460,7 +483,6 @@ def _seq_plan(x, theta, table, stats, plan):
         chunk=chunk,
         num_chunks=chunks,
         num_stat_chunks=stats.shape[2],
-        **position_strides(table),
         **theta_args(theta, half),
         HALF=half,
         BLOCK_N=block_n,
@@ -470,20 +492,28 @@ def _seq_plan(x, theta, table, stats, plan):
     return (chunks * batch, heads), kwargs
 
 
-def seq_softmax_fwd(x, theta, pos, stats, plan: Plan = PLAN) -> torch.Tensor:
-    """y = rotate(softmax over the sequence of x) with `stats` from sequence_softmax_stats."""
-    y = torch.empty_like(x)
-    grid, kwargs = cached_plan(_seq_plan, (x, theta, pos[2], stats), plan)
-    launch(seq_softmax_fwd_kernel)[grid](
+def _seq_fwd_plan(x, y, theta, stats, starts, table, plan):
+    grid, kwargs = _seq_layout(x, theta, stats, plan)
+    pos_kwargs, vary = prepared_positions(starts, table)
+    return launch(seq_softmax_fwd_kernel).prepare(
+        grid,
         x=x,
         y=y,
         theta=theta,
-        **position_args(*pos),
         stats=stats,
         **_strides("x", x),
         **_strides("y", y),
         **kwargs,
+        **pos_kwargs,
+        vary=vary,
     )
+
+
+def seq_softmax_fwd(x, theta, pos, stats, plan: Plan = PLAN) -> torch.Tensor:
+    """y = rotate(softmax over the sequence of x) with `stats` from sequence_softmax_stats."""
+    y = torch.empty_like(x)
+    run = cached_plan(_seq_fwd_plan, (x, y, theta, stats, pos[1], pos[2]), plan)
+    run(x, y, theta, stats, *position_values(*pos))
     return y
 
 
@@ -646,26 +676,50 @@ def seq_softmax_bwd_apply_kernel(
         store_dtheta_partial(dtheta_partials, pid, tl.num_programs(1), h, j, HALF, tl.sum(acc, 0))
 
 
-def seq_softmax_bwd(dy, x, theta, pos, stats, need_dtheta, plan: Plan = PLAN):
-    """(dx, d(theta) partials or None) of rotate(softmax over the sequence of x)."""
-    dx = torch.empty_like(dy)
-    grid, kwargs = cached_plan(_seq_plan, (dy, theta, pos[2], stats), plan)
-    batch, _, heads, d = dy.shape
-    sums = dy.new_empty((batch * heads, kwargs["num_chunks"], d), dtype=torch.float32)
-    partials = None
-    if need_dtheta:
-        partials = dy.new_empty((grid[0], heads, d // 2), dtype=torch.float32)
+def _seq_bwd_plan(dy, x, dx, theta, stats, starts, table, need_dtheta, plan):
+    """(grid, chunks, the sums launch, the apply launch) prepared for this layout."""
+    grid, kwargs = _seq_layout(dy, theta, stats, plan)
+    pos_kwargs, vary = prepared_positions(starts, table)
+    scratch = dy.new_empty((0,))  # stands for the per-call float32 buffers in their slots
     common = dict(
         theta=theta,
-        **position_args(*pos),
         stats=stats,
-        sums=sums,
+        sums=scratch,
         **_strides("x", x),
         **_strides("g", dy),
         **kwargs,
     )
-    launch(seq_softmax_bwd_sums_kernel)[grid](x=x, dy=dy, **common)
-    launch(seq_softmax_bwd_apply_kernel)[grid](
-        x=x, dy=dy, dx=dx, dtheta_partials=partials, **_strides("d", dx), **common
+    sums = launch(seq_softmax_bwd_sums_kernel).prepare(
+        grid, x=x, dy=dy, **common, **pos_kwargs, vary=vary
     )
+    apply = launch(seq_softmax_bwd_apply_kernel).prepare(
+        grid,
+        x=x,
+        dy=dy,
+        dx=dx,
+        dtheta_partials=scratch if need_dtheta else None,
+        **_strides("d", dx),
+        **common,
+        **pos_kwargs,
+        vary=vary,
+    )
+    return grid, kwargs["num_chunks"], sums, apply
+
+
+def seq_softmax_bwd(dy, x, theta, pos, stats, need_dtheta, plan: Plan = PLAN):
+    """(dx, d(theta) partials or None) of rotate(softmax over the sequence of x)."""
+    dx = torch.empty_like(dy)
+    tensors = (dy, x, dx, theta, stats, pos[1], pos[2])
+    grid, chunks, run_sums, run_apply = cached_plan(_seq_bwd_plan, tensors, need_dtheta, plan)
+    batch, _, heads, d = dy.shape
+    sums = dy.new_empty((batch * heads, chunks, d), dtype=torch.float32)
+    partials = None
+    if need_dtheta:
+        partials = dy.new_empty((grid[0], heads, d // 2), dtype=torch.float32)
+    where = position_values(*pos)
+    run_sums(x, dy, theta, stats, sums, *where)
+    if partials is None:
+        run_apply(x, dy, dx, theta, stats, sums, *where)
+    else:
+        run_apply(x, dy, dx, partials, theta, stats, sums, *where)
     return dx, partials
