@@ -479,3 +479,13 @@ def test_cuda_graph_replay(act, dim, where, device):
         return [x, theta, make((b, n, h, d), torch.bfloat16, device, seed=seed + 2)]
 
     assert_graph_replays(fwd_bwd, data(0), [data(10), data(20)])
+
+
+def test_prepared_launches_match_tritons_path():
+    """The launches planned once per layout (prepared, with the int offset varying per call)
+    pass the same compiled kernels the same arguments as Triton's own launch path."""
+    from pathlib import Path
+
+    from kernelkit.shared.testing import assert_launch_paths_agree
+
+    assert_launch_paths_agree(Path(__file__).with_name("launch_calls.py"))

@@ -255,3 +255,14 @@ def test_cuda_graph_replay(case, cache, device):
         return [x, make_theta(4, 22, device, seed=seed + 1).requires_grad_(), dy]
 
     assert_graph_replays(fwd_bwd, data(0), [data(10), data(20)])
+
+
+def test_prepared_launches_match_tritons_path():
+    """lrpe-cosine's and md-lrpe-cosine's launches planned once per layout (prepared, with the
+    int offset varying per call) pass the same compiled kernels the same arguments as Triton's
+    own launch path."""
+    from pathlib import Path
+
+    from kernelkit.shared.testing import assert_launch_paths_agree
+
+    assert_launch_paths_agree(Path(__file__).with_name("launch_calls.py"))

@@ -18,6 +18,7 @@ __all__ = [
     "DTYPE_BOUND",
     "assert_close",
     "assert_graph_replays",
+    "assert_launch_paths_agree",
     "compilations",
     "rel_err",
     "written_arguments",
@@ -188,3 +189,19 @@ def written_arguments(kernel, kwargs: dict) -> set[str]:
     if failures:
         raise AssertionError(f"torch could not analyse the launch: {failures[0]}")
     return set(written)
+
+
+def assert_launch_paths_agree(calls_file, function: str = "launch_calls") -> None:
+    """kernelkit.shared.launch_check in a process without the Triton interpreter: the ops'
+    prepared launches pass the compiled kernels the same arguments as Triton's own path, for
+    the forward/backward calls `function` in `calls_file` yields (a test cannot check this
+    in-process: under the interpreter every launch is replayed)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "kernelkit.shared.launch_check", f"{calls_file}:{function}"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0 or not out.stdout.startswith("OK"):
+        raise AssertionError(f"launch paths differ:\n{out.stdout[-2000:]}{out.stderr[-3000:]}")
