@@ -20,14 +20,14 @@ def make(shape, dtype, device, scale=3.0, seed=0):
     return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype).to(device)
 
 
-def check(x, a, dim=None, dy=None):
+def check(x, a, dim=None, dy=None, cu_seqlens=None):
     """Forward and backward of act(x) vs float64 and vs PyTorch in x.dtype."""
     x = x.detach().requires_grad_()
-    y = act(x, a, dim)
+    y = act(x, a, dim, cu_seqlens=cu_seqlens)
     x64 = x.detach().double().requires_grad_()
-    y64 = act_reference(x64, a, dim)
+    y64 = act_reference(x64, a, dim, cu_seqlens)
     xl = x.detach().clone().requires_grad_()
-    yl = act_reference(xl, a, dim)
+    yl = act_reference(xl, a, dim, cu_seqlens)
     assert y.dtype == x.dtype and y.shape == x.shape
     assert_close(y, y64, ref_lowp=yl, name=f"{a} forward")
     if dy is None:
@@ -195,6 +195,133 @@ def test_torch_compile_fullgraph(a, dim, device):
 
 
 # ---------------------------------------------------------------------------------------------
+# Packed sequences: softmax over each sequence of a packed axis (cu_seqlens)
+# ---------------------------------------------------------------------------------------------
+
+
+def packing(lengths, device):
+    """int32 prefix sums of `lengths` on `device`."""
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32).to(
+        device
+    )
+
+
+PACKINGS = {
+    "ragged": [37, 1, 0, 200, 5, 0],  # length 1, empty sequences (first, middle, last)
+    "one": [243],  # one sequence: the plain softmax over the axis
+    "many-short": [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lengths", PACKINGS.values(), ids=PACKINGS.keys())
+def test_packed_softmax_sequence_axis(lengths, dtype, device):
+    """(1, total, H, D) over dim=1, as packed tokens: every sequence normalised on its own."""
+    total = sum(lengths)
+    check(make((1, total, 3, 40), dtype, device), "softmax", 1, cu_seqlens=packing(lengths, device))
+
+
+@pytest.mark.parametrize(
+    ("shape", "dim", "lengths"),
+    [
+        ((4, 300), -1, [100, 1, 199]),  # packed along the last dim (the split path, not rows)
+        ((2, 3, 301), 2, [150, 0, 151]),
+        ((120, 2, 5), 0, [60, 0, 1, 59]),  # the first dim: no outer dims
+        ((2, 77, 3), 1, [7, 70]),  # B > 1: every row packed the same way
+    ],
+)
+def test_packed_softmax_dims(shape, dim, lengths, device):
+    check(make(shape, torch.float32, device), "softmax", dim, cu_seqlens=packing(lengths, device))
+
+
+def test_packed_softmax_strided(device):
+    """A q slice of a fused qkv tensor, and a transposed view: read in place, packed along N."""
+    qkv = make((1, 90, 3 * 4, 24), torch.bfloat16, device)
+    cu = packing([40, 11, 39], device)
+    check(qkv[:, :, :4], "softmax", 1, cu_seqlens=cu)
+    check(qkv.transpose(1, 2), "softmax", 2, cu_seqlens=cu)
+
+
+def test_packed_softmax_sequences_are_independent(device):
+    """Changing one sequence leaves every other sequence's output bit-identical."""
+    cu = packing([50, 30, 70], device)
+    x = make((1, 150, 2, 8), torch.float32, device)
+    y = act(x, "softmax", 1, cu_seqlens=cu)
+    x2 = x.clone()
+    x2[:, 50:80] *= 100.0
+    y2 = act(x2, "softmax", 1, cu_seqlens=cu)
+    assert torch.equal(y[:, :50], y2[:, :50]) and torch.equal(y[:, 80:], y2[:, 80:])
+    assert not torch.equal(y[:, 50:80], y2[:, 50:80])
+
+
+def test_packed_softmax_infinite_sequence(device):
+    """A sequence of -inf is NaN (as torch's softmax of it); its neighbours are unaffected."""
+    cu = packing([40, 25, 35], device)
+    x = make((1, 100, 2), torch.float32, device, scale=50.0)
+    x[0, 40:65, 0] = -float("inf")
+    y = act(x, "softmax", 1, cu_seqlens=cu)
+    ref = act_reference(x.double(), "softmax", 1, cu)
+    assert torch.isnan(y[0, 40:65, 0]).all() and torch.isnan(ref[0, 40:65, 0]).all()
+    assert_close(y[0, :40], ref[0, :40], name="before the -inf sequence")
+    assert_close(y[0, 65:], ref[0, 65:], name="after the -inf sequence")
+    assert_close(y[0, 40:65, 1], ref[0, 40:65, 1], name="beside the -inf sequence")
+
+
+@pytest.mark.parametrize(
+    ("cu", "kwargs", "match"),
+    [
+        ([0, 3, 6], {"act": "relu"}, "cu_seqlens: only softmax takes packed sequences"),
+        ([0, 3, 5], {}, "cu_seqlens: last entry 5 must equal the number of entries along dim 1 6"),
+        ([1, 3, 6], {}, "cu_seqlens: must start at 0"),
+        ([0, 4, 3, 6], {}, "cu_seqlens: must be non-decreasing, entry 2 is 3 < 4"),
+        ([6], {}, r"cu_seqlens: expected shape \(num_seqs \+ 1,\)"),
+    ],
+)
+def test_packed_errors(cu, kwargs, match, device):
+    x = torch.ones(2, 6, device=device)
+    kwargs = {"act": "softmax", "dim": 1, **kwargs}
+    if kwargs["act"] != "softmax":
+        kwargs.pop("dim")
+    cu_t = torch.tensor(cu, dtype=torch.int32)  # values are checked on the CPU only
+    with pytest.raises(ValueError, match=match):
+        act(x.cpu(), cu_seqlens=cu_t, **kwargs)
+
+
+def test_packed_errors_dtype_and_device(device):
+    x = torch.ones(2, 6, device=device)
+    with pytest.raises(ValueError, match="cu_seqlens: dtype must be torch.int32"):
+        act(x, "softmax", 1, cu_seqlens=torch.tensor([0, 6], device=device))
+    with pytest.raises(ValueError, match="cu_seqlens: expected a torch.Tensor"):
+        act(x, "softmax", 1, cu_seqlens=[0, 6])
+    if device.type == "cuda":
+        with pytest.raises(ValueError, match="cu_seqlens: on device cpu"):
+            act(x, "softmax", 1, cu_seqlens=torch.tensor([0, 6], dtype=torch.int32))
+
+
+def test_packed_opcheck(device):
+    x = make((1, 57, 3, 20), torch.float32, device).requires_grad_()
+    cu = packing([20, 0, 36, 1], device)
+    torch.library.opcheck(torch.ops.kernelkit_act.softmax_fwd, (x, 1, cu))
+    y = torch.ops.kernelkit_act.softmax_fwd(x, 1, cu).detach()
+    dy = make(x.shape, x.dtype, device, seed=3)
+    torch.library.opcheck(torch.ops.kernelkit_act.softmax_bwd, (y, dy, 1, cu))
+
+
+def test_packed_torch_compile_fullgraph(device):
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    f = torch.compile(
+        lambda t, cu: act(t, "softmax", 1, cu_seqlens=cu) * 2.0, fullgraph=True, backend=backend
+    )
+    cu = packing([10, 23, 0, 4], device)
+    x = make((1, 37, 3, 16), torch.float32, device).requires_grad_()
+    dy = make(x.shape, x.dtype, device, seed=5)
+    f(x, cu).backward(dy)
+    x64 = x.detach().double().requires_grad_()
+    (act_reference(x64, "softmax", 1, cu) * 2.0).backward(dy.double())
+    assert_close(x.grad, x64.grad, name="compiled packed backward")
+
+
+# ---------------------------------------------------------------------------------------------
 # CUDA graphs: every op, forward and backward, captures and replays with new input data.
 # ---------------------------------------------------------------------------------------------
 
@@ -203,7 +330,9 @@ GRAPH_CASES = [
     ("softmax", -1, (2, 300, 3, 40)),  # last dim: single-pass rows
     ("softmax", -1, (3, 20000)),  # a last dim longer than one program holds: split
     ("softmax", 1, (2, 4096, 4, 64)),  # over the sequence: split, chunk stats + apply
+    ("softmax", 1, (1, 8192, 4, 64)),  # over packed sequences (GRAPH_PACKING)
 ]
+GRAPH_PACKING = [3000, 1, 0, 4000, 1191]
 
 
 @pytest.mark.gpu
@@ -212,15 +341,19 @@ GRAPH_CASES = [
 def test_cuda_graph_replay(a, dim, shape, direction, device):
     from kernelkit.shared.testing import assert_graph_replays
 
+    cu = packing(GRAPH_PACKING, device) if shape[:2] == (1, 8192) else None
+
     def data(seed, grad=False):
         return make(shape, torch.bfloat16, device, seed=seed).requires_grad_(grad)
 
     if direction == "fwd":
-        assert_graph_replays(lambda x: act(x, a, dim), [data(0)], [[data(1)], [data(2)]])
+        assert_graph_replays(
+            lambda x: act(x, a, dim, cu_seqlens=cu), [data(0)], [[data(1)], [data(2)]]
+        )
         return
 
     def fwd_bwd(x, dy):
-        return torch.autograd.grad(act(x, a, dim), x, dy)
+        return torch.autograd.grad(act(x, a, dim, cu_seqlens=cu), x, dy)
 
     inputs = [data(0, True), data(10)]
     assert_graph_replays(fwd_bwd, inputs, [[data(1, True), data(11)], [data(2, True), data(12)]])

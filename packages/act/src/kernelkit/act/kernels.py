@@ -285,15 +285,33 @@ def softmax_bwd_rows_kernel(
 
 
 @triton.jit
-def _chunk_coords(L, I, O1, chunk, BLOCK_I: tl.constexpr):
-    """(o0, o1, first row, column offsets, column mask) of this program in the split-L grid:
-    axis 0 enumerates (outer index, column block), axis 1 the chunk of L."""
+def _chunk_coords(
+    L, I, O1, chunk, num_chunks, cu_seqlens, BLOCK_L: tl.constexpr, BLOCK_I: tl.constexpr
+):
+    """(o0, o1, stats row, chunk index, first row, end row, column offsets, column mask) of this
+    program in the split-L grid: axis 0 enumerates (outer index, column block), axis 1 the
+    chunk of L, or with `cu_seqlens` (packed sequences along L) the (sequence, chunk) pairs:
+    each sequence is split into `num_chunks` chunks of whole blocks, and its stats row is
+    sequence * O + outer index."""
     n_iblk = tl.cdiv(I, BLOCK_I)
     pid = tl.program_id(0)
     o = pid // n_iblk
     cols = (pid % n_iblk) * BLOCK_I + tl.arange(0, BLOCK_I)
-    l0 = tl.program_id(1) * chunk
-    return o // O1, o % O1, o, l0, cols, cols < I
+    if cu_seqlens is None:
+        c = tl.program_id(1)
+        row = o
+        l0 = c * chunk
+        l1 = tl.minimum(l0 + chunk, L)
+    else:
+        seq = tl.program_id(1) // num_chunks
+        c = tl.program_id(1) % num_chunks
+        row = seq * (tl.num_programs(0) // n_iblk) + o
+        lo = tl.load(cu_seqlens + seq)
+        hi = tl.load(cu_seqlens + seq + 1)
+        seq_chunk = tl.cdiv(tl.cdiv(hi - lo, num_chunks), BLOCK_L) * BLOCK_L
+        l0 = lo + c * seq_chunk
+        l1 = tl.minimum(l0 + seq_chunk, hi)
+    return o // O1, o % O1, row, c, l0, l1, cols, cols < I
 
 
 @triton.jit(do_not_specialize=_SPLIT_SIZES)
@@ -309,16 +327,19 @@ def softmax_chunk_stats_kernel(
     xs_o1,
     xs_l,
     xs_i,
+    cu_seqlens,
     BLOCK_L: tl.constexpr,
     BLOCK_I: tl.constexpr,
 ):
-    o0, o1, o, l0, cols, c_ok = _chunk_coords(L, I, O1, chunk, BLOCK_I)
+    o0, o1, row, c, l0, l1, cols, c_ok = _chunk_coords(
+        L, I, O1, chunk, num_chunks, cu_seqlens, BLOCK_L, BLOCK_I
+    )
     base = x_ptr + o0.to(tl.int64) * xs_o0 + o1.to(tl.int64) * xs_o1
     m = tl.full([BLOCK_I], -float("inf"), tl.float32)
     s = tl.zeros([BLOCK_I], tl.float32)
-    for l_start in range(l0, tl.minimum(l0 + chunk, L), BLOCK_L):
+    for l_start in range(l0, l1, BLOCK_L):
         rows = l_start + tl.arange(0, BLOCK_L)
-        mask = (rows < L)[:, None] & c_ok[None, :]
+        mask = (rows < l1)[:, None] & c_ok[None, :]
         x = tl.load(
             base + rows.to(tl.int64)[:, None] * xs_l + cols[None, :] * xs_i,
             mask=mask,
@@ -326,10 +347,12 @@ def softmax_chunk_stats_kernel(
         ).to(tl.float32)
         bm, bs = softmax_stats(x, 0)
         m, s = softmax_merge(m, s, bm, bs)
-    # stats (2, O, C, I): maxima, then sums. One pointer, not two views of one buffer: a traced
-    # launch treats each pointer argument it writes as a separate output.
-    out = (o.to(tl.int64) * num_chunks + tl.program_id(1)) * I + cols
-    part = (tl.num_programs(0) // tl.cdiv(I, BLOCK_I)).to(tl.int64) * num_chunks * I
+    # stats (2, S * O, C, I) (S = 1 without cu_seqlens): maxima, then sums. One pointer, not
+    # two views of one buffer: a traced launch treats each pointer argument it writes as a
+    # separate output. Empty chunks write (-inf, 0), which merges as nothing.
+    out = (row.to(tl.int64) * num_chunks + c) * I + cols
+    stat_rows = (tl.num_programs(0) // tl.cdiv(I, BLOCK_I)) * (tl.num_programs(1) // num_chunks)
+    part = stat_rows.to(tl.int64) * num_chunks * I
     tl.store(stats_ptr + out, m, mask=c_ok)
     tl.store(stats_ptr + part + out, s, mask=c_ok)
 
@@ -353,17 +376,20 @@ def softmax_fwd_apply_kernel(
     ys_o1,
     ys_l,
     ys_i,
+    cu_seqlens,
     BLOCK_L: tl.constexpr,
     BLOCK_I: tl.constexpr,
 ):
-    o0, o1, o, l0, cols, c_ok = _chunk_coords(L, I, O1, chunk, BLOCK_I)
-    stats = o.to(tl.int64) * num_chunks * I
+    o0, o1, row, _, l0, l1, cols, c_ok = _chunk_coords(
+        L, I, O1, chunk, num_chunks, cu_seqlens, BLOCK_L, BLOCK_I
+    )
+    stats = row.to(tl.int64) * num_chunks * I
     m, s = combine_chunk_stats(m_ptr + stats, s_ptr + stats, num_chunks, I, cols, c_ok)
     x_base = x_ptr + o0.to(tl.int64) * xs_o0 + o1.to(tl.int64) * xs_o1
     y_base = y_ptr + o0.to(tl.int64) * ys_o0 + o1.to(tl.int64) * ys_o1
-    for l_start in range(l0, tl.minimum(l0 + chunk, L), BLOCK_L):
+    for l_start in range(l0, l1, BLOCK_L):
         rows = (l_start + tl.arange(0, BLOCK_L)).to(tl.int64)
-        mask = (rows < L)[:, None] & c_ok[None, :]
+        mask = (rows < l1)[:, None] & c_ok[None, :]
         x = tl.load(x_base + rows[:, None] * xs_l + cols[None, :] * xs_i, mask=mask, other=0.0).to(
             tl.float32
         )
@@ -393,20 +419,23 @@ def softmax_bwd_chunk_sums_kernel(
     gs_o1,
     gs_l,
     gs_i,
+    cu_seqlens,
     BLOCK_L: tl.constexpr,
     BLOCK_I: tl.constexpr,
 ):
-    o0, o1, o, l0, cols, c_ok = _chunk_coords(L, I, O1, chunk, BLOCK_I)
+    o0, o1, row, c, l0, l1, cols, c_ok = _chunk_coords(
+        L, I, O1, chunk, num_chunks, cu_seqlens, BLOCK_L, BLOCK_I
+    )
     y_base = y_ptr + o0.to(tl.int64) * ys_o0 + o1.to(tl.int64) * ys_o1
     g_base = dy_ptr + o0.to(tl.int64) * gs_o0 + o1.to(tl.int64) * gs_o1
     acc = tl.zeros([BLOCK_I], tl.float32)
-    for l_start in range(l0, tl.minimum(l0 + chunk, L), BLOCK_L):
+    for l_start in range(l0, l1, BLOCK_L):
         rows = (l_start + tl.arange(0, BLOCK_L)).to(tl.int64)
-        mask = (rows < L)[:, None] & c_ok[None, :]
+        mask = (rows < l1)[:, None] & c_ok[None, :]
         y = tl.load(y_base + rows[:, None] * ys_l + cols[None, :] * ys_i, mask=mask, other=0.0)
         dy = tl.load(g_base + rows[:, None] * gs_l + cols[None, :] * gs_i, mask=mask, other=0.0)
         acc += tl.sum(y.to(tl.float32) * dy.to(tl.float32), axis=0)
-    out = (o.to(tl.int64) * num_chunks + tl.program_id(1)) * I + cols
+    out = (row.to(tl.int64) * num_chunks + c) * I + cols
     tl.store(p_ptr + out, acc, mask=c_ok)
 
 
@@ -433,17 +462,20 @@ def softmax_bwd_apply_kernel(
     ds_o1,
     ds_l,
     ds_i,
+    cu_seqlens,
     BLOCK_L: tl.constexpr,
     BLOCK_I: tl.constexpr,
 ):
-    o0, o1, o, l0, cols, c_ok = _chunk_coords(L, I, O1, chunk, BLOCK_I)
-    tot = combine_chunk_sums(p_ptr + o.to(tl.int64) * num_chunks * I, num_chunks, I, cols, c_ok)
+    o0, o1, row, _, l0, l1, cols, c_ok = _chunk_coords(
+        L, I, O1, chunk, num_chunks, cu_seqlens, BLOCK_L, BLOCK_I
+    )
+    tot = combine_chunk_sums(p_ptr + row.to(tl.int64) * num_chunks * I, num_chunks, I, cols, c_ok)
     y_base = y_ptr + o0.to(tl.int64) * ys_o0 + o1.to(tl.int64) * ys_o1
     g_base = dy_ptr + o0.to(tl.int64) * gs_o0 + o1.to(tl.int64) * gs_o1
     d_base = dx_ptr + o0.to(tl.int64) * ds_o0 + o1.to(tl.int64) * ds_o1
-    for l_start in range(l0, tl.minimum(l0 + chunk, L), BLOCK_L):
+    for l_start in range(l0, l1, BLOCK_L):
         rows = (l_start + tl.arange(0, BLOCK_L)).to(tl.int64)
-        mask = (rows < L)[:, None] & c_ok[None, :]
+        mask = (rows < l1)[:, None] & c_ok[None, :]
         y = tl.load(y_base + rows[:, None] * ys_l + cols[None, :] * ys_i, mask=mask, other=0.0).to(
             tl.float32
         )

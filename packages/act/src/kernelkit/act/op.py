@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernelkit.shared.layout import collapse_dims, is_dense
+from kernelkit.shared.packed import check_cu_seqlens
 from kernelkit.shared.runtime import (
     PlanCache,
     cdiv,
@@ -17,7 +18,7 @@ from kernelkit.shared.runtime import (
 )
 
 from . import kernels as K
-from .reference import act_reference
+from .reference import act_reference, softmax_grad_reference, softmax_reference
 
 ACTS = ("none", "relu", "sigmoid", "silu", "softmax")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -31,6 +32,7 @@ ROWS_TILE = 2048  # elements per (rows x L) tile of the single-pass row kernels
 SPLIT_TILE = 16384  # elements per (L x I) tile of the split-L kernels: more bytes in flight
 SPLIT_WARPS = 4  # warps of the split-L softmax kernels
 PROGRAMS_PER_SM = 8  # split-L: chunks are added until about this many programs per SM
+MAX_SEQUENCES = 65535  # packed sequences x chunks share grid axis 1 (CUDA limit 65535)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -38,7 +40,7 @@ PROGRAMS_PER_SM = 8  # split-L: chunks are added until about this many programs 
 # ---------------------------------------------------------------------------------------------
 
 
-def validate(x, act: str, dim: int | None) -> int | None:
+def validate(x, act: str, dim: int | None, cu_seqlens=None) -> int | None:
     """Check the arguments of `act`; returns `dim` normalised to be non-negative."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
@@ -49,6 +51,8 @@ def validate(x, act: str, dim: int | None) -> int | None:
     if act != "softmax":
         if dim is not None:
             raise ValueError(f"dim: only softmax takes a dim, got dim={dim} with act={act!r}")
+        if cu_seqlens is not None:
+            raise ValueError(f"cu_seqlens: only softmax takes packed sequences, got act={act!r}")
         return None
     if dim is None:
         raise ValueError("dim: softmax needs the dimension to normalise over (e.g. dim=-1)")
@@ -62,6 +66,12 @@ def validate(x, act: str, dim: int | None) -> int | None:
     dim %= nd
     if x.size(dim) == 0:
         raise ValueError(f"dim: softmax over dimension {dim} of size 0 is undefined")
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, x.size(dim), x.device, what=f"entries along dim {dim}")
+        if cu_seqlens.shape[0] - 1 > MAX_SEQUENCES:
+            raise ValueError(
+                f"cu_seqlens: at most {MAX_SEQUENCES} packed sequences, got {cu_seqlens.shape[0] - 1}"
+            )
     return dim
 
 
@@ -153,15 +163,17 @@ class SoftmaxView:
         ]
 
 
-def _split_plan(view: SoftmaxView, device: torch.device):
-    """(BLOCK_L, BLOCK_I, chunk, num_chunks) for the split-L softmax kernels."""
+def _split_plan(view: SoftmaxView, device: torch.device, seqs: int = 1):
+    """(BLOCK_L, BLOCK_I, chunk, num_chunks) for the split-L softmax kernels. With `seqs` packed
+    sequences along L, each is split into num_chunks chunks (their size is set per sequence
+    on the device, from its length; `chunk` is unused)."""
     block_i = min(next_power_of_2(view.I), 128)
     block_l = max(1, SPLIT_TILE // block_i)
-    programs = view.O0 * view.O1 * cdiv(view.I, block_i)
+    programs = view.O0 * view.O1 * cdiv(view.I, block_i) * seqs
     target = PROGRAMS_PER_SM * num_sms(device)
-    chunks = max(1, min(cdiv(target, programs), cdiv(view.L, block_l)))
+    chunks = max(1, min(cdiv(target, programs), cdiv(view.L, block_l), MAX_SEQUENCES // seqs))
     chunk = cdiv(cdiv(view.L, chunks), block_l) * block_l
-    return block_l, block_i, chunk, cdiv(view.L, chunk)
+    return block_l, block_i, chunk, (chunks if seqs > 1 else cdiv(view.L, chunk))
 
 
 def _rows_plan(view: SoftmaxView):
@@ -177,102 +189,118 @@ def _use_rows(view: SoftmaxView) -> bool:
 class _SplitLaunches:
     """The split-L plan of one layout: float32 scratch of `shape` (from `new`, a float32 tensor
     on the device: `new.new_empty(shape)` is the cheapest allocation call) and the grid, sizes
-    and block shapes shared by the split kernels."""
+    and block shapes shared by the split kernels. With `cu_seqlens` (packed sequences along L,
+    the same for every outer index) the launches take it as their last tensor and the
+    stats have a row per (sequence, outer index)."""
 
-    def __init__(self, t: torch.Tensor, view: SoftmaxView, plan=None):
-        self.plan = plan or _split_plan(view, t.device)
+    def __init__(self, t: torch.Tensor, view: SoftmaxView, plan=None, cu_seqlens=None):
+        seqs = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        self.plan = plan or _split_plan(view, t.device, seqs)
         block_l, block_i, chunk, num_chunks = self.plan
-        self.shape = (2, view.O0 * view.O1, num_chunks, view.I)
+        self.cu_seqlens = cu_seqlens
+        self.shape = (2, seqs * view.O0 * view.O1, num_chunks, view.I)
         self.new = torch.empty(0, dtype=torch.float32, device=t.device)
-        self.grid = (view.O0 * view.O1 * cdiv(view.I, block_i), num_chunks)
+        self.grid = (view.O0 * view.O1 * cdiv(view.I, block_i), seqs * num_chunks)
         self.sizes = (view.L, view.I, view.O1, chunk, num_chunks)
         self.blocks = {"BLOCK_L": block_l, "BLOCK_I": block_i, "num_warps": SPLIT_WARPS}
 
     def prepare(self, kernel, *tensors, strides):
-        return launch(kernel).prepare(self.grid, *tensors, *self.sizes, *strides, **self.blocks)
+        return launch(kernel).prepare(
+            self.grid, *tensors, *self.sizes, *strides, cu_seqlens=self.cu_seqlens, **self.blocks
+        )
+
+
+def _packed(cu_seqlens) -> tuple:
+    """The trailing per-call tensor of a split launch: (cu_seqlens,) or ()."""
+    return () if cu_seqlens is None else (cu_seqlens,)
 
 
 class _StatsPlan(_SplitLaunches):
-    """softmax_chunk_stats of one layout: a function of x returning the (2, O, C, I) stats."""
+    """softmax_chunk_stats of one layout: a function of (x, cu_seqlens) returning the
+    (2, S * O, C, I) stats."""
 
-    def __init__(self, x: torch.Tensor, view: SoftmaxView, plan=None):
-        super().__init__(x, view, plan)
+    def __init__(self, x: torch.Tensor, view: SoftmaxView, plan=None, cu_seqlens=None):
+        super().__init__(x, view, plan, cu_seqlens)
         stats = self.new.new_empty(self.shape)
         self.launch = self.prepare(K.softmax_chunk_stats_kernel, x, stats, strides=view.strides[0])
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(stats, stats[1]): the maxima start where stats does."""
         stats = self.new.new_empty(self.shape)
-        self.launch(x, stats)
+        self.launch(x, stats, *_packed(cu_seqlens))
         return stats, stats[1]
 
 
-def softmax_chunk_stats(x: torch.Tensor, dim: int, *, view=None, plan=None) -> torch.Tensor:
+def softmax_chunk_stats(
+    x: torch.Tensor, dim: int, *, cu_seqlens: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per-chunk float32 (max, sum) of a softmax over `dim` of x: shape (2, O, C, I), where O
     is the product of the dims before `dim`, I of those after it, and C the number of chunks
     the softmax axis is split into (stats[0] the maxima, stats[1] the sums of exp(x - max)).
+    With `cu_seqlens` (int32 prefix sums of S sequences packed along `dim`, see `act`) the
+    shape is (2, S * O, C, I): row s * O + o holds the C chunks of sequence s (an empty
+    sequence: max -inf, sum 0).
 
     Building block for ops that fuse a softmax over a long axis (the lrpe packages): they read
     x once here, then combine the C chunks of the columns they need with
     `kernels.combine_chunk_stats` while they write their output. The dims before `dim` must
     collapse to at most two and those after it to one (always true for a (B, H, N, D) view).
-    `view` and `plan` are for callers in this module that already built them.
+    Arguments are not validated (callers in other packages validate their own).
     """
-    if view is None and plan is None and x.__class__ is torch.Tensor:
-        key = ("stats", dim, x.get_device(), x.shape, x.stride())
-        return _PLANS.get(key, _stats_plan, x, dim)(x)[0]
-    view = view or SoftmaxView(x.shape, dim, [x.stride()])
-    if not view.ok:
-        raise ValueError("x: layout not supported by the split softmax (collapse failed)")
-    return _StatsPlan(x, view, plan)(x)[0]
+    if x.__class__ is torch.Tensor:
+        seqs = None if cu_seqlens is None else cu_seqlens.shape[0]
+        key = ("stats", dim, seqs, x.get_device(), x.shape, x.stride())
+        return _PLANS.get(key, _stats_plan, x, dim, cu_seqlens)(x, cu_seqlens)[0]
+    return _stats_plan(x, dim, cu_seqlens)(x, cu_seqlens)[0]
 
 
-def _stats_plan(x: torch.Tensor, dim: int) -> _StatsPlan:
+def _stats_plan(x: torch.Tensor, dim: int, cu_seqlens) -> _StatsPlan:
     view = SoftmaxView(x.shape, dim, [x.stride()])
     if not view.ok:
         raise ValueError("x: layout not supported by the split softmax (collapse failed)")
-    return _StatsPlan(x, view)
+    return _StatsPlan(x, view, cu_seqlens=cu_seqlens)
 
 
 class _SplitSoftmaxFwd(_SplitLaunches):
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, view: SoftmaxView):
-        super().__init__(x, view)
-        self.stats = _StatsPlan(x, view, self.plan)
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, view: SoftmaxView, cu_seqlens=None):
+        super().__init__(x, view, cu_seqlens=cu_seqlens)
+        self.stats = _StatsPlan(x, view, self.plan, cu_seqlens)
         m = self.new.new_empty(self.shape)
         self.apply = self.prepare(
             K.softmax_fwd_apply_kernel, x, y, m, m[1], strides=(*view.strides[0], *view.strides[1])
         )
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.apply(x, y, *self.stats(x))
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, cu_seqlens=None) -> None:
+        self.apply(x, y, *self.stats(x, cu_seqlens), *_packed(cu_seqlens))
 
 
 class _SplitSoftmaxBwd(_SplitLaunches):
-    def __init__(self, y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, view: SoftmaxView):
-        super().__init__(y, view)
-        self.shape = self.shape[1:]  # one float32 sum(y * dy) per (outer, chunk, column)
+    def __init__(self, y, dy, dx, view: SoftmaxView, cu_seqlens=None):
+        super().__init__(y, view, cu_seqlens=cu_seqlens)
+        self.shape = self.shape[1:]  # one float32 sum(y * dy) per (row, chunk, column)
         p = self.new.new_empty(self.shape)
         ys, gs, ds = view.strides
         self.sums = self.prepare(K.softmax_bwd_chunk_sums_kernel, y, dy, p, strides=(*ys, *gs))
         self.apply = self.prepare(K.softmax_bwd_apply_kernel, y, dy, dx, p, strides=(*ys, *gs, *ds))
 
-    def __call__(self, y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> None:
+    def __call__(self, y, dy, dx, cu_seqlens=None) -> None:
         p = self.new.new_empty(self.shape)
-        self.sums(y, dy, p)
-        self.apply(y, dy, dx, p)
+        packed = _packed(cu_seqlens)
+        self.sums(y, dy, p, *packed)
+        self.apply(y, dy, dx, p, *packed)
 
 
-def _softmax_fwd_plan(x: torch.Tensor, y: torch.Tensor, dim: int):
-    """A function of (x, y) that writes softmax(x, dim) into y."""
+def _softmax_fwd_plan(x: torch.Tensor, y: torch.Tensor, dim: int, cu_seqlens=None):
+    """A function of (x, y, cu_seqlens) that writes softmax(x, dim) into y."""
     view = SoftmaxView(x.shape, dim, [x.stride(), y.stride()])
     if not view.ok:
-        return lambda x, y: y.copy_(_softmax_fwd(x.contiguous(), dim))
-    if not _use_rows(view):
-        return _SplitSoftmaxFwd(x, y, view)
+        return lambda x, y, cu: y.copy_(_softmax_fwd(x.contiguous(), dim, cu))
+    if cu_seqlens is not None or not _use_rows(view):
+        return _SplitSoftmaxFwd(x, y, view, cu_seqlens)
     block_r, block_l, warps = _rows_plan(view)
     rows = view.O0 * view.O1
     xs, ys = view.strides
-    return launch(K.softmax_fwd_rows_kernel).prepare(
+    run = launch(K.softmax_fwd_rows_kernel).prepare(
         (cdiv(rows, block_r),),
         x,
         y,
@@ -285,19 +313,22 @@ def _softmax_fwd_plan(x: torch.Tensor, y: torch.Tensor, dim: int):
         BLOCK_L=block_l,
         num_warps=warps,
     )
+    return lambda x, y, _cu: run(x, y)
 
 
-def _softmax_bwd_plan(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, dim: int):
-    """A function of (y, dy, dx) that writes the softmax backward into dx."""
+def _softmax_bwd_plan(y, dy, dx, dim: int, cu_seqlens=None):
+    """A function of (y, dy, dx, cu_seqlens) that writes the softmax backward into dx."""
     view = SoftmaxView(y.shape, dim, [y.stride(), dy.stride(), dx.stride()])
     if not view.ok:
-        return lambda y, dy, dx: dx.copy_(_softmax_bwd(y.contiguous(), dy.contiguous(), dim))
-    if not _use_rows(view):
-        return _SplitSoftmaxBwd(y, dy, dx, view)
+        return lambda y, dy, dx, cu: dx.copy_(
+            _softmax_bwd(y.contiguous(), dy.contiguous(), dim, cu)
+        )
+    if cu_seqlens is not None or not _use_rows(view):
+        return _SplitSoftmaxBwd(y, dy, dx, view, cu_seqlens)
     block_r, block_l, warps = _rows_plan(view)
     rows = view.O0 * view.O1
     ys, gs, ds = view.strides
-    return launch(K.softmax_bwd_rows_kernel).prepare(
+    run = launch(K.softmax_bwd_rows_kernel).prepare(
         (cdiv(rows, block_r),),
         y,
         dy,
@@ -312,29 +343,32 @@ def _softmax_bwd_plan(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, dim: 
         BLOCK_L=block_l,
         num_warps=warps,
     )
+    return lambda y, dy, dx, _cu: run(y, dy, dx)
 
 
-def _softmax_fwd(x: torch.Tensor, dim: int) -> torch.Tensor:
+def _softmax_fwd(x: torch.Tensor, dim: int, cu_seqlens=None) -> torch.Tensor:
     y = torch.empty_like(x)
     if x.numel() == 0:
         return y
-    if x.__class__ is torch.Tensor:
-        key = ("fwd", dim, x.get_device(), x.shape, x.stride(), y.stride())
-        _PLANS.get(key, _softmax_fwd_plan, x, y, dim)(x, y)
+    if x.__class__ is torch.Tensor and (cu_seqlens is None or cu_seqlens.__class__ is torch.Tensor):
+        seqs = None if cu_seqlens is None else cu_seqlens.shape[0]
+        key = ("fwd", dim, seqs, x.get_device(), x.shape, x.stride(), y.stride())
+        _PLANS.get(key, _softmax_fwd_plan, x, y, dim, cu_seqlens)(x, y, cu_seqlens)
     else:
-        _softmax_fwd_plan(x, y, dim)(x, y)
+        _softmax_fwd_plan(x, y, dim, cu_seqlens)(x, y, cu_seqlens)
     return y
 
 
-def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
+def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, cu_seqlens=None) -> torch.Tensor:
     dx = torch.empty_like(y)
     if y.numel() == 0:
         return dx
-    if y.__class__ is torch.Tensor and dy.__class__ is torch.Tensor:
-        key = ("bwd", dim, y.get_device(), y.shape, y.stride(), dy.stride(), dx.stride())
-        _PLANS.get(key, _softmax_bwd_plan, y, dy, dx, dim)(y, dy, dx)
+    if PlanCache.cacheable(y, dy, cu_seqlens):  # plain tensors: plans are cached per layout
+        seqs = None if cu_seqlens is None else cu_seqlens.shape[0]
+        key = ("bwd", dim, seqs, y.get_device(), y.shape, y.stride(), dy.stride(), dx.stride())
+        _PLANS.get(key, _softmax_bwd_plan, y, dy, dx, dim, cu_seqlens)(y, dy, dx, cu_seqlens)
     else:
-        _softmax_bwd_plan(y, dy, dx, dim)(y, dy, dx)
+        _softmax_bwd_plan(y, dy, dx, dim, cu_seqlens)(y, dy, dx, cu_seqlens)
     return dx
 
 
@@ -361,17 +395,19 @@ def act_bwd(x: torch.Tensor, dy: torch.Tensor, act: str) -> torch.Tensor:
 
 
 @define_op("kernelkit_act::softmax_fwd")
-def softmax_fwd(x: torch.Tensor, dim: int) -> torch.Tensor:
+def softmax_fwd(x: torch.Tensor, dim: int, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     if not use_triton(x):
-        return torch.softmax(x, dim)
-    return _softmax_fwd(x, dim)
+        return softmax_reference(x, dim, cu_seqlens)
+    return _softmax_fwd(x, dim, cu_seqlens)
 
 
 @define_op("kernelkit_act::softmax_bwd")
-def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
+def softmax_bwd(
+    y: torch.Tensor, dy: torch.Tensor, dim: int, cu_seqlens: torch.Tensor | None = None
+) -> torch.Tensor:
     if not use_triton(y):
-        return torch._softmax_backward_data(dy, y, dim, y.dtype)
-    return _softmax_bwd(y, dy, dim)
+        return softmax_grad_reference(y, dy, dim, cu_seqlens)
+    return _softmax_bwd(y, dy, dim, cu_seqlens)
 
 
 def _act_setup(ctx, inputs, output):
@@ -386,31 +422,42 @@ def _act_backward(ctx, dy):
 
 
 def _softmax_setup(ctx, inputs, output):
-    _, dim = inputs
+    _, dim, cu_seqlens = inputs
     ctx.dim = dim
-    ctx.save_for_backward(output)
+    ctx.save_for_backward(output, cu_seqlens)
 
 
 def _softmax_backward(ctx, dy):
-    (y,) = ctx.saved_tensors
-    return softmax_bwd(y, dy, ctx.dim), None
+    y, cu_seqlens = ctx.saved_tensors
+    return softmax_bwd(y, dy, ctx.dim, cu_seqlens), None, None
 
 
 act_fwd.register_autograd(_act_backward, setup_context=_act_setup)
 softmax_fwd.register_autograd(_softmax_backward, setup_context=_softmax_setup)
 
 
-def act(x: torch.Tensor, act: str = "none", dim: int | None = None) -> torch.Tensor:
+def act(
+    x: torch.Tensor,
+    act: str = "none",
+    dim: int | None = None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Apply `act` ("none", "relu", "sigmoid", "silu", "softmax") to x; softmax needs `dim`.
 
     Any shape, any strides, float32/float16/bfloat16; math in float32, output in x's dtype.
     `act="none"` returns x itself (an alias, no copy and no kernel).
+
+    `cu_seqlens` (softmax only): sequences packed back to back along `dim`, as int32 prefix sums
+    (num_seqs + 1,) on x's device (first entry 0, non-decreasing, last entry x.size(dim)); the
+    softmax then runs over each sequence on its own. Its values are checked for CPU tensors
+    only (reading device values would synchronise): on a GPU they are the caller's contract.
     """
-    dim = validate(x, act, dim)
+    dim = validate(x, act, dim, cu_seqlens)
     if act == "none":
         return x
     if act == "softmax":
-        return softmax_fwd(x, dim)
+        return softmax_fwd(x, dim, cu_seqlens)
     return act_fwd(x, act)
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
-from itertools import pairwise
 
 import torch
 import triton
 
+from kernelkit.shared.packed import check_cu_seqlens
 from kernelkit.shared.runtime import (
     cdiv,
     define_op,
@@ -123,50 +123,25 @@ def validate_varlen(
         raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)}")
     d = _check_head_dim(q, k)
     _check_heads(q.shape[1], k.shape[1])
-    cus = (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k))
-    for name, cu, _ in cus:
-        if not isinstance(cu, torch.Tensor):
-            raise ValueError(f"{name}: expected a torch.Tensor, got {type(cu).__name__}")
-        if cu.dtype != torch.int32:
-            raise ValueError(f"{name}: dtype must be torch.int32, got {cu.dtype}")
-        if cu.dim() != 1 or cu.shape[0] < 2:
-            raise ValueError(
-                f"{name}: expected shape (num_seqs + 1,) with num_seqs >= 1, got {tuple(cu.shape)}"
-            )
-        if cu.device != q.device:
-            raise ValueError(f"{name}: on device {cu.device}, but q is on {q.device}")
+    lengths = [
+        check_cu_seqlens(cu, t.shape[0], q.device, name=name)
+        for name, cu, t in (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k))
+    ]
     if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
         raise ValueError(
             f"cu_seqlens_k: {cu_seqlens_k.shape[0] - 1} sequences, cu_seqlens_q has "
             f"{cu_seqlens_q.shape[0] - 1}"
         )
-    maxes = (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k))
-    for name, m in maxes:
+    for name, m, lens in zip(
+        ("max_seqlen_q", "max_seqlen_k"), (max_seqlen_q, max_seqlen_k), lengths
+    ):
         if isinstance(m, bool) or not isinstance(m, (int, torch.SymInt)):
             raise ValueError(f"{name}: expected an int, got {type(m).__name__}")
         if m < 1:
             raise ValueError(f"{name}: must be >= 1, got {m}")
-    if cu_seqlens_q.device.type == "cpu" and not torch.compiler.is_compiling():
-        for (name, cu, t), (max_name, m) in zip(cus, maxes):
-            _check_cu_values(name, cu, t, max_name, m)
+        if lens is not None and max(lens) > m:
+            raise ValueError(f"{name}: {m} is less than the longest sequence ({max(lens)})")
     return _check_scale(causal, softmax_scale, d)
-
-
-def _check_cu_values(name, cu, t, max_name, max_seqlen) -> None:
-    """The values of one cu_seqlens tensor (CPU: free to read)."""
-    c = cu.tolist()
-    if c[0] != 0:
-        raise ValueError(f"{name}: must start at 0, got {c[0]}")
-    lengths = [b - a for a, b in pairwise(c)]
-    if min(lengths) < 0:
-        i = min(range(len(lengths)), key=lengths.__getitem__)
-        raise ValueError(f"{name}: must be non-decreasing, entry {i + 1} is {c[i + 1]} < {c[i]}")
-    if c[-1] != t.shape[0]:
-        raise ValueError(f"{name}: last entry {c[-1]} must equal the number of rows {t.shape[0]}")
-    if max(lengths) > max_seqlen:
-        raise ValueError(
-            f"{max_name}: {max_seqlen} is less than the longest sequence ({max(lengths)})"
-        )
 
 
 def window_for(window_size, causal: bool, nq: int, nk: int) -> tuple[int, int]:
