@@ -7,6 +7,9 @@ feeds it, decode (8, 1, 32, 128), small (1, 256, 32, 128) and training (8, 4096,
 softmax over the last dim (D) and over N (dim 1). Small sizes are bounded by the host cost per
 call (NOTES.md), large ones by memory bandwidth. Ideal traffic in units of x's bytes: forward
 read x + write y (2; none is an alias: 0), backward read the saved tensor and dy, write dx (3).
+Packed table: softmax over N of (1, 65536, 32, 128) as one sequence ("dense") and as log-normal
+documents packed back to back ("packed", cu_seqlens: a softmax per document); goal: the same %
+of copy bandwidth.
 `python ci/bench.py act` runs it on a GPU and renders the seed-style tables; without a GPU (CI
 smoke mode, --benchmark-disable) every cell runs once on a tiny shape.
 """
@@ -16,7 +19,7 @@ import torch
 
 from kernelkit.act import act
 from kernelkit.act.reference import act_reference
-from kernelkit.shared.bench import OpSuite
+from kernelkit.shared.bench import OpSuite, cu_seqlens_of, document_lengths
 
 GPU = torch.cuda.is_available()
 B, H, D = (12, 12, 128) if GPU else (1, 2, 16)
@@ -32,6 +35,8 @@ CASES = [
 MODEL_CASES = [("silu", None), ("softmax", -1), ("softmax", 1)]
 MODELS = ["decode", "small", "train"]
 PROVIDERS = ["triton", "torch", "torch_compile"]
+PACKED_SHAPE = (1, 65536, 32, 128) if GPU else (1, 40, 2, 16)
+PACKED_LENGTHS = document_lengths(1, 65536) if GPU else document_lengths(1, 40, 10, 1.0, 4, 20)
 
 
 def inputs(shape, x_grad, _param_grad):
@@ -62,3 +67,16 @@ def test_seed(benchmark, direction, case, n, provider):
 def test_model(benchmark, direction, case, model, provider):
     a, dim = case
     SUITE.model_cell(benchmark, direction, a, False, model, provider, dim=dim)
+
+
+@pytest.mark.parametrize("provider", ["triton", "torch"])
+@pytest.mark.parametrize("layout", ["dense", "packed"])
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_packed(benchmark, direction, layout, provider):
+    kw = {}
+    if layout == "packed":
+        kw = {"cu_seqlens": cu_seqlens_of(PACKED_LENGTHS, "cuda" if GPU else "cpu")}
+    label = "dense" if not kw else f"packed {len(PACKED_LENGTHS)} docs"
+    SUITE.layout_cell(
+        benchmark, direction, ("softmax", 1), PACKED_SHAPE, label, provider, kw, kw, "packed"
+    )

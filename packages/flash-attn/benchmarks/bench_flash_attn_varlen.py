@@ -41,7 +41,6 @@ shapes under the Triton interpreter and the PyTorch providers are skipped.
 """
 
 import functools
-import math
 
 import pytest
 import torch
@@ -51,7 +50,7 @@ from torch.nn.attention import sdpa_kernel
 
 from kernelkit.flash_attn import flash_attn, flash_attn_varlen
 from kernelkit.flash_attn import op as fa_op
-from kernelkit.shared.bench import record, torch_compile
+from kernelkit.shared.bench import cu_seqlens_of, document_lengths, record, torch_compile
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -78,20 +77,10 @@ VARIANTS = {  # provider: (flash_attn keyword arguments, or varlen_attn's window
 
 
 @functools.cache
-def document_lengths(case: str) -> tuple[int, ...]:
+def case_lengths(case: str) -> tuple[int, ...]:
     if case.startswith("equal"):
         return (EQUAL,) * (ROWS * ROW_TOKENS // EQUAL)
-    median, sigma, shortest, longest = LENGTHS
-    g = torch.Generator().manual_seed(0)
-    lengths = []
-    for _ in range(ROWS):
-        row = []
-        while sum(row) < ROW_TOKENS:
-            x = math.exp(math.log(median) + sigma * torch.randn((), generator=g).item())
-            row.append(int(min(max(x, shortest), longest)))
-        row[-1] -= sum(row) - ROW_TOKENS  # the row is full: cut its last document
-        lengths += row
-    return tuple(lengths)
+    return document_lengths(ROWS, ROW_TOKENS, *LENGTHS)
 
 
 def causal_pairs(n: int, window: int | None = None) -> float:
@@ -152,8 +141,7 @@ def _flex_document_causal(lengths):
 def varlen_provider(provider, lengths):
     """(fn, inputs) of one provider over the documents `lengths` (the same random tokens)."""
     total, longest, n = sum(lengths), max(lengths), len(lengths)
-    cu = torch.zeros(n + 1, dtype=torch.int32, device=DEVICE)
-    cu[1:] = torch.tensor(lengths, device=DEVICE).cumsum(0)
+    cu = cu_seqlens_of(lengths, DEVICE)
     packed = [_randn((total, H, D), seed) for seed in range(3)]
     if provider in ("triton", "torch_varlen"):
         inputs = packed
@@ -195,7 +183,7 @@ def varlen_provider(provider, lengths):
 @pytest.mark.parametrize("case", ["lognormal", f"equal{EQUAL}"])
 def test_varlen(benchmark, case, direction, provider):
     _needs_gpu(provider)
-    lengths = document_lengths(case)
+    lengths = case_lengths(case)
     fn, inputs = varlen_provider(provider, lengths)
     useful = sum(causal_pairs(n) for n in lengths)
     info = {"documents": len(lengths), "longest": max(lengths),
@@ -248,6 +236,6 @@ def test_conventions():
     assert causal_pairs(10) == 50 and causal_pairs(10, 3) == 1 + 2 + 3 * 8
     assert causal_pairs(4, 8) == causal_pairs(4)
     for case in ("lognormal", f"equal{EQUAL}"):
-        lengths = document_lengths(case)
+        lengths = case_lengths(case)
         assert sum(lengths) == ROWS * ROW_TOKENS and min(lengths) >= 1
         assert max(lengths) <= LENGTHS[3]

@@ -140,7 +140,9 @@ def test_reduce_dtheta_forms():
         ({"offset": 3, "positions": torch.zeros(2, 5, dtype=torch.int64)}, "offset: must be 0"),
         ({"positions": torch.zeros(2, 5)}, "positions: expected an integer tensor"),
         ({"positions": torch.zeros(2, 4, dtype=torch.int64)}, r"positions: expected shape"),
-        ({"cu_seqlens": torch.tensor([0, 5])}, "cu_seqlens: expected an int32 tensor"),
+        ({"cu_seqlens": torch.tensor([0, 5])}, "cu_seqlens: dtype must be torch.int32"),
+        ({"cu_seqlens": torch.tensor([0, 4], dtype=torch.int32)}, "cu_seqlens: last entry 4"),
+        ({"cu_seqlens": torch.tensor([0, 3, 2, 5], dtype=torch.int32)}, "non-decreasing"),
         ({"cu_seqlens": torch.tensor([5], dtype=torch.int32)}, r"cu_seqlens: expected shape"),
         (
             {

@@ -6,6 +6,9 @@ int offset 0, theta fixed (as the seed); act none, silu, softmax over D (dim -1)
 sequence (dim 1). Model table: decode, small batch, training and GQA-key shapes with theta fixed
 or learnable (`-dtheta`). Ideal traffic in units of x's bytes: forward read x + write y (3),
 backward read dy (2) + write dx (1) + read x (1) when an act or d(theta) needs it.
+Positions table: one (1, 65536, 32, 128) row, positions from an int offset, a (B, N) table or
+cu_seqlens of packed log-normal documents (softmax over N per document); goal: the same % of copy
+bandwidth whatever the form.
 `python ci/bench.py lrpe-cosine` runs it on a GPU and renders the seed-style tables; without a GPU
 (CI smoke mode, --benchmark-disable) every cell runs once on a tiny shape.
 """
@@ -15,7 +18,7 @@ import torch
 
 from kernelkit.lrpe_cosine import lrpe_cosine
 from kernelkit.lrpe_cosine.reference import lrpe_cosine_reference
-from kernelkit.shared.bench import MODEL_SHAPES, OpSuite
+from kernelkit.shared.bench import MODEL_SHAPES, OpSuite, document_lengths, position_forms
 
 GPU = torch.cuda.is_available()
 B, H, D = (12, 12, 128) if GPU else (1, 2, 16)
@@ -30,6 +33,11 @@ MODEL_CASES = [  # (direction, act, learnable theta)
     ("bwd", "silu", True),
 ]
 PROVIDERS = ["triton", "torch", "torch_compile"]
+# Positions table: one (1, 65536, 32, 128) row with positions from an int offset, a positions
+# table, or cu_seqlens of log-normal documents (softmax over N then per document).
+LAYOUT_SHAPE = (1, 65536, 32, 128) if GPU else (1, 40, 2, 16)
+LAYOUT_LENGTHS = document_lengths(1, 65536) if GPU else document_lengths(1, 40, 10, 1.0, 4, 20)
+LAYOUT_CASES = [("none", None), ("silu", None), ("softmax", 1)]
 
 
 def inputs(shape, x_grad, theta_grad):
@@ -67,3 +75,16 @@ def test_seed(benchmark, direction, case, n, provider):
 )
 def test_model(benchmark, direction, act, theta_grad, provider, model):
     SUITE.model_cell(benchmark, direction, act, theta_grad, model, provider)
+
+
+@pytest.mark.parametrize("provider", ["triton", "torch"])
+@pytest.mark.parametrize("layout", ["offset", "table", "packed"])
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=str)
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_positions(benchmark, direction, case, layout, provider):
+    b, n = LAYOUT_SHAPE[:2]
+    op_kw, ref_kw = position_forms(layout, b, n, LAYOUT_LENGTHS, "cuda" if GPU else "cpu")
+    label = layout if layout != "packed" else f"packed {len(LAYOUT_LENGTHS)} docs"
+    SUITE.layout_cell(
+        benchmark, direction, case, LAYOUT_SHAPE, label, provider, op_kw, ref_kw, "positions"
+    )

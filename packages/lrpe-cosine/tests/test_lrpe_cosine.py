@@ -8,6 +8,7 @@ interpreter (the kernelkit pytest plugin switches it on before the kernels are i
 import pytest
 import torch
 
+from kernelkit.lrpe_core.reference import packed_positions
 from kernelkit.lrpe_cosine import lrpe_cosine
 from kernelkit.lrpe_cosine.kernels import PLAN, ROWS, batch_groups, sequence_chunks, tile_sizes
 from kernelkit.lrpe_cosine.op import bwd, fwd
@@ -49,17 +50,22 @@ def theta_for(form, rows, d, device):
     return make_theta(rows, e, device)
 
 
-def check(x, theta, offset=0, a="none", dim=None, *, x_grad=True, theta_grad=True, dy=None):
-    """Forward and backward of lrpe_cosine vs float64 and vs the reference in x.dtype."""
+def check(
+    x, theta, offset=0, a="none", dim=None, *, x_grad=True, theta_grad=True, dy=None, cu=None
+):
+    """Forward and backward of lrpe_cosine vs float64 and vs the reference in x.dtype; `cu`:
+    cu_seqlens of sequences packed along N."""
     x = x.detach().requires_grad_(x_grad)
     theta = theta.detach().requires_grad_(theta_grad)
-    y = lrpe_cosine(x, theta, offset, a, dim)
+    y = lrpe_cosine(x, theta, offset, a, dim, cu_seqlens=cu)
+    if cu is not None:
+        offset = packed_positions(cu, x.shape[1])
     x64 = x.detach().double().requires_grad_(x_grad)
     t64 = theta.detach().double().requires_grad_(theta_grad)
-    y64 = lrpe_cosine_reference(x64, t64, offset, a, dim)
+    y64 = lrpe_cosine_reference(x64, t64, offset, a, dim, cu)
     xl = x.detach().clone().requires_grad_(x_grad)
     tl_ = theta.detach().clone().requires_grad_(theta_grad)
-    yl = lrpe_cosine_reference(xl, tl_, offset, a, dim)
+    yl = lrpe_cosine_reference(xl, tl_, offset, a, dim, cu)
     assert y.dtype == x.dtype and y.shape == (*x.shape[:-1], 2 * x.shape[-1])
     assert_close(y, y64, ref_lowp=yl, name=f"{a}{dim} forward")
     if not (x_grad or theta_grad):
@@ -98,6 +104,56 @@ def test_partial_form_passes_features_through(device):
     y = lrpe_cosine(x, theta, 11, "relu")
     assert torch.equal(y[..., 5:16], torch.relu(x[..., 5:]))
     assert torch.equal(y[..., 16 + 5 :], torch.zeros_like(y[..., 16 + 5 :]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed sequences (cu_seqlens) and per-token positions
+# ---------------------------------------------------------------------------------------------
+
+
+def packing(lengths, device):
+    """int32 prefix sums of `lengths` on `device`."""
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32).to(
+        device
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ACT_CASES, ids=case_id)
+def test_packed_sequences(case, dtype, device):
+    """(1, total, H, D) with cu_seqlens: positions restart per sequence, softmax over N runs
+    per sequence; lengths 0 and 1 included."""
+    lengths = [5, 1, 0, 40, 17, 0]
+    x = make((1, sum(lengths), 2, 12), dtype, device)
+    check(x, theta_for("full", 2, 12, device), 0, *case, cu=packing(lengths, device))
+
+
+@pytest.mark.parametrize("case", [("silu", None), ("softmax", 1)], ids=case_id)
+def test_packed_long_sequences_many_chunks(case, device):
+    """Sequences split into several chunks (some empty) in the softmax-over-N sums pass."""
+    lengths = [300, 1, 0, 450]
+    x = make((1, sum(lengths), 1, 8), torch.float32, device)
+    check(x, theta_for("single", 1, 8, device), 0, *case, cu=packing(lengths, device))
+
+
+def test_packed_softmax_dx_only_and_dtheta_only(device):
+    """The backward's two kernels for softmax over packed sequences, each on its own."""
+    cu = packing([20, 0, 31], device)
+    x = make((1, 51, 2, 8), torch.float32, device)
+    check(x, theta_for("full", 2, 8, device), 0, "softmax", 1, theta_grad=False, cu=cu)
+    check(x, theta_for("full", 2, 8, device), 0, "softmax", 1, x_grad=False, cu=cu)
+
+
+def test_packed_opcheck(device):
+    x = make((1, 23, 2, 8), torch.float32, device).requires_grad_()
+    theta = make_theta(2, 8, device).requires_grad_()
+    cu = packing([9, 0, 14], device)
+    table = packed_positions(cu, 23)
+    torch.library.opcheck(fwd.op, (x, theta, 0, None, table, cu, "softmax_seq"))
+    y, stats = fwd(x.detach(), theta.detach(), 0, None, table, cu, "softmax_seq")
+    dy = make(y.shape, y.dtype, device, seed=3)
+    args = (dy, x.detach(), theta.detach(), 0, None, table, cu, stats, "softmax_seq", True, True)
+    torch.library.opcheck(bwd.op, args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,10 +430,10 @@ def test_opcheck(act, where, device):
     starts = torch.tensor([3, 40], device=device) if where == "starts" else None
     table = torch.randint(0, 999, (1, 19), device=device) if where == "table" else None
     start = 5 if where == "int" else 0
-    torch.library.opcheck(fwd.op, (x, theta, start, starts, table, act))
-    y, stats = fwd(x.detach(), theta.detach(), start, starts, table, act)
+    torch.library.opcheck(fwd.op, (x, theta, start, starts, table, None, act))
+    y, stats = fwd(x.detach(), theta.detach(), start, starts, table, None, act)
     dy = make(y.shape, y.dtype, device, seed=3)
-    args = (dy, x.detach(), theta.detach(), start, starts, table, stats, act, True, True)
+    args = (dy, x.detach(), theta.detach(), start, starts, table, None, stats, act, True, True)
     torch.library.opcheck(bwd.op, args)
 
 

@@ -17,11 +17,13 @@ def launch_calls():
     from kernelkit.lrpe_rotate import lrpe_rotate
 
     op.use_triton = lambda t: True
-    x = torch.randn(3, 20, 2, 16)
+    x, packed = torch.randn(3, 20, 2, 16), torch.randn(1, 20, 2, 16)
     wheres = ({"offset": 4}, {"offset": torch.tensor([1, 5, 9])},
-              {"positions": torch.randint(0, 99, (3, 20))})  # fmt: skip
+              {"positions": torch.randint(0, 99, (3, 20))},
+              {"cu_seqlens": torch.tensor([0, 7, 7, 20], dtype=torch.int32)})  # fmt: skip
     for grad in (False, True):
         for where in wheres:
+            xw = packed if "cu_seqlens" in where else x
             for act, dim in (("none", None), ("silu", None), ("softmax", -1), ("softmax", 1)):
                 theta = torch.rand(2, 8).requires_grad_(grad)
-                yield functools.partial(_fwd_bwd, lrpe_rotate, x, theta, act=act, dim=dim, **where)
+                yield functools.partial(_fwd_bwd, lrpe_rotate, xw, theta, act=act, dim=dim, **where)

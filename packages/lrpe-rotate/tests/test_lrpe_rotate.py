@@ -8,6 +8,7 @@ interpreter (the kernelkit pytest plugin switches it on before the kernels are i
 import pytest
 import torch
 
+from kernelkit.lrpe_core.reference import packed_positions
 from kernelkit.lrpe_rotate import lrpe_rotate
 from kernelkit.lrpe_rotate.op import bwd, fwd
 from kernelkit.lrpe_rotate.reference import lrpe_rotate_reference
@@ -53,17 +54,24 @@ def positions_offset(kind, batch, device):
     return kind
 
 
-def check(x, theta, offset=0, act="none", dim=None, theta_grad=True, dy=None):
-    """Forward, dx and dtheta vs float64 and vs PyTorch in x.dtype."""
+def check(
+    x, theta, offset=0, act="none", dim=None, theta_grad=True, dy=None, positions=None, cu=None
+):
+    """Forward, dx and dtheta vs float64 and vs PyTorch in x.dtype. `positions` or `cu`
+    (cu_seqlens of sequences packed along N) are passed through to lrpe_rotate."""
     x = x.detach().requires_grad_()
     theta = theta.detach().requires_grad_(theta_grad)
-    y = lrpe_rotate(x, theta, offset, act, dim)
+    y = lrpe_rotate(x, theta, offset, act, dim, positions=positions, cu_seqlens=cu)
+    if positions is not None:
+        offset = positions
+    elif cu is not None:
+        offset = packed_positions(cu, x.shape[1])
     x64 = x.detach().double().requires_grad_()
     th64 = theta.detach().double().requires_grad_(theta_grad)
-    y64 = lrpe_rotate_reference(x64, th64, offset, act, dim)
+    y64 = lrpe_rotate_reference(x64, th64, offset, act, dim, cu)
     xl = x.detach().clone().requires_grad_()
     thl = theta.detach().clone().requires_grad_(theta_grad)
-    yl = lrpe_rotate_reference(xl, thl, offset, act, dim)
+    yl = lrpe_rotate_reference(xl, thl, offset, act, dim, cu)
     assert y.dtype == x.dtype and y.shape == x.shape
     assert_close(y, y64, ref_lowp=yl, name=f"{act} forward")
     if dy is None:
@@ -112,6 +120,40 @@ def test_offsets(case, offset, device):
     """Large positions stay exact: angles are float32(theta) * float32(position)."""
     x = make((3, 20, 2, 16), torch.float32, device)
     check(x, make_theta("full", 2, 16, device), positions_offset(offset, 3, device), *case)
+
+
+def packing(lengths, device):
+    """int32 prefix sums of `lengths` on `device`."""
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32).to(
+        device
+    )
+
+
+@pytest.mark.parametrize("case", ACT_CASES, ids=case_id)
+def test_positions_table(case, device):
+    """Per-token positions (B, N) up to 3e5: exact (float32 products of integers)."""
+    x = make((2, 29, 2, 16), torch.float32, device)
+    g = torch.Generator().manual_seed(4)
+    positions = torch.randint(0, 300_000, (2, 29), generator=g).to(device)
+    check(x, make_theta("full", 2, 16, device), 0, *case, positions=positions)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ACT_CASES, ids=case_id)
+def test_packed_sequences(case, dtype, device):
+    """(1, total, H, D) with cu_seqlens: positions restart per sequence, softmax over N runs
+    per sequence; lengths 0 and 1 included."""
+    lengths = [5, 1, 0, 40, 17, 0]
+    x = make((1, sum(lengths), 2, 16), dtype, device)
+    check(x, make_theta("full", 2, 16, device), 0, *case, cu=packing(lengths, device))
+
+
+@pytest.mark.parametrize("case", [("silu", None), ("softmax", 1)], ids=case_id)
+def test_packed_long_sequences_many_chunks(case, device):
+    """Sequences split into several chunks, some of them empty."""
+    lengths = [300, 1, 0, 450]
+    x = make((1, sum(lengths), 1, 16), torch.float32, device)
+    check(x, make_theta("single", 1, 16, device), 0, *case, cu=packing(lengths, device))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -391,12 +433,12 @@ def test_opcheck(kind, where, device):
     starts = torch.tensor([5, 70_000], device=device) if where == "starts" else None
     table = torch.randint(0, 99, (2, 37), device=device) if where == "table" else None
     start = 9 if where == "int" else 0
-    args = (x.requires_grad_(), theta.requires_grad_(), start, starts, table, kind)
+    args = (x.requires_grad_(), theta.requires_grad_(), start, starts, table, None, kind)
     torch.library.opcheck(fwd.op, args)
-    _, stats = fwd(x.detach(), theta.detach(), start, starts, table, kind)
+    _, stats = fwd(x.detach(), theta.detach(), start, starts, table, None, kind)
     dy = make(x.shape, x.dtype, device, seed=3)
     torch.library.opcheck(
-        bwd.op, (dy, x.detach(), theta.detach(), start, starts, table, stats, kind, True)
+        bwd.op, (dy, x.detach(), theta.detach(), start, starts, table, None, stats, kind, True)
     )
 
 

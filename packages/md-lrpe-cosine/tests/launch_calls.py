@@ -21,14 +21,17 @@ def launch_calls():
 
     cosine_op.use_triton = md_op.use_triton = lambda t: True
     x, xg = torch.randn(3, 20, 2, 16), torch.randn(3, 1 + 12, 2, 16)
+    packed = torch.randn(1, 20, 2, 16)
     wheres = ({"offset": 4}, {"offset": torch.tensor([1, 5, 9])},
-              {"positions": torch.randint(0, 99, (3, 20))})  # fmt: skip
+              {"positions": torch.randint(0, 99, (3, 20))},
+              {"cu_seqlens": torch.tensor([0, 7, 7, 20], dtype=torch.int32)})  # fmt: skip
     acts = (("none", None), ("silu", None), ("softmax", -1), ("softmax", 1))
     for grad in (False, True):
         for where in wheres:
+            xw = packed if "cu_seqlens" in where else x
             for act, dim in acts:
                 theta = torch.rand(2, 16).requires_grad_(grad)
-                yield functools.partial(_fwd_bwd, lrpe_cosine, x, theta, act=act, dim=dim, **where)
+                yield functools.partial(_fwd_bwd, lrpe_cosine, xw, theta, act=act, dim=dim, **where)
         for cache in (False, True):
             for act, dim in acts:
                 theta = torch.rand(2, 8).requires_grad_(grad)

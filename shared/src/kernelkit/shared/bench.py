@@ -13,6 +13,8 @@ Every benchmark of a kernelkit suite goes through `record`, which
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -22,9 +24,12 @@ __all__ = [
     "OpSuite",
     "bench_ms",
     "copy_bandwidth_gbs",
+    "cu_seqlens_of",
+    "document_lengths",
     "interleaved_ms",
     "matmul_tflops",
     "peak_memory_mb",
+    "position_forms",
     "provider_fn",
     "record",
     "time_op",
@@ -39,6 +44,58 @@ MODEL_SHAPES = {
     "train": (8, 4096, 32, 128),
     "gqa_kv": (8, 4096, 8, 128),
 }
+
+
+def document_lengths(
+    rows: int,
+    row_tokens: int,
+    median: int = 2048,
+    sigma: float = 1.0,
+    shortest: int = 1024,
+    longest: int = 16384,
+    seed: int = 0,
+) -> tuple[int, ...]:
+    """Packed-document lengths, `rows` rows of exactly `row_tokens` tokens each: log-normal
+    (median, sigma in log space) clipped to [shortest, longest], the last document of a row cut
+    to fill it. Deterministic for a seed."""
+    g = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    for _ in range(rows):
+        row: list[int] = []
+        while sum(row) < row_tokens:
+            x = math.exp(math.log(median) + sigma * torch.randn((), generator=g).item())
+            row.append(int(min(max(x, shortest), longest)))
+        row[-1] -= sum(row) - row_tokens
+        lengths += row
+    return tuple(lengths)
+
+
+def cu_seqlens_of(lengths: Sequence[int], device) -> torch.Tensor:
+    """int32 prefix sums (len(lengths) + 1,) of `lengths` on `device`."""
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
+
+def position_forms(form: str, b: int, n: int, lengths: Sequence[int], device) -> tuple[dict, dict]:
+    """(op keyword arguments, reference keyword arguments) of one way to give an LRPE op its
+    token positions, for x (b, n, ...): "offset" (int 0), "starts" (a (B,) tensor of per-row
+    starts), "table" (a (B, N) int64 positions table) or "packed" (B = 1, `cu_seqlens` of the
+    sequences `lengths`, positions restarting in each). The references take the positions as
+    `offset` (an int, the starts or a table) and the packing as `cu_seqlens`."""
+    if form == "offset":
+        return {"offset": 0}, {"offset": 0}
+    if form == "starts":
+        starts = torch.arange(b, device=device) * 7
+        return {"offset": starts}, {"offset": starts}
+    if form == "table":
+        g = torch.Generator(device=device).manual_seed(0)
+        table = torch.randint(0, 1 << 20, (b, n), device=device, generator=g)
+        return {"positions": table}, {"offset": table}
+    if form == "packed":
+        cu = cu_seqlens_of(lengths, device)
+        starts = torch.repeat_interleave(cu[:-1].long(), cu.diff().long(), output_size=n)
+        table = (torch.arange(n, device=device) - starts)[None]
+        return {"cu_seqlens": cu}, {"offset": table, "cu_seqlens": cu}
+    raise ValueError(f"form: unknown positions form {form!r}")
 
 
 def _sync() -> None:
@@ -269,11 +326,18 @@ class OpSuite:
         self.op, self.fn, self.reference = op, fn, reference
         self.inputs, self.traffic, self.seed_tag = inputs, traffic, seed_tag
 
-    def _cell(self, benchmark, direction, provider, shape, act, dim, param_grad, **where):
+    def _cell(
+        self, benchmark, direction, provider, shape, act, dim, param_grad, op_kw=None, ref_kw=None,
+        **where,
+    ):  # fmt: skip
         inputs = self.inputs(shape, direction == "bwd", param_grad)
+        fn, reference = self.fn, self.reference
+        if op_kw or ref_kw:  # bound per cell: no torch_compile provider for these
+            fn = functools.partial(fn, **(op_kw or {}))
+            reference = functools.partial(reference, **(ref_kw or {}))
         time_op(
             benchmark,
-            provider_fn(provider, self.fn, self.reference, act=act, dim=dim),
+            provider_fn(provider, fn, reference, act=act, dim=dim),
             inputs,
             op=self.op,
             direction=direction,
@@ -288,6 +352,20 @@ class OpSuite:
         dims = "" if dim is None else f"-dim_{dim}"
         tag = f"{self.seed_tag}-act_{act}{dims}-bf16"
         self._cell(benchmark, direction, provider, shape, act, dim, False, tag=tag, x=x)
+
+    def layout_cell(
+        self, benchmark, direction, case, shape, label, provider, op_kw, ref_kw, tag
+    ) -> None:
+        """A cell of a layout table (how positions or packing are given): `case` = (act, dim)
+        at `shape`, op and reference keyword arguments `op_kw` / `ref_kw`, row label `label`;
+        providers "triton" and "torch" (eager) only."""
+        act, dim = case
+        dims = "" if dim is None else f"-dim_{dim}"
+        tag = f"{tag}-act_{act}{dims}-bf16"
+        self._cell(
+            benchmark, direction, provider, shape, act, dim, False, op_kw, ref_kw, tag=tag,
+            x=label, xname="layout",
+        )  # fmt: skip
 
     def model_cell(self, benchmark, direction, act, param_grad, model, provider, dim=None) -> None:
         """A model-table cell: MODEL_SHAPES[model] (or a stand-in off the GPU), act (over `dim`

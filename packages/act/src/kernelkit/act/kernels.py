@@ -113,6 +113,19 @@ def combine_chunk_sums(p_ptr, num_chunks, stride_chunk, offs, mask):
 
 
 @triton.jit
+def packed_chunk(cu_seqlens, seq, c, num_chunks, BLOCK: tl.constexpr):
+    """(first, end) rows of chunk c when sequence `seq` of a packed axis (int32 prefix sums
+    `cu_seqlens`) is split into `num_chunks` chunks of whole BLOCKs (the last ones may be
+    empty: first >= end). For split-axis grids over packed sequences: the chunk size follows
+    each sequence's length, read on the device, so planning needs no host synchronisation."""
+    lo = tl.load(cu_seqlens + seq)
+    hi = tl.load(cu_seqlens + seq + 1)
+    size = tl.cdiv(tl.cdiv(hi - lo, num_chunks), BLOCK) * BLOCK
+    first = lo + c * size
+    return first, tl.minimum(first + size, hi)
+
+
+@triton.jit
 def strided_offsets(lin, d1, d2, d3, s0, s1, s2, s3):
     """Memory offsets of linear indices `lin` in a 4-D (.., d1, d2, d3) view with strides s0..s3."""
     i3 = lin % d3
@@ -306,11 +319,7 @@ def _chunk_coords(
         seq = tl.program_id(1) // num_chunks
         c = tl.program_id(1) % num_chunks
         row = seq * (tl.num_programs(0) // n_iblk) + o
-        lo = tl.load(cu_seqlens + seq)
-        hi = tl.load(cu_seqlens + seq + 1)
-        seq_chunk = tl.cdiv(tl.cdiv(hi - lo, num_chunks), BLOCK_L) * BLOCK_L
-        l0 = lo + c * seq_chunk
-        l1 = tl.minimum(l0 + seq_chunk, hi)
+        l0, l1 = packed_chunk(cu_seqlens, seq, c, num_chunks, BLOCK_L)
     return o // O1, o % O1, row, c, l0, l1, cols, cols < I
 
 

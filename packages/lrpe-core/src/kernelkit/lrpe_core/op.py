@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernelkit.act import ACTS, ELEMENTWISE_ACTS, FLOAT_DTYPES, softmax_chunk_stats
+from kernelkit.shared.packed import check_cu_seqlens
 from kernelkit.shared.runtime import PlanCache, num_sms
 
 from .reference import packed_positions
@@ -105,16 +106,9 @@ def validate_positions(x: torch.Tensor, offset, positions=None, cu_seqlens=None)
             raise ValueError(f"positions: is on {positions.device} but x is on {x.device}")
         return 0, None, positions
     if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32:
-            raise ValueError("cu_seqlens: expected an int32 tensor (num_seqs + 1,)")
-        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-            raise ValueError(
-                f"cu_seqlens: expected shape (num_seqs + 1,), got {tuple(cu_seqlens.shape)}"
-            )
+        check_cu_seqlens(cu_seqlens, n, x.device, what="tokens N")
         if b != 1:
             raise ValueError(f"x: packed sequences (cu_seqlens) need B = 1, got B = {b}")
-        if cu_seqlens.device != x.device:
-            raise ValueError(f"cu_seqlens: is on {cu_seqlens.device} but x is on {x.device}")
         return 0, None, packed_positions(cu_seqlens, n)
     if isinstance(offset, torch.Tensor):
         if not _is_int_tensor(offset):
@@ -238,15 +232,17 @@ def programs_target(device: torch.device, per_sm: int) -> int:
     return per_sm * num_sms(device)
 
 
-def sequence_softmax_stats(x: torch.Tensor) -> torch.Tensor:
+def sequence_softmax_stats(x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 (max, sum) of the softmax over the sequence of x (B, N, H, D), shape
-    (2, B * H, 1, D): kernelkit-act's chunk-stats kernel reads x once for per-chunk stats, which
-    a few small torch ops merge here, once per call. (The kernels read them through
-    `kernelkit.act.kernels.combine_chunk_stats` with one chunk: merging C chunks inside every
-    program instead cost lrpe-cosine, whose programs are 8 tokens long, more loads than its data
-    in the backward: 3.1 -> 6.7 ms at the seed shape on an H100.)"""
+    (2, B * H, 1, D), or with `cu_seqlens` (B = 1, sequences packed along N) one row per
+    (sequence, head): (2, S * H, 1, D), row s * H + h. kernelkit-act's chunk-stats kernel reads
+    x once for per-chunk stats, which a few small torch ops merge here, once per call. (The
+    kernels read them through `kernelkit.act.kernels.combine_chunk_stats` with one chunk:
+    merging C chunks inside every program instead cost lrpe-cosine, whose programs are 8
+    tokens long, more loads than its data in the backward: 3.1 -> 6.7 ms at the seed shape on
+    an H100.)"""
     # (B, H, N, D): outer dims B and H, inner D, whatever x's layout.
-    stats = softmax_chunk_stats(x.transpose(1, 2), 2)
+    stats = softmax_chunk_stats(x.transpose(1, 2), 2, cu_seqlens=cu_seqlens)
     if stats.shape[2] == 1:
         return stats
     m, s = stats[0], stats[1]

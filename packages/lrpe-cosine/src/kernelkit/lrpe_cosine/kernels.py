@@ -33,6 +33,7 @@ from kernelkit.act.kernels import (
     apply_act_grad,
     combine_chunk_stats,
     combine_chunk_sums,
+    packed_chunk,
     softmax_grad,
     softmax_normalize,
     softmax_stats,
@@ -54,6 +55,7 @@ from kernelkit.lrpe_core.op import (
     programs_target,
     theta_args,
 )
+from kernelkit.shared.packed import segment_ids
 from kernelkit.shared.runtime import cdiv, launch, next_power_of_2
 
 # Sizes, offsets, grid sizes and batch-group sizes change with every call: never specialise.
@@ -64,6 +66,7 @@ RUNTIME = [
     "rows_per_program",
     "num_stat_chunks",
     "num_chunks",
+    "num_seqs",
     "chunk",
     "stride_pb",
     "stride_pn",
@@ -216,29 +219,29 @@ def head_frequencies(theta, h, stride_th, stride_te, n_freq, feats, D, GRID_AXES
 
 
 @triton.jit
-def activate(x, feat_ok, m, s, ACT: tl.constexpr):
+def activate(x, feat_ok, m, s, ACT: tl.constexpr, PACKED: tl.constexpr):
     """x̄ = act(x) of a float32 [tokens, rows, features] tile. softmax: over the valid
-    features (`feat_ok` [1, 1, BLOCK_D]); softmax_seq: with the [rows, features] sequence
-    (max, sum) `m`, `s`."""
+    features (`feat_ok` [1, 1, BLOCK_D]); softmax_seq: with the sequence (max, sum) `m`, `s`,
+    [rows, features], or [tokens, features] when PACKED (each token's own sequence)."""
     if ACT == "softmax":
         xm = tl.where(feat_ok, x, -float("inf"))
         mx, sx = softmax_stats(xm, 2)
         y = softmax_normalize(xm, mx, sx, 2)
     elif ACT == "softmax_seq":
-        y = softmax_normalize(x, m, s, 0)
+        y = softmax_normalize(x, m, s, 1) if PACKED else softmax_normalize(x, m, s, 0)
     else:
         y = apply_act(x, ACT)
     return y
 
 
 @triton.jit
-def activate_grad(x, xbar, dxbar, tot, ACT: tl.constexpr):
-    """dx from dx̄ through the activation; `xbar` = activate(x); `tot` [rows, features] = sum
-    over the sequence of x̄ * dx̄ (softmax_seq only)."""
+def activate_grad(x, xbar, dxbar, tot, ACT: tl.constexpr, PACKED: tl.constexpr):
+    """dx from dx̄ through the activation; `xbar` = activate(x); `tot` = sum over the sequence
+    of x̄ * dx̄ (softmax_seq only), shaped as activate's stats."""
     if ACT == "softmax":
         dx = softmax_grad(xbar, dxbar, 2)
     elif ACT == "softmax_seq":
-        dx = xbar * (dxbar - tot[None, :, :])
+        dx = xbar * (dxbar - tot[:, None, :]) if PACKED else xbar * (dxbar - tot[None, :, :])
     else:
         dx = apply_act_grad(x, dxbar, ACT)
     return dx
@@ -248,10 +251,16 @@ def activate_grad(x, xbar, dxbar, tot, ACT: tl.constexpr):
 def sequence_stats(stats, b, h, B, H, C, D, feats, mask):
     """[rows, features] softmax-over-the-sequence (max, sum), combined from the C chunks of the
     (2, B * H, C, D) stats: one pointer, maxima first (a traced launch must not see two views of
-    one buffer)."""
+    one buffer). Packed sequences: `b` holds sequences (one per token) and B their number."""
     part = (B * H).to(tl.int64) * C * D
     offs = ((b * H + h).to(tl.int64) * C * D)[:, None] + feats[None, :]
     return combine_chunk_stats(stats, stats + part, C, D, offs, mask)
+
+
+@triton.jit
+def token_sequences(segments, t, N):
+    """[BLOCK_N] sequence of each token of a packed row (lanes past N: the last token's)."""
+    return tl.load(segments + tl.minimum(t, N - 1))
 
 
 @triton.jit
@@ -274,10 +283,12 @@ def cosine_fwd_kernel(
     offset,
     positions,
     stats,
+    segments,
     angles,
     B,
     N,
     D,
+    num_seqs,
     rows_per_program,
     num_stat_chunks,
     stride_xb,
@@ -336,8 +347,14 @@ def cosine_fwd_kernel(
     y_tile = (t.to(tl.int64) * stride_yn)[:, None, None] + (feats * stride_yd)[None, None, :]
     x_head = x + h.to(tl.int64) * stride_xh
     y_head = y + h.to(tl.int64) * stride_yh
-    m_t = tl.zeros([ROWS, BLOCK_D], tl.float32)  # sequence stats: only softmax_seq reads them
-    s_t = tl.full([ROWS, BLOCK_D], 1.0, tl.float32)
+    PACKED: tl.constexpr = segments is not None  # softmax_seq over sequences packed along N
+    if PACKED:  # B = 1: stats of each token's sequence
+        seqs = token_sequences(segments, t, N)
+        seq_ok = (t < N)[:, None] & feat_ok[None, :]
+        m_t, s_t = sequence_stats(stats, seqs, h, num_seqs, H, 1, D, feats, seq_ok)
+    else:  # sequence stats: only softmax_seq reads them
+        m_t = tl.zeros([ROWS, BLOCK_D], tl.float32)
+        s_t = tl.full([ROWS, BLOCK_D], 1.0, tl.float32)
     b_lo = tl.program_id(2) * rows_per_program
     b_hi = tl.minimum(b_lo + rows_per_program, B)
     for b0 in range(b_lo, b_hi, ROWS):
@@ -362,20 +379,20 @@ def cosine_fwd_kernel(
                 GRID_AXES,
             )
             cos_t, sin_t = cos_sin(pos * freqs)
-        if ACT == "softmax_seq":
+        if ACT == "softmax_seq" and not PACKED:
             stat_ok = row_ok[:, None] & feat_ok[None, :]
             m_t, s_t = sequence_stats(stats, b, h, B, H, num_stat_chunks, D, feats, stat_ok)
         x_rows = x_head + (b.to(tl.int64) * stride_xb)[None, :, None] + x_tile
         xv = tl.load(x_rows, mask=mask, other=0.0).to(tl.float32)
-        xbar = activate(xv, feat_ok[None, None, :], m_t, s_t, ACT)
+        xbar = activate(xv, feat_ok[None, None, :], m_t, s_t, ACT, PACKED)
         y_rows = y_head + (b.to(tl.int64) * stride_yb)[None, :, None] + y_tile
         tl.store(y_rows, (xbar * cos_t).to(y.dtype.element_ty), mask=mask)
         tl.store(y_rows + D * stride_yd, (xbar * sin_t).to(y.dtype.element_ty), mask=mask)
 
 
-def _fwd_plan(x, y, theta, starts, table, stats, angles, kind, grid, plan):
+def _fwd_plan(x, y, theta, starts, table, stats, segments, angles, kind, grid, plan):
     """The launch of cosine_fwd_kernel prepared for this layout: a function of (x, y, theta,
-    stats if given, angles if given, *position_values)."""
+    stats, segments, angles (each if given), *position_values)."""
     b, n, heads, d = x.shape
     per_row = (starts is not None or table is not None) and grid is None
     block_n, block_d = tile_sizes(d, plan.small_tile if per_row else plan.tile)
@@ -388,10 +405,12 @@ def _fwd_plan(x, y, theta, starts, table, stats, angles, kind, grid, plan):
         y=y,
         theta=theta,
         stats=stats,
+        segments=segments,
         angles=angles,
         B=b,
         N=n,
         D=d,
+        num_seqs=_num_seqs(stats, heads),
         rows_per_program=rows,
         num_stat_chunks=stats.shape[2] if stats is not None else 0,
         **_strides("x", x),
@@ -407,16 +426,32 @@ def _fwd_plan(x, y, theta, starts, table, stats, angles, kind, grid, plan):
     )
 
 
+def _num_seqs(stats, heads) -> int:
+    """Rows of the softmax_seq stats per head: B, or the number of packed sequences."""
+    return 0 if stats is None else stats.shape[1] // heads
+
+
 def cosine_fwd(
-    x, theta, pos, kind, stats=None, *, grid: Grid | None = None, angles=None, plan: Plan = PLAN
+    x,
+    theta,
+    pos,
+    kind,
+    stats=None,
+    cu_seqlens=None,
+    *,
+    grid: Grid | None = None,
+    angles=None,
+    plan: Plan = PLAN,
 ) -> torch.Tensor:
     """y (B, N, H, 2D) = [act(x) cos, act(x) sin]; pos = (start, starts, table) of a sequence
-    (ignored with a `grid`); `stats` for softmax_seq; `angles` (N, H, D) float32 to fill."""
+    (ignored with a `grid`); `stats` for softmax_seq, over the sequences packed along N with
+    `cu_seqlens`; `angles` (N, H, D) float32 to fill."""
     b, n, heads, d = x.shape
     y = x.new_empty((b, n, heads, 2 * d))
-    tensors = (x, y, theta, pos[1], pos[2], stats, angles)
+    segments = None if cu_seqlens is None else segment_ids(cu_seqlens, n)
+    tensors = (x, y, theta, pos[1], pos[2], stats, segments, angles)
     run = cached_plan(_fwd_plan, tensors, kind, grid, plan)
-    given = [t for t in (x, y, theta, stats, angles) if t is not None]
+    given = [t for t in (x, y, theta, stats, segments, angles) if t is not None]
     run(*given, *position_values(*pos))
     return y
 
@@ -435,12 +470,14 @@ def cosine_bwd_kernel(
     offset,
     positions,
     stats,
+    segments,
     sums,
     angles,
     dtheta_partials,
     B,
     N,
     D,
+    num_seqs,
     rows_per_program,
     num_stat_chunks,
     num_chunks,
@@ -511,9 +548,17 @@ def cosine_bwd_kernel(
     d_tile = (t.to(tl.int64) * stride_dn)[:, None, None] + (feats * stride_dd)[None, None, :]
     g_head = dy + h.to(tl.int64) * stride_gh
     acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    m_t = tl.zeros([ROWS, BLOCK_D], tl.float32)  # stats and sums: only softmax_seq reads them
-    s_t = tl.full([ROWS, BLOCK_D], 1.0, tl.float32)
-    tot = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    PACKED: tl.constexpr = segments is not None  # softmax_seq over sequences packed along N
+    if PACKED:  # B = 1: stats and sums of each token's sequence
+        seqs = token_sequences(segments, t, N)
+        seq_ok = (t < N)[:, None] & feat_ok[None, :]
+        m_t, s_t = sequence_stats(stats, seqs, h, num_seqs, H, 1, D, feats, seq_ok)
+        offs = ((seqs * H + h).to(tl.int64) * D)[:, None] + feats[None, :]
+        tot = combine_chunk_sums(sums, 1, D, offs, seq_ok)
+    else:  # stats and sums: only softmax_seq reads them
+        m_t = tl.zeros([ROWS, BLOCK_D], tl.float32)
+        s_t = tl.full([ROWS, BLOCK_D], 1.0, tl.float32)
+        tot = tl.zeros([ROWS, BLOCK_D], tl.float32)
     b_lo = tl.program_id(2) * rows_per_program
     b_hi = tl.minimum(b_lo + rows_per_program, B)
     for b0 in range(b_lo, b_hi, ROWS):
@@ -543,21 +588,21 @@ def cosine_bwd_kernel(
         dy_sin = tl.load(g_rows + D * stride_gd, mask=mask, other=0.0).to(tl.float32)
         dxbar = dy_cos * cos_t + dy_sin * sin_t
         if ACT != "none" or NEED_DTHETA:
-            if ACT == "softmax_seq":
+            if ACT == "softmax_seq" and not PACKED:
                 stat_ok = row_ok[:, None] & feat_ok[None, :]
                 m_t, s_t = sequence_stats(stats, b, h, B, H, num_stat_chunks, D, feats, stat_ok)
                 offs = ((b * H + h).to(tl.int64) * num_chunks * D)[:, None] + feats[None, :]
                 tot = combine_chunk_sums(sums, num_chunks, D, offs, stat_ok)
             x_rows = x + h.to(tl.int64) * stride_xh + (b.to(tl.int64) * stride_xb)[None, :, None]
             xv = tl.load(x_rows + x_tile, mask=mask, other=0.0).to(tl.float32)
-            xbar = activate(xv, feat_ok[None, None, :], m_t, s_t, ACT)
+            xbar = activate(xv, feat_ok[None, None, :], m_t, s_t, ACT, PACKED)
         else:
             xv = dxbar
             xbar = dxbar
         if NEED_DTHETA:
             acc += tl.sum(pos * xbar * (dy_sin * cos_t - dy_cos * sin_t), axis=1)
         if dx is not None:
-            dxv = activate_grad(xv, xbar, dxbar, tot, ACT)
+            dxv = activate_grad(xv, xbar, dxbar, tot, ACT, PACKED)
             d_rows = dx + h.to(tl.int64) * stride_dh + (b.to(tl.int64) * stride_db)[None, :, None]
             tl.store(d_rows + d_tile, dxv.to(dx.dtype.element_ty), mask=mask)
     if NEED_DTHETA:
@@ -573,12 +618,14 @@ def cosine_bwd_seq_sums_kernel(
     offset,
     positions,
     stats,
+    cu_seqlens,
     sums,
     angles,
     dtheta_partials,
     B,
     N,
     D,
+    num_seqs,
     chunk,
     num_chunks,
     num_stat_chunks,
@@ -606,7 +653,9 @@ def cosine_bwd_seq_sums_kernel(
 ):
     """First pass of the softmax-over-the-sequence backward. A program (chunk of tokens, h,
     ROWS batch rows) writes the float32 sums over its tokens of y * dx̄ (y = softmax of x over
-    the sequence) to sums[b * H + h, chunk, :], and its d(theta) partial (it has x̄ and dy)."""
+    the sequence) to sums[b * H + h, chunk, :], and its d(theta) partial (it has x̄ and dy).
+    With `cu_seqlens` (B = 1, sequences packed along N) axis 0 enumerates (sequence, chunk)
+    and a sequence's stats and sums are its own row s * H + h."""
     NEED_DTHETA: tl.constexpr = dtheta_partials is not None
     h = tl.program_id(1)
     H = tl.num_programs(1)
@@ -617,17 +666,27 @@ def cosine_bwd_seq_sums_kernel(
     b_pos = tl.minimum(b, B - 1)
     freqs = head_frequencies(theta, h, stride_th, stride_te, n_freq, feats, D, GRID_AXES)
     stat_ok = row_ok[:, None] & feat_ok[None, :]
-    m_t, s_t = sequence_stats(stats, b, h, B, H, num_stat_chunks, D, feats, stat_ok)
+    if cu_seqlens is None:
+        c = tl.program_id(0)
+        stat_rows = b  # [ROWS]
+        t_start = c * chunk
+        t_end = tl.minimum(t_start + chunk, N)
+        m_t, s_t = sequence_stats(stats, b, h, B, H, num_stat_chunks, D, feats, stat_ok)
+    else:
+        seq = tl.program_id(0) // num_chunks
+        c = tl.program_id(0) % num_chunks
+        stat_rows = seq + b  # lane 0 (the only row: B = 1) is the sequence
+        t_start, t_end = packed_chunk(cu_seqlens, seq, c, num_chunks, BLOCK_N)
+        m_t, s_t = sequence_stats(stats, stat_rows, h, num_seqs, H, 1, D, feats, stat_ok)
     x_rows = x + h.to(tl.int64) * stride_xh + (b.to(tl.int64) * stride_xb)[None, :, None]
     g_rows = dy + h.to(tl.int64) * stride_gh + (b.to(tl.int64) * stride_gb)[None, :, None]
     per_row: tl.constexpr = positions is not None or is_pointer(offset)
     # Element-wise accumulators, reduced once at the end: no cross-warp reduction per block.
     acc_sums = tl.zeros([BLOCK_N, ROWS, BLOCK_D], tl.float32)
     acc = tl.zeros([BLOCK_N, ROWS, BLOCK_D], tl.float32)
-    t_start = tl.program_id(0) * chunk
-    for t0 in range(t_start, tl.minimum(t_start + chunk, N), BLOCK_N):
+    for t0 in range(t_start, t_end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
-        mask = (t < N)[:, None, None] & row_ok[None, :, None] & feat_ok[None, None, :]
+        mask = (t < t_end)[:, None, None] & row_ok[None, :, None] & feat_ok[None, None, :]
         pos = tile_positions(
             offset,
             positions,
@@ -659,7 +718,7 @@ def cosine_bwd_seq_sums_kernel(
         acc_sums += xbar * (dy_cos * cos_t + dy_sin * sin_t)
         if NEED_DTHETA:
             acc += pos * xbar * (dy_sin * cos_t - dy_cos * sin_t)
-    out = ((b * H + h).to(tl.int64) * num_chunks + tl.program_id(0))[:, None] * D + feats[None, :]
+    out = ((stat_rows * H + h).to(tl.int64) * num_chunks + c)[:, None] * D + feats[None, :]
     tl.store(sums + out, tl.sum(acc_sums, axis=0), mask=stat_ok)
     if NEED_DTHETA:
         part = tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)
@@ -668,11 +727,15 @@ def cosine_bwd_seq_sums_kernel(
         )
 
 
-def _bwd_plan(dy, x, dx, theta, starts, table, stats, angles, kind, grid, plan, need_dtheta):
+def _bwd_plan(
+    dy, x, dx, theta, starts, table, stats, cu_seqlens, segments, angles, kind, grid, plan,
+    need_dtheta,
+):  # fmt: skip
     """The backward's launches prepared for this layout: {"sums": (grid, chunks, launch) of the
     softmax_seq sums kernel or None, "main": (grid, launch) of cosine_bwd_kernel or None
     (d(theta) only, from the sums kernel)}. Each launch is a function of its given tensors in
-    the order x, dy, dx, sums, d(theta) partials, theta, stats, angles, then position_values."""
+    the order x, dy, dx, sums, d(theta) partials, theta, stats, angles, then the packing
+    (sums: cu_seqlens, main: segments), then position_values."""
     b, n, heads, d2 = dy.shape
     d = d2 // 2
     per_row = (starts is not None or table is not None) and grid is None
@@ -685,6 +748,7 @@ def _bwd_plan(dy, x, dx, theta, starts, table, stats, angles, kind, grid, plan, 
         B=b,
         N=n,
         D=d,
+        num_seqs=_num_seqs(stats, heads),
         num_stat_chunks=stats.shape[2] if stats is not None else 0,
         **_strides("x", x),
         **_strides("g", dy),
@@ -695,8 +759,13 @@ def _bwd_plan(dy, x, dx, theta, starts, table, stats, angles, kind, grid, plan, 
     sums, num_chunks = None, 0
     if kind == SEQ:
         block_n, block_d = tile_sizes(d, plan.small_tile)
-        groups, chunk, num_chunks = sequence_chunks(plan, b, n, heads, block_n, dy.device)
-        sums_grid = (num_chunks, heads, groups)
+        if cu_seqlens is None:
+            groups, chunk, num_chunks = sequence_chunks(plan, b, n, heads, block_n, dy.device)
+            sums_grid = (num_chunks, heads, groups)
+        else:  # B = 1, each packed sequence split into num_chunks on the device
+            seqs = cu_seqlens.shape[0] - 1
+            _, chunk, num_chunks = sequence_chunks(plan, seqs, n, heads, block_n, dy.device)
+            sums_grid = (seqs * num_chunks, heads, 1)
         run = launch(cosine_bwd_seq_sums_kernel).prepare(
             sums_grid,
             x=x,
@@ -704,6 +773,7 @@ def _bwd_plan(dy, x, dx, theta, starts, table, stats, angles, kind, grid, plan, 
             sums=scratch,
             dtheta_partials=scratch if need_dtheta else None,
             **common,
+            cu_seqlens=cu_seqlens,
             chunk=chunk,
             num_chunks=num_chunks,
             BLOCK_N=block_n,
@@ -726,6 +796,7 @@ def _bwd_plan(dy, x, dx, theta, starts, table, stats, angles, kind, grid, plan, 
             sums=scratch if kind == SEQ else None,
             dtheta_partials=scratch if need_dtheta and kind != SEQ else None,
             **common,
+            segments=segments,
             rows_per_program=rows,
             num_chunks=min(num_chunks, 1),  # the chunk sums are merged before this kernel
             **_strides("d", dx),
@@ -746,6 +817,7 @@ def cosine_bwd(
     pos,
     kind,
     stats=None,
+    cu_seqlens=None,
     *,
     need_dx=True,
     need_dtheta=False,
@@ -754,24 +826,26 @@ def cosine_bwd(
     plan: Plan = PLAN,
 ):
     """(dx or None, float32 d(theta) partials (programs, H, D) or None). x may be None for act
-    none without d(theta); `stats` for softmax_seq; `angles` the forward's table or None."""
+    none without d(theta); `stats` for softmax_seq, over the sequences packed along N with
+    `cu_seqlens`; `angles` the forward's table or None."""
     b, n, heads, d2 = dy.shape
     d = d2 // 2
     dx = None
     if need_dx:
         dx = torch.empty_like(x) if x is not None else dy.new_empty((b, n, heads, d))
-    tensors = (dy, x, dx, theta, pos[1], pos[2], stats, angles)
+    segments = None if cu_seqlens is None else segment_ids(cu_seqlens, n)
+    tensors = (dy, x, dx, theta, pos[1], pos[2], stats, cu_seqlens, segments, angles)
     launches = cached_plan(_bwd_plan, tensors, kind, grid, plan, need_dtheta)
     where = position_values(*pos)
     tail = [t for t in (theta, stats, angles) if t is not None]
     sums, partials = None, None
     if launches["sums"] is not None:
         sums_grid, chunks, run = launches["sums"]
-        sums = dy.new_empty((b * heads, chunks, d), dtype=torch.float32)
+        sums = dy.new_empty((stats.shape[1], chunks, d), dtype=torch.float32)
         if need_dtheta:
             partials = dy.new_empty((sums_grid[0] * sums_grid[2], heads, d), dtype=torch.float32)
         given = [t for t in (x, dy, sums, partials) if t is not None]
-        run(*given, *tail, *where)
+        run(*given, *tail, *([] if cu_seqlens is None else [cu_seqlens]), *where)
         sums = sums.sum(1, keepdim=True)  # merged once, not in each short main-kernel program
     if launches["main"] is not None:
         main_grid, run = launches["main"]
@@ -781,5 +855,5 @@ def cosine_bwd(
                 (main_grid[0] * main_grid[2], heads, d), dtype=torch.float32
             )
         given = [t for t in (x, dy, dx, sums, fused) if t is not None]
-        run(*given, *tail, *where)
+        run(*given, *tail, *([] if segments is None else [segments]), *where)
     return dx, partials

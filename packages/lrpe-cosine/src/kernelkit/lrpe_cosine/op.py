@@ -30,10 +30,7 @@ def validate(x, theta, offset, act, dim, positions=None, cu_seqlens=None):
     if not 1 <= e <= d:
         raise ValueError(f"theta: E = {e} frequencies per row, expected 1 <= E <= D = {d}")
     pos = validate_positions(x, offset, positions, cu_seqlens)
-    kind = validate_act(x, act, dim)
-    if kind == SEQ and cu_seqlens is not None:
-        raise ValueError("act: softmax over the sequence of packed sequences is not supported")
-    return kind, pos
+    return validate_act(x, act, dim), pos
 
 
 @define_op("kernelkit_lrpe_cosine::fwd")
@@ -43,17 +40,20 @@ def fwd(
     start: int,
     starts: torch.Tensor | None,
     positions: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
     kind: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y (B, N, H, 2D), stats): stats are the softmax-over-N chunk stats (2, B*H, C, D) the
-    backward reuses (empty for other kinds). theta is float32 (H|1, E)."""
+    """(y (B, N, H, 2D), stats): stats are the softmax-over-N stats (2, B*H, 1, D) the backward
+    reuses (empty for other kinds). theta is float32 (H|1, E). `cu_seqlens` (softmax over N
+    only): the softmax runs over each sequence packed along N (stats (2, S*H, 1, D))."""
     pos = (start, starts, positions)
     stats = x.new_empty(_NO_STATS, dtype=torch.float32)
     if x.numel() == 0:
         return x.new_empty((*x.shape[:-1], 2 * x.shape[-1])), stats
-    if kind == SEQ:
-        stats = sequence_softmax_stats(x)
-    return K.cosine_fwd(x, theta, pos, kind, (stats if kind == SEQ else None)), stats
+    if kind != SEQ:
+        return K.cosine_fwd(x, theta, pos, kind), stats
+    stats = sequence_softmax_stats(x, cu_seqlens)
+    return K.cosine_fwd(x, theta, pos, kind, stats, cu_seqlens), stats
 
 
 @define_op("kernelkit_lrpe_cosine::bwd")
@@ -64,6 +64,7 @@ def bwd(
     start: int,
     starts: torch.Tensor | None,
     positions: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
     stats: torch.Tensor,
     kind: str,
     need_dx: bool,
@@ -83,6 +84,7 @@ def bwd(
         pos,
         kind,
         (stats if kind == SEQ else None),
+        cu_seqlens,
         need_dx=need_dx,
         need_dtheta=need_dtheta,
     )
@@ -92,20 +94,23 @@ def bwd(
 
 
 def _setup_context(ctx, inputs, output):
-    x, theta, start, starts, positions, kind = inputs
+    x, theta, start, starts, positions, cu_seqlens, kind = inputs
     ctx.kind, ctx.start = kind, start
     # act none: dx needs only dy and the angles, x only matters for dtheta.
     keep_x = kind != "none" or ctx.needs_input_grad[1]
-    ctx.save_for_backward(x if keep_x else None, theta, starts, positions, output[1])
+    saved = (x if keep_x else None, theta, starts, positions, cu_seqlens, output[1])
+    ctx.save_for_backward(*saved)
 
 
 def _backward(ctx, dy, _dstats):
-    x, theta, starts, positions, stats = ctx.saved_tensors
+    x, theta, starts, positions, cu_seqlens, stats = ctx.saved_tensors
     need_dx, need_dtheta = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     dx, dtheta = bwd(
-        dy, x, theta, ctx.start, starts, positions, stats, ctx.kind, need_dx, need_dtheta
-    )
-    return (dx if need_dx else None), (dtheta if need_dtheta else None), None, None, None, None
+        dy, x, theta, ctx.start, starts, positions, cu_seqlens, stats, ctx.kind, need_dx,
+        need_dtheta,
+    )  # fmt: skip
+    dx = dx if need_dx else None
+    return dx, (dtheta if need_dtheta else None), None, None, None, None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -128,7 +133,8 @@ def lrpe_cosine(
     Theta[b, t, h, k] = position * theta[h, k] with float32 angles of integer positions.
     Positions: `offset + t` for an int offset or a per-row integer tensor (B,); or an integer
     `positions` table (B, N) (or (1, N)); or, for sequences packed into one row (B = 1),
-    `cu_seqlens` (int32 prefix sums, num_seqs + 1): positions restart at 0 in every sequence.
+    `cu_seqlens` (int32 prefix sums, num_seqs + 1): positions restart at 0 in every sequence,
+    and softmax over the sequence runs over each sequence.
     act: none / relu / sigmoid / silu / softmax with dim=-1 (over D) or dim=1 (over the
     sequence). Output (B, N, H, 2D) or (B, N, 2D), x's dtype; gradients flow to x and to theta
     (when it requires grad).
@@ -137,10 +143,11 @@ def lrpe_cosine(
     start, starts, table = pos
     if not use_triton(x):
         where = table if table is not None else (starts if starts is not None else start)
-        return lrpe_cosine_reference(x, theta, where, act, dim)
+        return lrpe_cosine_reference(x, theta, where, act, dim, cu_seqlens)
     three_d = x.dim() == 3
     x4 = x.unsqueeze(2) if three_d else x
-    y, _ = fwd(x4, theta.to(torch.float32), start, starts, table, kind)
+    packed = cu_seqlens if kind == SEQ else None  # other kinds need only the positions table
+    y, _ = fwd(x4, theta.to(torch.float32), start, starts, table, packed, kind)
     return y.squeeze(2) if three_d else y
 
 

@@ -25,6 +25,7 @@ from kernelkit.act.kernels import (
     apply_act_grad,
     combine_chunk_stats,
     combine_chunk_sums,
+    packed_chunk,
     softmax_merge,
     softmax_normalize,
     softmax_stats,
@@ -412,10 +413,18 @@ def seq_stats(stats, o, num_chunks, num_stat_chunks, j, HALF: tl.constexpr):
 
 
 @triton.jit
-def seq_coords(pid, num_chunks, chunk, N):
-    b = pid // num_chunks
-    t0 = (pid % num_chunks) * chunk
-    return b, t0, tl.minimum(t0 + chunk, N)
+def seq_coords(pid, num_chunks, chunk, N, cu_seqlens, BLOCK_N: tl.constexpr):
+    """(batch row, stats row, first token, end token) of program `pid` on grid axis 0: chunk
+    pid % num_chunks of batch row pid // num_chunks or, with `cu_seqlens` (B = 1, sequences
+    packed along N), of sequence pid // num_chunks, whose stats are its own row."""
+    if cu_seqlens is None:
+        b = pid // num_chunks
+        t0 = (pid % num_chunks) * chunk
+        return b, b, t0, tl.minimum(t0 + chunk, N)
+    else:
+        seq = pid // num_chunks
+        t0, t1 = packed_chunk(cu_seqlens, seq, pid % num_chunks, num_chunks, BLOCK_N)
+        return tl.zeros_like(seq), seq, t0, t1  # batch row 0
 
 
 @triton.jit(do_not_specialize=SEQ_RUNTIME)
@@ -443,16 +452,17 @@ def seq_softmax_fwd_kernel(
     n_freq,
     stride_pb,
     stride_pn,
+    cu_seqlens,
     HALF: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
-    b, t_lo, t_hi = seq_coords(pid, num_chunks, chunk, N)
+    b, row, t_lo, t_hi = seq_coords(pid, num_chunks, chunk, N, cu_seqlens, BLOCK_N)
     j = tl.arange(0, BLOCK_E)
     m1, s1, m2, s2 = seq_stats(
-        stats, b * tl.num_programs(1) + h, num_chunks, num_stat_chunks, j, HALF
+        stats, row * tl.num_programs(1) + h, num_chunks, num_stat_chunks, j, HALF
     )
     freqs = slot_frequencies(theta + h * stride_th, stride_te, j, n_freq)
     x_base = x + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh
@@ -472,28 +482,31 @@ def seq_softmax_fwd_kernel(
         )
 
 
-def _seq_layout(x, theta, stats, plan):
-    """(grid, layout kwargs) of the softmax-over-N kernels."""
+def _seq_layout(x, theta, stats, cu_seqlens, plan):
+    """(grid, layout kwargs) of the softmax-over-N kernels: (chunks x B, H), or with
+    `cu_seqlens` (chunks x sequences, H), each sequence split on the device."""
     batch, n, heads, d = x.shape
     half = d // 2
     block_n, block_e, warps = _tile(plan, SEQ, half)
-    chunk, chunks = _seq_chunks(plan, batch, n, heads, block_n, x.device)
+    rows = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    chunk, chunks = _seq_chunks(plan, rows, n, heads, block_n, x.device)
     kwargs = dict(
         N=n,
         chunk=chunk,
         num_chunks=chunks,
         num_stat_chunks=stats.shape[2],
         **theta_args(theta, half),
+        cu_seqlens=cu_seqlens,
         HALF=half,
         BLOCK_N=block_n,
         BLOCK_E=block_e,
         num_warps=warps,
     )
-    return (chunks * batch, heads), kwargs
+    return (chunks * rows, heads), kwargs
 
 
-def _seq_fwd_plan(x, y, theta, stats, starts, table, plan):
-    grid, kwargs = _seq_layout(x, theta, stats, plan)
+def _seq_fwd_plan(x, y, theta, stats, starts, table, cu_seqlens, plan):
+    grid, kwargs = _seq_layout(x, theta, stats, cu_seqlens, plan)
     pos_kwargs, vary = prepared_positions(starts, table)
     return launch(seq_softmax_fwd_kernel).prepare(
         grid,
@@ -509,12 +522,19 @@ def _seq_fwd_plan(x, y, theta, stats, starts, table, plan):
     )
 
 
-def seq_softmax_fwd(x, theta, pos, stats, plan: Plan = PLAN) -> torch.Tensor:
-    """y = rotate(softmax over the sequence of x) with `stats` from sequence_softmax_stats."""
+def seq_softmax_fwd(x, theta, pos, stats, cu_seqlens=None, plan: Plan = PLAN) -> torch.Tensor:
+    """y = rotate(softmax over the sequence of x) with `stats` from sequence_softmax_stats;
+    with `cu_seqlens`, over each packed sequence."""
     y = torch.empty_like(x)
-    run = cached_plan(_seq_fwd_plan, (x, y, theta, stats, pos[1], pos[2]), plan)
-    run(x, y, theta, stats, *position_values(*pos))
+    tensors = (x, y, theta, stats, pos[1], pos[2], cu_seqlens)
+    run = cached_plan(_seq_fwd_plan, tensors, plan)
+    run(x, y, theta, stats, *_given(cu_seqlens), *position_values(*pos))
     return y
+
+
+def _given(*tensors) -> list:
+    """The tensors that are not None, in order: a prepared launch's per-call tensors."""
+    return [t for t in tensors if t is not None]
 
 
 @triton.jit
@@ -563,16 +583,17 @@ def seq_softmax_bwd_sums_kernel(
     n_freq,
     stride_pb,
     stride_pn,
+    cu_seqlens,
     HALF: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    """sums[b*H + h, chunk, d] = sum over the chunk's tokens of softmax(x) * dxbar (float32)."""
+    """sums[row * H + h, chunk, d] = sum over the chunk's tokens of softmax(x) * dxbar (float32)."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
-    b, t_lo, t_hi = seq_coords(pid, num_chunks, chunk, N)
+    b, row, t_lo, t_hi = seq_coords(pid, num_chunks, chunk, N, cu_seqlens, BLOCK_N)
     j = tl.arange(0, BLOCK_E)
-    o = b * tl.num_programs(1) + h
+    o = row * tl.num_programs(1) + h
     row_stats = seq_stats(stats, o, num_chunks, num_stat_chunks, j, HALF)
     freqs = slot_frequencies(theta + h * stride_th, stride_te, j, n_freq)
     x_base = x + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh
@@ -633,6 +654,7 @@ def seq_softmax_bwd_apply_kernel(
     n_freq,
     stride_pb,
     stride_pn,
+    cu_seqlens,
     HALF: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -641,9 +663,9 @@ def seq_softmax_bwd_apply_kernel(
     rotate_bwd_kernel."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
-    b, t_lo, t_hi = seq_coords(pid, num_chunks, chunk, N)
+    b, row, t_lo, t_hi = seq_coords(pid, num_chunks, chunk, N, cu_seqlens, BLOCK_N)
     j = tl.arange(0, BLOCK_E)
-    o = b * tl.num_programs(1) + h
+    o = row * tl.num_programs(1) + h
     row_stats = seq_stats(stats, o, num_chunks, num_stat_chunks, j, HALF)
     sums_base = sums + o.to(tl.int64) * num_chunks * (2 * HALF)
     dot1 = combine_chunk_sums(sums_base, num_chunks, 2 * HALF, j, j < HALF)[None, :]
@@ -676,9 +698,9 @@ def seq_softmax_bwd_apply_kernel(
         store_dtheta_partial(dtheta_partials, pid, tl.num_programs(1), h, j, HALF, tl.sum(acc, 0))
 
 
-def _seq_bwd_plan(dy, x, dx, theta, stats, starts, table, need_dtheta, plan):
+def _seq_bwd_plan(dy, x, dx, theta, stats, starts, table, cu_seqlens, need_dtheta, plan):
     """(grid, chunks, the sums launch, the apply launch) prepared for this layout."""
-    grid, kwargs = _seq_layout(dy, theta, stats, plan)
+    grid, kwargs = _seq_layout(dy, theta, stats, cu_seqlens, plan)
     pos_kwargs, vary = prepared_positions(starts, table)
     scratch = dy.new_empty((0,))  # stands for the per-call float32 buffers in their slots
     common = dict(
@@ -706,20 +728,19 @@ def _seq_bwd_plan(dy, x, dx, theta, stats, starts, table, need_dtheta, plan):
     return grid, kwargs["num_chunks"], sums, apply
 
 
-def seq_softmax_bwd(dy, x, theta, pos, stats, need_dtheta, plan: Plan = PLAN):
-    """(dx, d(theta) partials or None) of rotate(softmax over the sequence of x)."""
+def seq_softmax_bwd(dy, x, theta, pos, stats, need_dtheta, cu_seqlens=None, plan: Plan = PLAN):
+    """(dx, d(theta) partials or None) of rotate(softmax over the sequence of x) (with
+    `cu_seqlens`, over each packed sequence)."""
     dx = torch.empty_like(dy)
-    tensors = (dy, x, dx, theta, stats, pos[1], pos[2])
+    tensors = (dy, x, dx, theta, stats, pos[1], pos[2], cu_seqlens)
     grid, chunks, run_sums, run_apply = cached_plan(_seq_bwd_plan, tensors, need_dtheta, plan)
-    batch, _, heads, d = dy.shape
-    sums = dy.new_empty((batch * heads, chunks, d), dtype=torch.float32)
+    heads, d = dy.shape[2], dy.shape[3]
+    sums = dy.new_empty((stats.shape[1], chunks, d), dtype=torch.float32)  # a row per stats row
     partials = None
     if need_dtheta:
         partials = dy.new_empty((grid[0], heads, d // 2), dtype=torch.float32)
     where = position_values(*pos)
-    run_sums(x, dy, theta, stats, sums, *where)
-    if partials is None:
-        run_apply(x, dy, dx, theta, stats, sums, *where)
-    else:
-        run_apply(x, dy, dx, partials, theta, stats, sums, *where)
+    packed = _given(cu_seqlens)
+    run_sums(x, dy, theta, stats, sums, *packed, *where)
+    run_apply(x, dy, dx, *_given(partials), theta, stats, sums, *packed, *where)
     return dx, partials

@@ -30,10 +30,7 @@ def validate(x, theta, offset, act, dim, positions=None, cu_seqlens=None):
     if not 1 <= e <= d // 2:
         raise ValueError(f"theta: E = {e} frequencies per row, expected 1 <= E <= D/2 = {d // 2}")
     pos = validate_positions(x, offset, positions, cu_seqlens)
-    kind = validate_act(x, act, dim)
-    if kind == SEQ and cu_seqlens is not None:
-        raise ValueError("act: softmax over the sequence of packed sequences is not supported")
-    return kind, pos
+    return validate_act(x, act, dim), pos
 
 
 @define_op("kernelkit_lrpe_rotate::fwd")
@@ -43,16 +40,18 @@ def fwd(
     start: int,
     starts: torch.Tensor | None,
     positions: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
     kind: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, stats) for 4-D x; stats are the softmax-over-N chunk stats the backward reuses
-    (empty for other kinds). theta is float32 (H|1, E)."""
+    """(y, stats) for 4-D x; stats are the softmax-over-N stats the backward reuses (empty for
+    other kinds). theta is float32 (H|1, E). `cu_seqlens` (softmax over N only): the softmax
+    runs over each sequence packed along N."""
     pos = (start, starts, positions)
     if x.numel() == 0:
         return torch.empty_like(x), x.new_empty((0,), dtype=torch.float32)
     if kind == SEQ:
-        stats = sequence_softmax_stats(x)
-        return K.seq_softmax_fwd(x, theta, pos, stats), stats
+        stats = sequence_softmax_stats(x, cu_seqlens)
+        return K.seq_softmax_fwd(x, theta, pos, stats, cu_seqlens), stats
     return K.rotate_fwd(x, theta, pos, kind), x.new_empty((0,), dtype=torch.float32)
 
 
@@ -64,6 +63,7 @@ def bwd(
     start: int,
     starts: torch.Tensor | None,
     positions: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
     stats: torch.Tensor,
     kind: str,
     need_dtheta: bool,
@@ -75,7 +75,7 @@ def bwd(
             (0, 0)
         )
     if kind == SEQ:
-        dx, partials = K.seq_softmax_bwd(dy, x, theta, pos, stats, need_dtheta)
+        dx, partials = K.seq_softmax_bwd(dy, x, theta, pos, stats, need_dtheta, cu_seqlens)
     else:
         dx, partials = K.rotate_bwd(dy, x, theta, pos, kind, need_dtheta)
     dtheta = reduce_dtheta(partials, theta.shape) if need_dtheta else theta.new_empty((0, 0))
@@ -83,18 +83,20 @@ def bwd(
 
 
 def _setup_context(ctx, inputs, output):
-    x, theta, start, starts, positions, kind = inputs
+    x, theta, start, starts, positions, cu_seqlens, kind = inputs
     ctx.kind, ctx.start = kind, start
     # The backward reads x only for an act or for d(theta): act none keeps nothing big.
     keep_x = kind != "none" or ctx.needs_input_grad[1]
-    ctx.save_for_backward(x if keep_x else None, theta, starts, positions, output[1])
+    ctx.save_for_backward(x if keep_x else None, theta, starts, positions, cu_seqlens, output[1])
 
 
 def _backward(ctx, dy, _dstats):
-    x, theta, starts, positions, stats = ctx.saved_tensors
+    x, theta, starts, positions, cu_seqlens, stats = ctx.saved_tensors
     need_dtheta = ctx.needs_input_grad[1]
-    dx, dtheta = bwd(dy, x, theta, ctx.start, starts, positions, stats, ctx.kind, need_dtheta)
-    return dx, (dtheta if need_dtheta else None), None, None, None, None
+    dx, dtheta = bwd(
+        dy, x, theta, ctx.start, starts, positions, cu_seqlens, stats, ctx.kind, need_dtheta
+    )
+    return dx, (dtheta if need_dtheta else None), None, None, None, None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -117,17 +119,18 @@ def lrpe_rotate(
     1 < E < D/2 (pairs j >= E pass through). Positions: `offset + t` for an int offset or a
     per-row integer tensor (B,); or an integer `positions` table (B, N) (or (1, N)); or, for
     sequences packed into one row (B = 1), `cu_seqlens` (int32 prefix sums, num_seqs + 1):
-    positions restart at 0 in every sequence. act: "none", "relu", "sigmoid", "silu" or
-    "softmax" with dim=-1 (over D) or dim=1 (over N). Differentiable in x and, when it
-    requires grad, theta.
+    positions restart at 0 in every sequence, and softmax over N runs over each sequence.
+    act: "none", "relu", "sigmoid", "silu" or "softmax" with dim=-1 (over D) or dim=1 (over N).
+    Differentiable in x and, when it requires grad, theta.
     """
     kind, pos = validate(x, theta, offset, act, dim, positions, cu_seqlens)
     start, starts, table = pos
     if not use_triton(x):
         where = table if table is not None else (starts if starts is not None else start)
-        return lrpe_rotate_reference(x, theta, where, act, dim)
+        return lrpe_rotate_reference(x, theta, where, act, dim, cu_seqlens)
     x4 = x if x.dim() == 4 else x.unsqueeze(2)
-    y, _ = fwd(x4, theta.to(torch.float32), start, starts, table, kind)
+    packed = cu_seqlens if kind == SEQ else None  # other kinds need only the positions table
+    y, _ = fwd(x4, theta.to(torch.float32), start, starts, table, packed, kind)
     return y if x.dim() == 4 else y.squeeze(2)
 
 

@@ -16,11 +16,15 @@ def lrpe_rotate_reference(
     offset: int | torch.Tensor = 0,
     act: str = "none",
     dim: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = rotate(act(x, dim), position * theta), half-split pairing (j, j + D/2). `offset`: an
-    int start, a (B,) tensor of per-row starts or a (B|1, N) table of positions."""
+    int start, a (B,) tensor of per-row starts or a (B|1, N) table of positions. With
+    `cu_seqlens` (B = 1, sequences packed along N) softmax over N runs per sequence (pass
+    the packed positions as `offset`)."""
     compute = torch.promote_types(x.dtype, torch.float32)
-    xa = act_reference(x.to(compute), act, dim)
+    over_n = act == "softmax" and dim % x.dim() == 1
+    xa = act_reference(x.to(compute), act, dim, cu_seqlens if over_n else None)
     if x.dim() == 3:
         xa = xa.unsqueeze(2)
     n, d = xa.shape[1], xa.shape[3]
