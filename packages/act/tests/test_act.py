@@ -234,6 +234,15 @@ def test_packed_softmax_dims(shape, dim, lengths, device):
     check(make(shape, torch.float32, device), "softmax", dim, cu_seqlens=packing(lengths, device))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [1, -1])
+def test_packed_softmax_gpu_scale(dim, device):
+    """Documents of 1 to 16k tokens packed along N (and along the last dim), bf16."""
+    lengths = [16384, 1, 0, 3000, 7, 9000, 2048]
+    shape = (1, sum(lengths), 4, 64) if dim == 1 else (3, 2, sum(lengths))
+    check(make(shape, torch.bfloat16, device), "softmax", dim, cu_seqlens=packing(lengths, device))
+
+
 def test_packed_softmax_strided(device):
     """A q slice of a fused qkv tensor, and a transposed view: read in place, packed along N."""
     qkv = make((1, 90, 3 * 4, 24), torch.bfloat16, device)

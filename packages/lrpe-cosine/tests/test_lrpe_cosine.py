@@ -136,6 +136,16 @@ def test_packed_long_sequences_many_chunks(case, device):
     check(x, theta_for("single", 1, 8, device), 0, *case, cu=packing(lengths, device))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("theta_grad", [False, True])
+def test_packed_softmax_gpu_scale(theta_grad, device):
+    """Softmax over packed documents of 1 to 16k tokens at GPU scale, bf16."""
+    lengths = [16384, 1, 0, 3000, 7, 9000, 2048]
+    x = make((1, sum(lengths), 4, 128), torch.bfloat16, device)
+    check(x, theta_for("full", 4, 128, device), 0, "softmax", 1, theta_grad=theta_grad,
+          cu=packing(lengths, device))  # fmt: skip
+
+
 def test_packed_softmax_dx_only_and_dtheta_only(device):
     """The backward's two kernels for softmax over packed sequences, each on its own."""
     cu = packing([20, 0, 31], device)
@@ -223,8 +233,7 @@ def test_softmax_sequence_chunks(device):
     """Softmax over a sequence split into several chunks of several token blocks."""
     b, n, h, d = 2, 200, 8, 24
     block_n, _ = tile_sizes(d, PLAN.small_tile)
-    groups, chunk, num_chunks = sequence_chunks(PLAN, b, n, h, block_n, torch.device(device))
-    assert groups == 1
+    chunk, num_chunks = sequence_chunks(PLAN, h, n, block_n, torch.device(device))
     if interpreting():
         assert num_chunks > 1 and chunk > block_n
     x = make((b, n, h, d), torch.bfloat16, device)
@@ -482,30 +491,38 @@ def test_large_batch_and_heads(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [("silu", None), ("softmax", 1)], ids=case_id)
 def test_no_recompile_on_new_n_b_offset(case, device):
-    """New N, B or offset values reuse the compiled kernels."""
+    """New N, B or offset values reuse the compiled kernels (one set for B > 1, one for B = 1:
+    a single row loads no row axis, kernels.load_rows)."""
     a, dim = case
     theta = make_theta(4, 64, device)
-    x = make((2, 100, 4, 64), torch.bfloat16, device).requires_grad_()
-    lrpe_cosine(x, theta, 0, a, dim).sum().backward()
+    for b in (2, 1):
+        x = make((b, 100, 4, 64), torch.bfloat16, device).requires_grad_()
+        lrpe_cosine(x, theta, 0, a, dim).sum().backward()
     with compilations() as compiled:
-        for b, n, off in [(3, 37, 1), (5, 1000, 16), (1, 4097, 123_457), (7, 1, 99)]:
+        for b, n, off in [(3, 37, 1), (5, 1000, 16), (1, 4097, 123_457), (7, 1, 99), (1, 3, 5)]:
             x = make((b, n, 4, 64), torch.bfloat16, device).requires_grad_()
             lrpe_cosine(x, theta, off, a, dim).sum().backward()
     assert not compiled, dict(compiled)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [("silu", None), ("softmax", 1), ("softmax", -1)], ids=case_id)
-def test_cuda_graph_replay(case, device):
+@pytest.mark.parametrize(
+    ("case", "packed"),
+    [(("silu", None), False), (("softmax", 1), False), (("softmax", -1), False),
+     (("softmax", 1), True)],
+    ids=str,
+)  # fmt: skip
+def test_cuda_graph_replay(case, packed, device):
     """Forward and backward (x and a learnable theta) captured into a CUDA graph replay new
     inputs bit-exactly: no host sync, allocation outside the pool or compile in the path."""
     from kernelkit.shared.testing import assert_graph_replays
 
     a, dim = case
-    b, n, h, d = 3, 300, 4, 64
+    b, n, h, d = (1, 900, 4, 64) if packed else (3, 300, 4, 64)
+    offset, cu = (0, packing([300, 1, 0, 599], device)) if packed else (11, None)
 
     def fwd_bwd(x, theta, dy):
-        y = lrpe_cosine(x, theta, 11, a, dim)
+        y = lrpe_cosine(x, theta, offset, a, dim, cu_seqlens=cu)
         return (y, *torch.autograd.grad(y, (x, theta), dy))
 
     def data(seed):

@@ -148,6 +148,16 @@ def test_packed_sequences(case, dtype, device):
     check(x, make_theta("full", 2, 16, device), 0, *case, cu=packing(lengths, device))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("theta_grad", [False, True])
+def test_packed_softmax_gpu_scale(theta_grad, device):
+    """Softmax over packed documents of 1 to 16k tokens at GPU scale, bf16."""
+    lengths = [16384, 1, 0, 3000, 7, 9000, 2048]
+    x = make((1, sum(lengths), 4, 128), torch.bfloat16, device)
+    theta = make_theta("full", 4, 128, device)
+    check(x, theta, 0, "softmax", 1, theta_grad=theta_grad, cu=packing(lengths, device))
+
+
 @pytest.mark.parametrize("case", [("silu", None), ("softmax", 1)], ids=case_id)
 def test_packed_long_sequences_many_chunks(case, device):
     """Sequences split into several chunks, some of them empty."""
@@ -500,6 +510,7 @@ def test_benchmark_shape(case, device):
         ("softmax", 1, "int"),
         ("none", None, "starts"),
         ("none", None, "table"),
+        ("softmax", 1, "packed"),
     ],
 )
 def test_cuda_graph_replay(act, dim, where, device):
@@ -507,12 +518,13 @@ def test_cuda_graph_replay(act, dim, where, device):
     inputs bit-exactly: no host sync, allocation outside the pool or compile in the path."""
     from kernelkit.shared.testing import assert_graph_replays
 
-    b, n, h, d = 3, 300, 4, 64
-    offset = {"int": 7, "starts": torch.tensor([0, 5, 99], device=device), "table": 0}[where]
+    b, n, h, d = (1, 900, 4, 64) if where == "packed" else (3, 300, 4, 64)
+    offset = {"starts": torch.tensor([0, 5, 99], device=device), "int": 7}.get(where, 0)
     positions = torch.randint(0, 10**5, (b, n), device=device) if where == "table" else None
+    cu = packing([300, 1, 0, 599], device) if where == "packed" else None
 
     def fwd_bwd(x, theta, dy):
-        y = lrpe_rotate(x, theta, offset, act, dim, positions=positions)
+        y = lrpe_rotate(x, theta, offset, act, dim, positions=positions, cu_seqlens=cu)
         return (y, *torch.autograd.grad(y, (x, theta), dy))
 
     def data(seed):

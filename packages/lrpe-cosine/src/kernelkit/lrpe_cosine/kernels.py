@@ -76,7 +76,7 @@ RUNTIME = [
     "size_c",
 ]
 
-ROWS = 4  # batch rows per tile (axis 1)
+ROWS = 4  # batch rows per tile (axis 1); one when B = 1 (`load_rows`)
 
 
 @dataclass(frozen=True)
@@ -109,33 +109,41 @@ class Grid:
     e: int
 
 
-def tile_sizes(d, tile) -> tuple[int, int]:
+def load_rows(b) -> int:
+    """Batch rows per load (the tile's axis 1): ROWS, or 1 for a single row (B = 1: a packed
+    row, a small batch), whose tile then holds ROWS times more tokens instead of masked rows."""
+    return 1 if b == 1 else ROWS
+
+
+def tile_sizes(d, tile, rows=ROWS) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_D): a whole head (BLOCK_D >= D) by as many tokens as fit in `tile` with
-    ROWS batch rows. Depends on D only: a new N, B or offset never compiles a new kernel."""
+    `rows` batch rows. Depends on D and whether B = 1 only: a new N, B > 1 or offset never
+    compiles a new kernel."""
     block_d = next_power_of_2(int(d))
-    return max(1, tile // (ROWS * block_d)), block_d
+    return max(1, tile // (rows * block_d)), block_d
 
 
 def batch_groups(plan, b, programs, device) -> tuple[int, int]:
     """(rows per program, number of batch groups): batch rows (sharing cos/sin) are grouped, in
-    multiples of ROWS, as long as `programs` x groups still fills the device."""
+    multiples of load_rows(b), as long as `programs` x groups still fills the device."""
+    per_load = load_rows(b)
     groups = max(
-        1, min(cdiv(b, ROWS), cdiv(programs_target(device, plan.programs_per_sm), programs))
+        1, min(cdiv(b, per_load), cdiv(programs_target(device, plan.programs_per_sm), programs))
     )
-    rows = cdiv(cdiv(b, groups), ROWS) * ROWS
+    rows = cdiv(cdiv(b, groups), per_load) * per_load
     rows = max(rows, cdiv(b, _GRID_AXIS_LIMIT))
     return rows, cdiv(b, rows)
 
 
-def sequence_chunks(plan, b, n, heads, block_n, device) -> tuple[int, int, int]:
-    """(groups, chunk, num_chunks) of the softmax_seq sums kernel: programs of ROWS batch rows
-    and a chunk of whole token blocks, chunks added until there are enough programs."""
-    groups = cdiv(b, ROWS)
+def sequence_chunks(plan, programs, n, block_n, device) -> tuple[int, int]:
+    """(chunk, num_chunks) of the softmax_seq sums kernel, whose programs are a chunk of whole
+    token blocks of `programs` (heads x batch-row groups, or heads x packed sequences) units:
+    chunks added until there are enough programs."""
     n_blocks = cdiv(n, block_n)
     target = programs_target(device, plan.sums_programs_per_sm)
-    chunks = max(1, min(n_blocks, cdiv(target, heads * groups)))
+    chunks = max(1, min(n_blocks, cdiv(target, programs)))
     chunk = cdiv(n_blocks, chunks) * block_n
-    return groups, chunk, cdiv(n, chunk)
+    return chunk, cdiv(n, chunk)
 
 
 def _angle_args(theta, d, grid: Grid | None) -> dict:
@@ -395,7 +403,7 @@ def _fwd_plan(x, y, theta, starts, table, stats, segments, angles, kind, grid, p
     stats, segments, angles (each if given), *position_values)."""
     b, n, heads, d = x.shape
     per_row = (starts is not None or table is not None) and grid is None
-    block_n, block_d = tile_sizes(d, plan.small_tile if per_row else plan.tile)
+    block_n, block_d = tile_sizes(d, plan.small_tile if per_row else plan.tile, load_rows(b))
     n_blocks = cdiv(n, block_n)
     rows, groups = batch_groups(plan, b, n_blocks * heads, x.device)
     pos_kwargs, vary = prepared_positions(starts, table)
@@ -417,7 +425,7 @@ def _fwd_plan(x, y, theta, starts, table, stats, segments, angles, kind, grid, p
         **_strides("y", y),
         **_angle_args(theta, d, grid),
         ACT=kind,
-        ROWS=ROWS,
+        ROWS=load_rows(b),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         num_warps=plan.warps,
@@ -753,18 +761,19 @@ def _bwd_plan(
         **_strides("x", x),
         **_strides("g", dy),
         **_angle_args(theta, d, grid),
-        ROWS=ROWS,
+        ROWS=load_rows(b),
         num_warps=plan.warps,
     )
     sums, num_chunks = None, 0
     if kind == SEQ:
-        block_n, block_d = tile_sizes(d, plan.small_tile)
+        block_n, block_d = tile_sizes(d, plan.small_tile, load_rows(b))
         if cu_seqlens is None:
-            groups, chunk, num_chunks = sequence_chunks(plan, b, n, heads, block_n, dy.device)
+            groups = cdiv(b, load_rows(b))
+            chunk, num_chunks = sequence_chunks(plan, heads * groups, n, block_n, dy.device)
             sums_grid = (num_chunks, heads, groups)
         else:  # B = 1, each packed sequence split into num_chunks on the device
             seqs = cu_seqlens.shape[0] - 1
-            _, chunk, num_chunks = sequence_chunks(plan, seqs, n, heads, block_n, dy.device)
+            chunk, num_chunks = sequence_chunks(plan, heads * seqs, n, block_n, dy.device)
             sums_grid = (seqs * num_chunks, heads, 1)
         run = launch(cosine_bwd_seq_sums_kernel).prepare(
             sums_grid,
@@ -784,7 +793,7 @@ def _bwd_plan(
         sums = (sums_grid, num_chunks, run)
     main = None
     if dx is not None or (need_dtheta and kind != SEQ):
-        block_n, block_d = tile_sizes(d, plan.small_tile if per_row else plan.tile)
+        block_n, block_d = tile_sizes(d, plan.small_tile if per_row else plan.tile, load_rows(b))
         n_blocks = cdiv(n, block_n)
         rows, groups = batch_groups(plan, b, n_blocks * heads, dy.device)
         main_grid = (n_blocks, heads, groups)
