@@ -33,6 +33,7 @@ SPLIT_TILE = 16384  # elements per (L x I) tile of the split-L kernels: more byt
 SPLIT_WARPS = 4  # warps of the split-L softmax kernels
 PROGRAMS_PER_SM = 8  # split-L: chunks are added until about this many programs per SM
 MAX_SEQUENCES = 65535  # packed sequences x chunks share grid axis 1 (CUDA limit 65535)
+PACKED_WAVES = 4  # packed sequences: chunks until about this many times PROGRAMS_PER_SM
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,17 +164,23 @@ class SoftmaxView:
         ]
 
 
-def _split_plan(view: SoftmaxView, device: torch.device, seqs: int = 1):
+def _split_plan(view: SoftmaxView, device: torch.device, seqs: int | None = None):
     """(BLOCK_L, BLOCK_I, chunk, num_chunks) for the split-L softmax kernels. With `seqs` packed
     sequences along L, each is split into num_chunks chunks (their size is set per sequence
     on the device, from its length; `chunk` is unused)."""
     block_i = min(next_power_of_2(view.I), 128)
     block_l = max(1, SPLIT_TILE // block_i)
-    programs = view.O0 * view.O1 * cdiv(view.I, block_i) * seqs
+    programs = view.O0 * view.O1 * cdiv(view.I, block_i) * (seqs or 1)
     target = PROGRAMS_PER_SM * num_sms(device)
-    chunks = max(1, min(cdiv(target, programs), cdiv(view.L, block_l), MAX_SEQUENCES // seqs))
-    chunk = cdiv(cdiv(view.L, chunks), block_l) * block_l
-    return block_l, block_i, chunk, (chunks if seqs > 1 else cdiv(view.L, chunk))
+    if seqs is None:
+        chunks = max(1, min(cdiv(target, programs), cdiv(view.L, block_l)))
+        chunk = cdiv(cdiv(view.L, chunks), block_l) * block_l
+        return block_l, block_i, chunk, cdiv(view.L, chunk)
+    # Packed: a sequence's chunks are 1/num_chunks of it, so a long one among short ones makes
+    # long programs; PACKED_WAVES times more chunks keep the tail of the launch short.
+    chunks = cdiv(target * PACKED_WAVES, programs)
+    chunks = max(1, min(chunks, cdiv(view.L, block_l), MAX_SEQUENCES // seqs))
+    return block_l, block_i, block_l, chunks
 
 
 def _rows_plan(view: SoftmaxView):
@@ -194,13 +201,13 @@ class _SplitLaunches:
     stats have a row per (sequence, outer index)."""
 
     def __init__(self, t: torch.Tensor, view: SoftmaxView, plan=None, cu_seqlens=None):
-        seqs = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
         self.plan = plan or _split_plan(view, t.device, seqs)
         block_l, block_i, chunk, num_chunks = self.plan
         self.cu_seqlens = cu_seqlens
-        self.shape = (2, seqs * view.O0 * view.O1, num_chunks, view.I)
+        self.shape = (2, (seqs or 1) * view.O0 * view.O1, num_chunks, view.I)
         self.new = torch.empty(0, dtype=torch.float32, device=t.device)
-        self.grid = (view.O0 * view.O1 * cdiv(view.I, block_i), seqs * num_chunks)
+        self.grid = (view.O0 * view.O1 * cdiv(view.I, block_i), (seqs or 1) * num_chunks)
         self.sizes = (view.L, view.I, view.O1, chunk, num_chunks)
         self.blocks = {"BLOCK_L": block_l, "BLOCK_I": block_i, "num_warps": SPLIT_WARPS}
 

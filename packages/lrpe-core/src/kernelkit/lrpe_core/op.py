@@ -18,8 +18,10 @@ from .reference import packed_positions
 
 __all__ = [
     "KINDS",
+    "PACKED_WAVES",
     "SEQ",
     "act_and_dim",
+    "as_float32",
     "cached_plan",
     "position_args",
     "position_strides",
@@ -36,6 +38,10 @@ __all__ = [
 ]
 
 SEQ = "softmax_seq"
+# Softmax over packed sequences: the kernels split every sequence into the same number of chunks
+# (a fixed fraction of it), so one long sequence among short ones makes long programs; plans ask
+# for this many times their usual number of programs to keep the launch's tail short.
+PACKED_WAVES = 4
 # What the kernels are told: the element-wise acts, softmax over D, softmax over the sequence.
 KINDS = (*ELEMENTWISE_ACTS, "softmax", SEQ)
 
@@ -86,6 +92,10 @@ def validate_positions(x: torch.Tensor, offset, positions=None, cu_seqlens=None)
     """Check how token positions are given; returns (start, starts, table) for `position_args`:
     an int start, a (B,) int64 tensor of per-row starts, or a (B|1, N) integer table (explicit
     `positions`, or built from `cu_seqlens` for packed sequences restarting at 0)."""
+    if offset.__class__ is int and positions is None and cu_seqlens is None:  # the common call
+        if not -(2**62) <= offset <= 2**62:
+            raise ValueError(f"offset: {offset} is out of range (positions are int64)")
+        return offset, None, None
     b, n = x.shape[0], x.shape[1]
     given = [
         name for name, v in (("positions", positions), ("cu_seqlens", cu_seqlens)) if v is not None
@@ -205,15 +215,15 @@ def cached_plan(build, tensors, *args):
     """`build(*tensors, *args)` (a launch plan: grid and the non-tensor kernel arguments), made
     once per layout (shapes and strides of `tensors`, None allowed; the hashable `args`; the
     device of the first tensor) and reused; traced calls build it every time."""
-    if not PlanCache.cacheable(*tensors):
-        return build(*tensors, *args)
-    key = (
-        build,
-        tensors[0].get_device(),
-        *args,
-        *((None if t is None else (t.shape, t.stride())) for t in tensors),
-    )
-    return _PLANS.get(key, build, *tensors, *args)
+    key = [build, tensors[0].get_device(), *args]
+    for t in tensors:  # one pass: the key, and whether the call is traced
+        if t is None:
+            key.append(None)
+        elif t.__class__ is torch.Tensor:
+            key += (t.shape, t.stride())
+        else:  # fake, functional or symbolic-size tensors: build, do not cache
+            return build(*tensors, *args)
+    return _PLANS.get(tuple(key), build, *tensors, *args)
 
 
 def theta_args(theta: torch.Tensor, slots: int) -> dict:
@@ -225,6 +235,11 @@ def theta_args(theta: torch.Tensor, slots: int) -> dict:
         "stride_te": 0 if e == 1 else theta.stride(1),
         "n_freq": slots if e == 1 else e,
     }
+
+
+def as_float32(theta: torch.Tensor) -> torch.Tensor:
+    """theta as the kernels read it (float32), without a call when it already is."""
+    return theta if theta.dtype == torch.float32 else theta.to(torch.float32)
 
 
 def programs_target(device: torch.device, per_sm: int) -> int:

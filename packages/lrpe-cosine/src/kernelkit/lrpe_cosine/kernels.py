@@ -48,6 +48,7 @@ from kernelkit.lrpe_core.kernels import (
     wrapped_frequencies,
 )
 from kernelkit.lrpe_core.op import (
+    PACKED_WAVES,
     SEQ,
     cached_plan,
     position_values,
@@ -135,12 +136,13 @@ def batch_groups(plan, b, programs, device) -> tuple[int, int]:
     return rows, cdiv(b, rows)
 
 
-def sequence_chunks(plan, programs, n, block_n, device) -> tuple[int, int]:
+def sequence_chunks(plan, programs, n, block_n, device, waves=1) -> tuple[int, int]:
     """(chunk, num_chunks) of the softmax_seq sums kernel, whose programs are a chunk of whole
     token blocks of `programs` (heads x batch-row groups, or heads x packed sequences) units:
-    chunks added until there are enough programs."""
+    chunks added until there are enough programs (`waves` times more for packed sequences,
+    lrpe-core's PACKED_WAVES)."""
     n_blocks = cdiv(n, block_n)
-    target = programs_target(device, plan.sums_programs_per_sm)
+    target = programs_target(device, plan.sums_programs_per_sm) * waves
     chunks = max(1, min(n_blocks, cdiv(target, programs)))
     chunk = cdiv(n_blocks, chunks) * block_n
     return chunk, cdiv(n, chunk)
@@ -773,7 +775,9 @@ def _bwd_plan(
             sums_grid = (num_chunks, heads, groups)
         else:  # B = 1, each packed sequence split into num_chunks on the device
             seqs = cu_seqlens.shape[0] - 1
-            chunk, num_chunks = sequence_chunks(plan, heads * seqs, n, block_n, dy.device)
+            chunk, num_chunks = sequence_chunks(
+                plan, heads * seqs, n, block_n, dy.device, PACKED_WAVES
+            )
             sums_grid = (seqs * num_chunks, heads, 1)
         run = launch(cosine_bwd_seq_sums_kernel).prepare(
             sums_grid,

@@ -7,6 +7,7 @@ import torch
 
 from kernelkit.lrpe_core.op import (
     SEQ,
+    as_float32,
     reduce_dtheta,
     sequence_softmax_stats,
     validate_act,
@@ -147,7 +148,7 @@ def lrpe_cosine(
     three_d = x.dim() == 3
     x4 = x.unsqueeze(2) if three_d else x
     packed = cu_seqlens if kind == SEQ else None  # other kinds need only the positions table
-    y, _ = fwd(x4, theta.to(torch.float32), start, starts, table, packed, kind)
+    y, _ = fwd(x4, as_float32(theta), start, starts, table, packed, kind)
     return y.squeeze(2) if three_d else y
 
 

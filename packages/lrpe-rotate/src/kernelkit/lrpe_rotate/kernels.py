@@ -38,6 +38,7 @@ from kernelkit.lrpe_core.kernels import (
     token_positions,
 )
 from kernelkit.lrpe_core.op import (
+    PACKED_WAVES,
     SEQ,
     cached_plan,
     position_values,
@@ -92,10 +93,12 @@ def _batch_groups(plan, batch, n_tiles, heads, device, per_row) -> tuple[int, in
     return per_group, cdiv(batch, per_group)
 
 
-def _seq_chunks(plan, batch, n, heads, block_n, device) -> tuple[int, int]:
-    """(tokens per chunk, chunks) for the softmax-over-N kernels: a multiple of BLOCK_N."""
+def _seq_chunks(plan, batch, n, heads, block_n, device, waves=1) -> tuple[int, int]:
+    """(tokens per chunk, chunks) for the softmax-over-N kernels: a multiple of BLOCK_N. Packed
+    sequences (`batch` of them) ask for `waves` times more programs: their chunks are a fixed
+    fraction of each sequence, so a long one among short ones would make a long tail."""
     n_blocks = cdiv(n, block_n)
-    target = programs_target(device, plan.seq_programs_per_sm)
+    target = programs_target(device, plan.seq_programs_per_sm) * waves
     chunks = min(n_blocks, max(1, cdiv(target, batch * heads)))
     chunk = cdiv(n_blocks, chunks) * block_n
     return chunk, cdiv(n, chunk)
@@ -488,8 +491,11 @@ def _seq_layout(x, theta, stats, cu_seqlens, plan):
     batch, n, heads, d = x.shape
     half = d // 2
     block_n, block_e, warps = _tile(plan, SEQ, half)
-    rows = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    chunk, chunks = _seq_chunks(plan, rows, n, heads, block_n, x.device)
+    if cu_seqlens is None:
+        rows, waves = batch, 1
+    else:
+        rows, waves = cu_seqlens.shape[0] - 1, PACKED_WAVES
+    chunk, chunks = _seq_chunks(plan, rows, n, heads, block_n, x.device, waves)
     kwargs = dict(
         N=n,
         chunk=chunk,

@@ -7,6 +7,7 @@ import torch
 
 from kernelkit.lrpe_core.op import (
     SEQ,
+    as_float32,
     reduce_dtheta,
     sequence_softmax_stats,
     validate_act,
@@ -130,7 +131,7 @@ def lrpe_rotate(
         return lrpe_rotate_reference(x, theta, where, act, dim, cu_seqlens)
     x4 = x if x.dim() == 4 else x.unsqueeze(2)
     packed = cu_seqlens if kind == SEQ else None  # other kinds need only the positions table
-    y, _ = fwd(x4, theta.to(torch.float32), start, starts, table, packed, kind)
+    y, _ = fwd(x4, as_float32(theta), start, starts, table, packed, kind)
     return y if x.dim() == 4 else y.squeeze(2)
 
 

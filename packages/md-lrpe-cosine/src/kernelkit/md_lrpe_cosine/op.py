@@ -10,6 +10,7 @@ import torch
 
 from kernelkit.lrpe_core.op import (
     SEQ,
+    as_float32,
     reduce_dtheta,
     sequence_softmax_stats,
     validate_act,
@@ -169,7 +170,7 @@ def md_lrpe_cosine(
         return md_lrpe_cosine_reference(x, theta, shape, l, act, dim)
     three_d = x.dim() == 3
     x4 = x.unsqueeze(2) if three_d else x
-    y, _, _ = fwd(x4, theta.to(torch.float32), list(shape), l, kind, cache)
+    y, _, _ = fwd(x4, as_float32(theta), list(shape), l, kind, cache)
     return y.squeeze(2) if three_d else y
 
 
