@@ -41,8 +41,9 @@ import time
 
 import torch
 
-from kernelkit.flash_attn import op as fa_op
-from kernelkit.flash_attn.op import Plan, Tile
+from kernelkit.flash_attn import launchers as fa_launchers
+from kernelkit.flash_attn import plans as fa_plans
+from kernelkit.flash_attn.plans import Plan, Tile
 
 CASES = [(64, False), (64, True), (128, False), (128, True)]  # (d, causal)
 NS = (16384, 4096)
@@ -69,8 +70,8 @@ PEERS = ("sdpa flash", "sdpa cudnn")
 
 
 def plans_for(d, causal):
-    """{name: Plan}: "current" (op.py's plan) and the candidates for head dim d."""
-    base = fa_op.plan_for(d, causal, torch.bfloat16)
+    """{name: Plan}: "current" (plans.py's plan) and the candidates for head dim d."""
+    base = fa_plans.plan_for(d, causal, torch.bfloat16)
     tiles = (base.fwd, base.dkdv, base.dq)
     out = {"current": base}
     for name, by_d in CANDIDATES.items():
@@ -80,7 +81,7 @@ def plans_for(d, causal):
 
 
 def tile_str(t):
-    kind = " WS" if t.ws else " Gluon" if t.gluon else ""
+    kind = " Gluon" if t.gluon else ""
     return f"{t.block_m}x{t.block_n} w{t.warps} s{t.stages}{' tma' if t.tma else ''}{kind}"
 
 
@@ -118,20 +119,20 @@ class _Capture:
 
 def captured_launches(plan, causal, b, nq, nk, h, hkv, d):
     """(kernel, args, kwargs) of one forward and one backward with `plan` on CPU tensors of these
-    shapes, taken as on a Hopper GPU (TMA-aligned, warp-specialised kernels allowed): what
+    shapes, taken as on a Hopper GPU (TMA-aligned, the Gluon forward allowed): what
     Triton's launcher would specialise on."""
-    saved = fa_op.launch, fa_op.use_tma, fa_op._ws_device, fa_op._gluon_device
-    fa_op.launch, fa_op.use_tma = _Capture, lambda *t: True
-    fa_op._ws_device = fa_op._gluon_device = lambda device: True
+    saved = fa_launchers.launch, fa_plans.use_tma, fa_plans._gluon_device
+    fa_launchers.launch, fa_plans.use_tma = _Capture, lambda *t: True
+    fa_plans._gluon_device = lambda device: True
     _Capture.calls = []
     try:
         q, do = (torch.randn(b, nq, h, d, dtype=torch.bfloat16) for _ in range(2))
         k, v = (torch.randn(b, nk, hkv, d, dtype=torch.bfloat16) for _ in range(2))
-        o, lse = fa_op.forward(q, k, v, causal, 1 / math.sqrt(d), plan)
-        fa_op.backward(do, q, k, v, o, lse, None, causal, 1 / math.sqrt(d), plan)
+        o, lse = fa_launchers.forward(q, k, v, causal, 1 / math.sqrt(d), plan)
+        fa_launchers.backward(do, q, k, v, o, lse, None, causal, 1 / math.sqrt(d), plan)
         return list(_Capture.calls)
     finally:
-        fa_op.launch, fa_op.use_tma, fa_op._ws_device, fa_op._gluon_device = saved
+        fa_launchers.launch, fa_plans.use_tma, fa_plans._gluon_device = saved
 
 
 def _compile_sm90(kernel, args, kwargs, out, log):
@@ -242,8 +243,8 @@ def _rand(*shape, seed):
 
 def _run(plan, q, k, v, do, causal):
     scale = 1 / math.sqrt(q.shape[-1])
-    o, lse = fa_op.forward(q, k, v, causal, scale, plan)
-    return (o, lse, *fa_op.backward(do, q, k, v, o, lse, None, causal, scale, plan))
+    o, lse = fa_launchers.forward(q, k, v, causal, scale, plan)
+    return (o, lse, *fa_launchers.backward(do, q, k, v, o, lse, None, causal, scale, plan))
 
 
 def _maxdiff(a, b):
@@ -389,11 +390,11 @@ def time_cell(b, h, n, d, causal, rounds, passed=None):
         fns = {}
         for name, plan in plans.items():
             if direction == "fwd" and (name == "current" or plan.fwd != cur.fwd):
-                fns[name] = functools.partial(fa_op.forward, q, k, v, causal, scale, plan)
+                fns[name] = functools.partial(fa_launchers.forward, q, k, v, causal, scale, plan)
             elif direction == "bwd" and (name == "current" or plan.fwd == cur.fwd):
-                o, lse = fa_op.forward(q, k, v, causal, scale, cur)
+                o, lse = fa_launchers.forward(q, k, v, causal, scale, cur)
                 args = (do, q, k, v, o, lse, None, causal, scale, plan)
-                fns[name] = functools.partial(fa_op.backward, *args)
+                fns[name] = functools.partial(fa_launchers.backward, *args)
         leaves = []
         for name, (fwd, bwd, ls) in peers.items():
             fns[name] = fwd if direction == "fwd" else bwd

@@ -22,7 +22,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from kernelkit.flash_attn import op as fa_op
+from kernelkit.flash_attn import launchers as fa_launchers
+from kernelkit.flash_attn import plans as fa_plans
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -44,17 +45,20 @@ class _Capture:
 def captured_launches(d, dtype, causal, plan, n=256, b=1, h=1):
     """The (kernel, args, kwargs) of one forward and one backward with `plan` on CPU tensors of
     shape (b, n, h, d): the strides and sizes the suite-2 shapes give (B = H = 1)."""
-    launch, use_tma = fa_op.launch, fa_op.use_tma
-    fa_op.launch, fa_op.use_tma = _Capture, lambda *t: True  # TMA tiles compile as on Hopper
+    launch, use_tma = fa_launchers.launch, fa_plans.use_tma
+    fa_launchers.launch, fa_plans.use_tma = (
+        _Capture,
+        lambda *t: True,
+    )  # TMA tiles compile as on Hopper
     _calls.clear()
     try:
         q, k, v, do = (torch.randn(b, n, h, d, dtype=dtype) for _ in range(4))
         scale = 1.0 / math.sqrt(d)
-        o, lse = fa_op.forward(q, k, v, causal, scale, plan)
-        fa_op.backward(do, q, k, v, o, lse, None, causal, scale, plan)
+        o, lse = fa_launchers.forward(q, k, v, causal, scale, plan)
+        fa_launchers.backward(do, q, k, v, o, lse, None, causal, scale, plan)
         return list(_calls)
     finally:
-        fa_op.launch, fa_op.use_tma = launch, use_tma
+        fa_launchers.launch, fa_plans.use_tma = launch, use_tma
 
 
 def resource_usage(kernel, args, kwargs) -> dict:

@@ -11,7 +11,7 @@ For each case (d, causal) at N (B = 16384 / N, H = 2048 / d) it prints ms and TF
 forward for each forward tile, of the backward for each dk/dv tile (dq tile fixed at the default)
 and each dq tile (dk/dv tile fixed), next to SDPA's flash, cuDNN and memory-efficient backends,
 then a summary with the best tiles and their ratios to SDPA flash and cuDNN. The chosen defaults
-live in op.py (FWD_TILES, DKDV_TILES, DQ_TILES); NOTES.md keeps the measurements.
+live in plans.py (FWD_TILES, DKDV_TILES, DQ_TILES); NOTES.md keeps the measurements.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernelkit.flash_attn import op as fa_op
-from kernelkit.flash_attn.op import Plan, Tile
+from kernelkit.flash_attn import launchers as fa_launchers
+from kernelkit.flash_attn import plans as fa_plans
+from kernelkit.flash_attn.plans import Plan, Tile
 from kernelkit.shared.bench import bench_ms, copy_bandwidth_gbs, matmul_tflops
 
 # Candidates per head dim: tiles that compile for sm_90a without (or with few) register
@@ -65,8 +66,8 @@ AB_PLANS = {
     (128, True): {"tma, dkdv s3, dq s4": (None, (64, 128, 8, 3, True), (128, 64, 8, 4, True))},
 }  # fmt: skip
 # --flash-table: suite 2's shapes (B = 1, H = 1, causal), head dims and dtypes whose tiles were
-# never timed. Candidates per kernel as (BM, BN, warps, stages[, tma]); op.py's tile is always
-# timed too. Screened for sm_90a on CPU (--screen): candidates that spill more than op.py's own
+# never timed. Candidates per kernel as (BM, BN, warps, stages[, tma]); plans.py's tile is always
+# timed too. Screened for sm_90a on CPU (--screen): candidates that spill more than plans.py's own
 # tile were dropped (NOTES.md, "Seed study").
 _BF16_SMALL_D = {
     "fwd": [
@@ -166,10 +167,10 @@ def inputs(b, h, n, d, seed=0, dtype=torch.bfloat16):
 
 def time_plan(q, k, v, do, causal, plan, direction):
     scale = 1.0 / math.sqrt(q.shape[-1])
-    o, lse = fa_op.forward(q, k, v, causal, scale, plan)
+    o, lse = fa_launchers.forward(q, k, v, causal, scale, plan)
     if direction == "fwd":
-        return bench_ms(lambda: fa_op.forward(q, k, v, causal, scale, plan))
-    return bench_ms(lambda: fa_op.backward(do, q, k, v, o, lse, None, causal, scale, plan))
+        return bench_ms(lambda: fa_launchers.forward(q, k, v, causal, scale, plan))
+    return bench_ms(lambda: fa_launchers.backward(do, q, k, v, o, lse, None, causal, scale, plan))
 
 
 def time_sdpa(q, k, v, do, causal, backend):
@@ -186,7 +187,7 @@ def time_sdpa(q, k, v, do, causal, backend):
 
 
 def candidates(d, causal, kernels=("fwd", "dkdv", "dq")):
-    default = fa_op.plan_for(d, causal, torch.bfloat16)
+    default = fa_plans.plan_for(d, causal, torch.bfloat16)
     out = [("fwd", Plan(Tile(*t), default.dkdv, default.dq)) for t in FWD[d]]
     out += [("dkdv", Plan(default.fwd, Tile(*t), default.dq)) for t in DKDV[d]]
     out += [("dq", Plan(default.fwd, default.dkdv, Tile(*t))) for t in DQ[d]]
@@ -194,8 +195,8 @@ def candidates(d, causal, kernels=("fwd", "dkdv", "dq")):
 
 
 def ab_plans(d, causal):
-    """{name: Plan}: op.py's plan, the same tiles with all pointer / all TMA loads, AB_PLANS."""
-    base = fa_op.plan_for(d, causal, torch.bfloat16)
+    """{name: Plan}: plans.py's plan, the same tiles with all pointer / all TMA loads, AB_PLANS."""
+    base = fa_plans.plan_for(d, causal, torch.bfloat16)
     tiles = (base.fwd, base.dkdv, base.dq)
     plans = {
         "defaults": base,
@@ -239,11 +240,11 @@ def tile_str(t):
 
 
 def table_plans(d, dt):
-    """[(kind, tile, plan)]: op.py's causal plan for (d, dtype) first (kind "default"), then each
-    FLASH_TABLE candidate of one kernel with the other two kernels at op.py's tiles."""
-    base = fa_op.plan_for(d, True, DTYPES[dt])
+    """[(kind, tile, plan)]: plans.py's causal plan for (d, dtype) first (kind "default"), then each
+    FLASH_TABLE candidate of one kernel with the other two kernels at plans.py's tiles."""
+    base = fa_plans.plan_for(d, True, DTYPES[dt])
     out = [("default", None, base)]
-    for kind, tiles in FLASH_TABLE.get((d, dt), {}).items():  # none: op.py's tiles only
+    for kind, tiles in FLASH_TABLE.get((d, dt), {}).items():  # none: plans.py's tiles only
         for t in map(lambda t: Tile(*t), tiles):
             if t != getattr(base, kind):
                 out.append((kind, t, replace(base, **{kind: t})))
@@ -288,14 +289,14 @@ def _vs(peer, ms):
 
 
 def run_flash_table(cases, ns, rounds, defaults_only=False):
-    """Suite-2 shapes (B = H = 1, causal): op.py's tiles and each candidate, forward or backward
+    """Suite-2 shapes (B = H = 1, causal): plans.py's tiles and each candidate, forward or backward
     ms (median of `rounds` round-robin passes), beside the best SDPA backend that takes the case;
-    per kernel the candidate with the best geometric-mean speed-up over op.py's tile across N;
+    per kernel the candidate with the best geometric-mean speed-up over plans.py's tile across N;
     then the plan of the winners against SDPA."""
     summary = []
     for d, dt in cases:
         plans = table_plans(d, dt)[: 1 if defaults_only else None]
-        ratios = {}  # (kind, tile) -> [op.py's ms / candidate ms, per N]
+        ratios = {}  # (kind, tile) -> [plans.py's ms / candidate ms, per N]
         peers = {}
         for n in ns:
             q, k, v, do = inputs(1, 1, n, d, dtype=DTYPES[dt])
@@ -307,15 +308,19 @@ def run_flash_table(cases, ns, rounds, defaults_only=False):
                     times[i].append([time_plan(q, k, v, do, True, plan, r) for r in dirs])
             f0, b0 = (_median([t[j] for t in times[0]]) for j in (0, 1))
             ff = fwd_flops(1, 1, n, d, True)
-            print(f"d{d} {dt} N{n}: op.py tiles fwd {f0:.4f} ms ({ff / f0 / 1e9:.1f} TF, "
+            print(f"d{d} {dt} N{n}: plans.py tiles fwd {f0:.4f} ms ({ff / f0 / 1e9:.1f} TF, "
                   f"{_vs(peers[n][0], f0)}), bwd {b0:.4f} ms ({_vs(peers[n][1], b0)})", flush=True)  # fmt: skip
             for i, (kind, tile, _) in enumerate(plans[1:], start=1):
                 ms, ref = _median([t[0] for t in times[i]]), f0 if kind == "fwd" else b0
                 ratios.setdefault((kind, tile), []).append(ref / ms)
-                print(f"  {kind:4s} {tile_str(tile):18s} {ms:8.4f} ms  x{ref / ms:5.2f} vs op.py")
+                print(
+                    f"  {kind:4s} {tile_str(tile):18s} {ms:8.4f} ms  x{ref / ms:5.2f} vs plans.py"
+                )
             del q, k, v, do
             torch.cuda.empty_cache()
-        print(f"d{d} {dt}: best candidate per kernel (geomean speed-up over op.py's tile; per N)")
+        print(
+            f"d{d} {dt}: best candidate per kernel (geomean speed-up over plans.py's tile; per N)"
+        )
         win = {}
         for kind in ("fwd", "dkdv", "dq"):
             cands = [(math.prod(r) ** (1 / len(r)), t, r) for (k, t), r in ratios.items() if k == kind]  # fmt: skip
@@ -324,9 +329,9 @@ def run_flash_table(cases, ns, rounds, defaults_only=False):
                 if g >= 1.03:  # beyond the noise between passes
                     win[kind] = t
                 print(f"  {kind:4s} {tile_str(t):18s} x{g:4.2f} ({' '.join(f'{x:.2f}' for x in r)})"
-                      f"{'  <- wins' if kind in win else '  (keep op.py)'}")  # fmt: skip
+                      f"{'  <- wins' if kind in win else '  (keep plans.py)'}")  # fmt: skip
         plan = replace(plans[0][2], **win)
-        for n in ns:  # the chosen plan (op.py's tiles if nothing won) against SDPA
+        for n in ns:  # the chosen plan (plans.py's tiles if nothing won) against SDPA
             q, k, v, do = inputs(1, 1, n, d, dtype=DTYPES[dt])
             f, b = (time_plan(q, k, v, do, True, plan, r) for r in ("fwd", "bwd"))
             summary.append((f"d{d} {dt} N{n}", plan, f, b, *peers[n]))
@@ -345,7 +350,7 @@ def main():
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--shard", default="0/1")
     ap.add_argument("--leaderboard", action="store_true", help="also the (16, 16384, 64) shape")
-    ap.add_argument("--defaults-only", action="store_true", help="time only op.py's tiles")
+    ap.add_argument("--defaults-only", action="store_true", help="time only plans.py's tiles")
     ap.add_argument("--kernels", default="fwd,dkdv,dq", help="which kernels' tiles to sweep")
     ap.add_argument("--ab", type=int, default=0, help="time whole plans side by side, R rounds")
     ap.add_argument("--bh", help="B,H for --ab (default: the suite's 16384/N, 2048/d)")
@@ -370,8 +375,8 @@ def main():
             ]
             for d, dt, plan in jobs[shard::nshards]:
                 q, k, v, do = inputs(1, 1, 256, d, dtype=DTYPES[dt])
-                o, lse = fa_op.forward(q, k, v, True, 1.0 / math.sqrt(d), plan)
-                fa_op.backward(do, q, k, v, o, lse, None, True, 1.0 / math.sqrt(d), plan)
+                o, lse = fa_launchers.forward(q, k, v, True, 1.0 / math.sqrt(d), plan)
+                fa_launchers.backward(do, q, k, v, o, lse, None, True, 1.0 / math.sqrt(d), plan)
             torch.cuda.synchronize()
         else:
             print(f"GPU {torch.cuda.get_device_name()}  flash table: B 1, H 1, causal")
@@ -402,8 +407,8 @@ def main():
                 continue
             q, k, v, do = inputs(1, 2048 // d, 256, d)
             scale = 1.0 / math.sqrt(d)
-            o, lse = fa_op.forward(q, k, v, causal, scale, plan)
-            fa_op.backward(do, q, k, v, o, lse, None, causal, scale, plan)
+            o, lse = fa_launchers.forward(q, k, v, causal, scale, plan)
+            fa_launchers.backward(do, q, k, v, o, lse, None, causal, scale, plan)
         torch.cuda.synchronize()
         return
 

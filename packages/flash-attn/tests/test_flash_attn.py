@@ -2,7 +2,7 @@
 
 Runs the real Triton kernels: on the GPU when there is one, otherwise under the Triton
 interpreter (the kernelkit pytest plugin switches it on before the kernels are imported), where
-shapes stay small and the tiles are small too (op.INTERPRETER_*), so that N = 17 or 40 already
+shapes stay small and the tiles are small too (plans.INTERPRETER_*), so that N = 17 or 40 already
 walks several blocks, the causal diagonal and the ragged sequence ends of every kernel.
 Tests marked `gpu` use sizes only a GPU gets through quickly.
 """
@@ -13,12 +13,21 @@ import pytest
 import torch
 
 from kernelkit.flash_attn import FlashAttentionFunction, flash_attn, flash_attn_varlen
+from kernelkit.flash_attn import launchers as fa_launchers
 from kernelkit.flash_attn import op as fa_op
+from kernelkit.flash_attn import plans as fa_plans
+from kernelkit.flash_attn import validation as fa_validation
 from kernelkit.flash_attn.reference import attention_reference, attention_varlen_reference
 from kernelkit.shared.runtime import interpreting
 from kernelkit.shared.testing import assert_close, assert_graph_replays
 
 HALF = (torch.float16, torch.bfloat16)
+
+
+def _as_on_gpu(monkeypatch):
+    """Plans and launches as on a GPU: the tile tables and rules, not the interpreter's."""
+    for module in (fa_plans, fa_launchers):
+        monkeypatch.setattr(module, "interpreting", lambda: False)
 
 
 def make(shape, dtype, device, seed, scale=1.0):
@@ -170,9 +179,9 @@ def test_tma_and_pointer_loads(case, device):
     if case == "q-offset-by-one":  # q starts 2 bytes past an aligned address
         buf = torch.empty(q.numel() + 1, dtype=q.dtype, device=device)
         q = buf[1:].view(q.shape).copy_(q)
-    tma = fa_op.use_tma(torch.empty(1, 8, dtype=q.dtype, device=device))  # this device has TMA
-    assert fa_op.use_tma(k, v) == (tma and case != "head-dim-20")
-    assert fa_op.use_tma(q) == (tma and case == "aligned")
+    tma = fa_plans.use_tma(torch.empty(1, 8, dtype=q.dtype, device=device))  # this device has TMA
+    assert fa_plans.use_tma(k, v) == (tma and case != "head-dim-20")
+    assert fa_plans.use_tma(q) == (tma and case == "aligned")
     check(q, k, v, causal=True)
 
 
@@ -221,7 +230,7 @@ def test_gradient_broadcast_over_the_sequence(device):
     read it take pointer loads. d = 128 bf16 uses TMA tiles (on Hopper and here)."""
     q, k, v = qkv(1, 40, 40, 2, 2, 128, torch.bfloat16, device)
     do = make((1, 1, 2, 128), torch.bfloat16, device, seed=3).expand(q.shape)
-    assert do.stride(1) == 0 and not fa_op.use_tma(do)
+    assert do.stride(1) == 0 and not fa_plans.use_tma(do)
     grads = _run(flash_attn, q, k, v, do, None, causal=True)[2]
     grads64 = _run(attention_reference, q.double(), k.double(), v.double(), do, None, causal=True)[
         2
@@ -242,12 +251,15 @@ def test_no_grad_forward(device):
 @pytest.mark.parametrize(
     "plan",
     [
-        fa_op.Plan(
-            *(fa_op.Tile(*t, tma=True) for t in ((16, 32, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1)))
+        fa_plans.Plan(
+            *(fa_plans.Tile(*t, tma=True) for t in ((16, 32, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1)))
         ),
-        fa_op.Plan(*(fa_op.Tile(32, 32, 4, 1, tma=False),) * 3),
-        fa_op.Plan(
-            *(fa_op.Tile(*t, tma=False) for t in ((32, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1)))
+        fa_plans.Plan(*(fa_plans.Tile(32, 32, 4, 1, tma=False),) * 3),
+        fa_plans.Plan(
+            *(
+                fa_plans.Tile(*t, tma=False)
+                for t in ((32, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1))
+            )
         ),
     ],
     ids=["kv-tiles-wider-tma", "square-tiles-pointer", "interpreter-tiles-pointer"],
@@ -259,8 +271,8 @@ def test_other_tile_shapes(plan, causal, device):
     q, k, v = qkv(1, 45, 37, 2, 1, 32, torch.float32, device)
     do = make(q.shape, q.dtype, device, seed=9)
     scale = 1 / math.sqrt(32)
-    o, lse = fa_op.forward(q, k, v, causal, scale, plan)
-    grads = fa_op.backward(do, q, k, v, o, lse, None, causal, scale, plan)
+    o, lse = fa_launchers.forward(q, k, v, causal, scale, plan)
+    grads = fa_launchers.backward(do, q, k, v, o, lse, None, causal, scale, plan)
     o64, lse64, grads64 = _run(
         attention_reference, q.double(), k.double(), v.double(), do, None, causal=causal
     )
@@ -363,10 +375,12 @@ def test_window_skips_blocks_outside(case, device):
     bad = {name: t.clone() for name, t in clean.items()}
     for name in poison:
         bad[name][:, :p] = math.nan
-    scale, window_arg = 0.25, fa_op.window_for(window, causal, nq, nk)
-    plan = fa_op.plan_for(16, True, torch.float32)
-    o, lse = fa_op.forward(bad["q"], bad["k"], bad["v"], causal, scale, plan, window=window_arg)
-    grads = fa_op.backward(bad["do"], bad["q"], bad["k"], bad["v"], o, lse, None, causal, scale,
+    scale, window_arg = 0.25, fa_validation.window_for(window, causal, nq, nk)
+    plan = fa_plans.plan_for(16, True, torch.float32)
+    o, lse = fa_launchers.forward(
+        bad["q"], bad["k"], bad["v"], causal, scale, plan, window=window_arg
+    )
+    grads = fa_launchers.backward(bad["do"], bad["q"], bad["k"], bad["v"], o, lse, None, causal, scale,
                            plan, window=window_arg)  # fmt: skip
     ref64 = {name: t.double() for name, t in clean.items()}
     o64, lse64, grads64 = _run(attention_reference, ref64["q"], ref64["k"], ref64["v"],
@@ -384,19 +398,19 @@ def test_window_skips_blocks_outside(case, device):
 def test_masked_forward_plan(monkeypatch):
     """Windows with a left edge and packed batches read K/V through TMA in the forward at
     d >= 128 (their pointer tile spills; NOTES.md)."""
-    monkeypatch.setattr(fa_op, "interpreting", lambda: False)
-    assert fa_op.plan_for(128, True, torch.bfloat16, masked_fwd=True).fwd.tma
-    assert not fa_op.plan_for(128, True, torch.bfloat16).fwd.tma
-    assert not fa_op.plan_for(64, False, torch.bfloat16, masked_fwd=True).fwd.tma
+    _as_on_gpu(monkeypatch)
+    assert fa_plans.plan_for(128, True, torch.bfloat16, masked_fwd=True).fwd.tma
+    assert not fa_plans.plan_for(128, True, torch.bfloat16).fwd.tma
+    assert not fa_plans.plan_for(64, False, torch.bfloat16, masked_fwd=True).fwd.tma
 
 
 def test_window_size_normalisation():
     """Bounds no row can reach are dropped (plain kernels); causal is right = 0."""
-    assert fa_op.window_for((-1, -1), False, 10, 20) == (-1, -1)
-    assert fa_op.window_for((19, 9), False, 10, 20) == (-1, -1)
-    assert fa_op.window_for((18, 8), False, 10, 20) == (18, 8)
-    assert fa_op.window_for((5, -1), True, 10, 20) == (5, 0)
-    assert fa_op.window_for([3, 0], True, 1, 20) == (3, 0)  # causal stays causal
+    assert fa_validation.window_for((-1, -1), False, 10, 20) == (-1, -1)
+    assert fa_validation.window_for((19, 9), False, 10, 20) == (-1, -1)
+    assert fa_validation.window_for((18, 8), False, 10, 20) == (18, 8)
+    assert fa_validation.window_for((5, -1), True, 10, 20) == (5, 0)
+    assert fa_validation.window_for([3, 0], True, 1, 20) == (3, 0)  # causal stays causal
 
 
 # ------------------------------------------------------------------------------------------
@@ -604,7 +618,7 @@ def test_varlen_cpu_tensors_without_interpreter_use_the_reference(monkeypatch):
 
 # ------------------------------------------------------------------------------------------
 # Split-KV forward (decoding): keys split across programs, partials merged through their LSEs.
-# Under the interpreter num_sms is 4 and the split rule small (op.INTERPRETER_SPLIT_RULE), so
+# Under the interpreter num_sms is 4 and the split rule small (plans.INTERPRETER_SPLIT_RULE), so
 # a few dozen keys already take several splits; the backward is the dense kernels' either way.
 # ------------------------------------------------------------------------------------------
 
@@ -618,34 +632,38 @@ def _meta(b, nq, nk, h, hkv, d, dtype=torch.bfloat16):
 
 def test_split_plan_rule(monkeypatch):
     """The GPU rule, for an H100's 132 SMs."""
-    monkeypatch.setattr(fa_op, "interpreting", lambda: False)
-    monkeypatch.setattr(fa_op, "num_sms", lambda device: 132)
-    decode = fa_op.Tile(16, *fa_op.SPLIT_TILES[128])
+    _as_on_gpu(monkeypatch)
+    monkeypatch.setattr(fa_plans, "num_sms", lambda device: 132)
+    decode = fa_plans.Tile(16, *fa_plans.SPLIT_TILES[128])
     # Decode, GQA 32/8: 64 query tiles; one wave: 132 // 64 = 2 splits of 128-key blocks.
-    assert fa_op.split_plan(*_meta(8, 1, 4096, 32, 8, 128)) == fa_op.SplitPlan(decode, 2, 2048)
-    assert fa_op.split_plan(*_meta(8, 1, 32768, 32, 8, 128)) == fa_op.SplitPlan(decode, 2, 16384)
+    assert fa_plans.split_plan(*_meta(8, 1, 4096, 32, 8, 128)) == fa_plans.SplitPlan(
+        decode, 2, 2048
+    )
+    assert fa_plans.split_plan(*_meta(8, 1, 32768, 32, 8, 128)) == fa_plans.SplitPlan(
+        decode, 2, 16384
+    )
     # Speculative decoding: 4 query heads x 16 queries = 64 packed rows, one tile.
-    plan = fa_op.split_plan(*_meta(8, 16, 8192, 32, 8, 128))
+    plan = fa_plans.split_plan(*_meta(8, 16, 8192, 32, 8, 128))
     assert plan.tile.block_m == 64 and plan.splits == 2
     # Training shapes fill the GPU: the dense forward.
-    assert fa_op.split_plan(*_meta(8, 4096, 4096, 32, 8, 128)) is None
-    assert fa_op.split_plan(*_meta(1, 4096, 4096, 32, 32, 128)) is None
+    assert fa_plans.split_plan(*_meta(8, 4096, 4096, 32, 8, 128)) is None
+    assert fa_plans.split_plan(*_meta(1, 4096, 4096, 32, 32, 128)) is None
     # Few query rows but many batches: the split kernel, unsplit (GQA packing still pays).
-    assert fa_op.split_plan(*_meta(128, 1, 4096, 32, 8, 128)).splits == 1
+    assert fa_plans.split_plan(*_meta(128, 1, 4096, 32, 8, 128)).splits == 1
     # Larger Nq that still underfills: 64 rows need 16 * 64 keys per split.
-    assert fa_op.split_plan(*_meta(1, 64, 65536, 1, 1, 128)).splits == 64
+    assert fa_plans.split_plan(*_meta(1, 64, 65536, 1, 1, 128)).splits == 64
     # 128 packed rows take the dense forward's tile.
-    plan = fa_op.split_plan(*_meta(8, 32, 4096, 32, 8, 128))
-    assert plan.tile == fa_op.FWD_TILES[128] and plan.splits == 2
-    assert fa_op.split_plan(*_meta(8, 1, 4096, 32, 8, 128, torch.float32)).tile == fa_op.Tile(
-        16, *fa_op.SPLIT_FP32_TILES[128]
+    plan = fa_plans.split_plan(*_meta(8, 32, 4096, 32, 8, 128))
+    assert plan.tile == fa_plans.FWD_TILES[128] and plan.splits == 2
+    assert fa_plans.split_plan(*_meta(8, 1, 4096, 32, 8, 128, torch.float32)).tile == fa_plans.Tile(
+        16, *fa_plans.SPLIT_FP32_TILES[128]
     )
     # A forced count: runs of whole key blocks of one length (5 blocks in 4 splits: 2, 2, 1).
-    forced = fa_op.split_plan(*_meta(1, 1, 600, 4, 1, 64), num_splits=4)
+    forced = fa_plans.split_plan(*_meta(1, 1, 600, 4, 1, 64), num_splits=4)
     assert (forced.splits, forced.split_len) == (3, 256)
-    assert fa_op.split_plan(*_meta(1, 1, 600, 4, 1, 64), num_splits=99).splits == 5
+    assert fa_plans.split_plan(*_meta(1, 1, 600, 4, 1, 64), num_splits=99).splits == 5
     # A sliding window: only the keys from the first query's window on are split.
-    assert fa_op.split_plan(*_meta(8, 1, 32768, 32, 8, 128), left=4095) == fa_op.SplitPlan(
+    assert fa_plans.split_plan(*_meta(8, 1, 32768, 32, 8, 128), left=4095) == fa_plans.SplitPlan(
         decode, 2, 2048, 28672
     )
 
@@ -655,7 +673,7 @@ def takes_split_path(q, k) -> bool:
     """The automatic plan takes the split-KV forward. Under the interpreter (a 4-SM stand-in)
     these small shapes split the keys several ways; a real GPU gives them one split (several
     splits are forced in test_split_counts_agree_with_dense and run at large shapes on the GPU)."""
-    plan = fa_op.split_plan(q, k)
+    plan = fa_plans.split_plan(q, k)
     return plan is not None and (plan.splits >= 2 or not interpreting())
 
 
@@ -690,12 +708,12 @@ def test_split_counts_agree_with_dense(shape, device):
     keys (neutral partials, LSE -inf); with Nq > Nk the first rows see no key at all."""
     q, k, v = qkv(*shape, torch.float32, device)
     scale = 1 / math.sqrt(q.shape[-1])
-    o_d, lse_d = fa_op.forward(q, k, v, True, scale, fa_op.plan_for(32, True, q.dtype))
+    o_d, lse_d = fa_launchers.forward(q, k, v, True, scale, fa_plans.plan_for(32, True, q.dtype))
     o64, lse64 = attention_reference(q.double(), k.double(), v.double(), True, return_lse=True)
-    pointer = fa_op.Tile(32, 16, 4, 1, tma=False)
+    pointer = fa_plans.Tile(32, 16, 4, 1, tma=False)
     for n, tile in ((1, None), (2, None), (3, pointer), (5, None)):
-        split = fa_op.split_plan(q, k, num_splits=n, tile=tile)
-        o, lse = fa_op.forward(q, k, v, True, scale, split=split)
+        split = fa_plans.split_plan(q, k, num_splits=n, tile=tile)
+        o, lse = fa_launchers.forward(q, k, v, True, scale, split=split)
         assert torch.equal(torch.isneginf(lse), torch.isneginf(lse64)), f"{n} splits"
         assert_close(o, o64, name=f"o, {n} splits")
         assert_close(o, o_d, name=f"o vs dense, {n} splits")
@@ -766,18 +784,18 @@ def test_split_kv_torch_compile_fullgraph(device):
 
 def _launched_kernels(monkeypatch):
     """The names of the kernels the op launches from now on."""
-    names, launch = [], fa_op.launch
-    monkeypatch.setattr(fa_op, "launch", lambda k: names.append(k.fn.__name__) or launch(k))
+    names, launch = [], fa_launchers.launch
+    monkeypatch.setattr(fa_launchers, "launch", lambda k: names.append(k.fn.__name__) or launch(k))
     return names
 
 
 def _check_plan(plan, q, k, v, causal):
-    """fa_op.forward/backward with `plan` against the float64 reference and, no worse than twice
+    """fa_launchers.forward/backward with `plan` against the float64 reference and, no worse than twice
     its error, the reference evaluated in q's dtype."""
     do = make(q.shape, q.dtype, q.device, seed=9)
     scale = 1 / math.sqrt(q.shape[-1])
-    o, lse = fa_op.forward(q, k, v, causal, scale, plan)
-    grads = fa_op.backward(do, q, k, v, o, lse, None, causal, scale, plan)
+    o, lse = fa_launchers.forward(q, k, v, causal, scale, plan)
+    grads = fa_launchers.backward(do, q, k, v, o, lse, None, causal, scale, plan)
     o64, lse64, grads64 = _run(
         attention_reference, q.double(), k.double(), v.double(), do, None, causal=causal
     )
@@ -805,13 +823,15 @@ def test_gluon_forward_launches_are_compile_checked(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: calls.append((self.kernel, args, kwargs))
 
-    monkeypatch.setattr(fa_op, "launch", Capture)
-    monkeypatch.setattr(fa_op, "use_tma", lambda *t: True)
-    monkeypatch.setattr(fa_op, "_gluon_device", lambda device: True)
+    monkeypatch.setattr(fa_launchers, "launch", Capture)
+    monkeypatch.setattr(fa_plans, "use_tma", lambda *t: True)
+    monkeypatch.setattr(fa_plans, "_gluon_device", lambda device: True)
     for d, causal, tile in [(64, False, (128, 64, 3)), (80, False, (128, 128, 2))]:
         q, k, v = qkv(2, 300, 260, 4, 2, d, torch.bfloat16, "cpu")
-        plan = fa_op.Plan(fa_op.Tile(*tile[:2], 4, tile[2], tma=True, gluon=True), *([None] * 2))
-        fa_op.forward(q, k, v, causal, 0.125, plan)
+        plan = fa_plans.Plan(
+            fa_plans.Tile(*tile[:2], 4, tile[2], tma=True, gluon=True), *([None] * 2)
+        )
+        fa_launchers.forward(q, k, v, causal, 0.125, plan)
     assert [kernel.fn.__name__ for kernel, _, _ in calls] == ["attn_fwd_gluon_kernel"] * 2
     for kernel, args, kwargs in calls:
         record_launch(kernel, args, kwargs)
@@ -865,7 +885,7 @@ def test_opcheck(device):
 def test_opcheck_with_gpu_tiles(dtype, device, monkeypatch):
     """Dynamic-shape tracing (opcheck's aot_dispatch_dynamic) through the GPU tile tables, which
     the interpreter otherwise bypasses: the head dim and block flags must be concrete."""
-    monkeypatch.setattr(fa_op, "interpreting", lambda: False)
+    _as_on_gpu(monkeypatch)
     q, k, v = (t.requires_grad_() for t in qkv(1, 19, 21, 2, 1, 32, dtype, device))
     torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_fwd, (q, k, v, True, 0.25))
 
@@ -1018,7 +1038,7 @@ def test_gpu_dtypes(dtype, d, device):
 
 
 # (d, dtype, causal, softcap, tanh.approx): GPU softcap uses the approximate instruction for half
-# precision by default (op.FAST_TANH); the exact formula is what float32 and CPU runs use.
+# precision by default (launchers.FAST_TANH); the exact formula is what float32 and CPU runs use.
 GPU_SOFTCAP = [
     (128, torch.bfloat16, True, 30.0, True),
     (64, torch.float16, False, 5.0, True),
@@ -1033,7 +1053,7 @@ GPU_SOFTCAP = [
 )
 def test_gpu_softcap(case, device, monkeypatch):
     d, dtype, causal, softcap, fast = case
-    monkeypatch.setattr(fa_op, "FAST_TANH", fast)
+    monkeypatch.setattr(fa_launchers, "FAST_TANH", fast)
     q, k, v = qkv(2, 1000, 1024, 8, 2, d, dtype, device)
     check((q.double() * 3).to(dtype), k, v, causal=causal, softcap=softcap)
 
@@ -1091,7 +1111,7 @@ GPU_SPLIT_SHAPES = [
 def test_gpu_split_kv(case, causal, device):
     *shape, dtype = case
     q, k, v = qkv(*shape, dtype, device)
-    assert fa_op.split_plan(q, k) is not None
+    assert fa_plans.split_plan(q, k) is not None
     check(q, k, v, causal=causal)
 
 
@@ -1104,9 +1124,11 @@ def test_gpu_split_kv_cache_slice(device):
     q = make((4, 1, 32, 128), torch.bfloat16, device, seed=4)
     check(q, k, v, causal=True)
     scale = 1 / math.sqrt(128)
-    o_d, lse_d = fa_op.forward(q, k, v, True, scale, fa_op.plan_for(128, True, q.dtype))
+    o_d, lse_d = fa_launchers.forward(q, k, v, True, scale, fa_plans.plan_for(128, True, q.dtype))
     for n in (1, 3, 16, 79):
-        o, lse = fa_op.forward(q, k, v, True, scale, split=fa_op.split_plan(q, k, num_splits=n))
+        o, lse = fa_launchers.forward(
+            q, k, v, True, scale, split=fa_plans.split_plan(q, k, num_splits=n)
+        )
         assert_close(o, o_d, name=f"o vs dense, {n} splits")
         assert_close(lse, lse_d, bound=2e-5, name=f"lse vs dense, {n} splits")
 
@@ -1121,7 +1143,7 @@ def test_gpu_cuda_graph(shape, device):
     """Forward and backward captured in one CUDA graph and replayed on new inputs give exactly
     what eager calls give (no host sync, allocation or device query breaks the capture)."""
     q, k, v = qkv(*shape, torch.bfloat16, device)
-    assert (fa_op.split_plan(q, k) is not None) == (shape[1] == 1)
+    assert (fa_plans.split_plan(q, k) is not None) == (shape[1] == 1)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     do = make(q.shape, q.dtype, device, seed=5)
 
@@ -1179,9 +1201,9 @@ def test_gpu_gluon_forward(shape, tile, device, monkeypatch):
     kernels)."""
     launched = _launched_kernels(monkeypatch)
     q, k, v = qkv(*shape, torch.bfloat16, device)
-    base = fa_op.plan_for(shape[-1], False, q.dtype)
-    gluon = fa_op.Tile(*tile[:2], 4, tile[2], tma=True, gluon=True)
-    _check_plan(fa_op.Plan(gluon, base.dkdv, base.dq), q, k, v, False)
+    base = fa_plans.plan_for(shape[-1], False, q.dtype)
+    gluon = fa_plans.Tile(*tile[:2], 4, tile[2], tma=True, gluon=True)
+    _check_plan(fa_plans.Plan(gluon, base.dkdv, base.dq), q, k, v, False)
     if torch.cuda.get_device_capability()[0] == 9:
         assert "attn_fwd_gluon_kernel" in launched
 

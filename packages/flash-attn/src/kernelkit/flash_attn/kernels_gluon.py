@@ -3,7 +3,7 @@
 Same contract as kernels.attn_fwd_kernel (layout (B, N, H, D) through runtime strides, log2
 scores, bottom-right causal mask, GQA, LSE, rows that see no key -> zeros and LSE -inf), for
 half-precision inputs and BLOCK_D in {64, 128}; the host takes it only where every tensor is
-TMA-aligned (op.use_tma) on an sm_90 GPU. Gluon does not run under the interpreter: CI compiles
+TMA-aligned (plans.use_tma) on an sm_90 GPU. Gluon does not run under the interpreter: CI compiles
 it for sm_90a (tests) and the GPU tests run it.
 
 One program = BLOCK_M = 2 x 64 query rows of one head, in three partitions (gl.warp_specialize):

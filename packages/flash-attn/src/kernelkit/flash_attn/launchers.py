@@ -1,0 +1,426 @@
+"""The host functions that launch flash-attn's kernels: `forward` (dense, split-KV or Gluon) and
+`backward`, from validated arguments and a plan."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kernelkit.shared.runtime import (
+    cdiv,
+    interpreting,
+    launch,
+    next_power_of_2,
+)
+
+from . import kernels as K
+
+try:  # Gluon (triton.experimental.gluon) is newer than the oldest Triton this package accepts
+    from . import kernels_gluon as KG
+except ImportError:  # pragma: no cover
+    KG = None
+from .plans import (
+    COMBINE_BLOCK_R,
+    FWD_TILES,
+    INTERPRETER_FWD,
+    PREPROCESS_BLOCK_M,
+    Plan,
+    SplitPlan,
+    Tile,
+    _gluon_flag,
+    _tma_flag,
+    block_d_for,
+    dot_precision,
+    plan_for,
+    split_plan,
+)
+
+LOG2E = 1.4426950408889634  # scores run in log2 units (exp2)
+
+
+def _forward_gluon(q, k, v, o, lse, tile: Tile, scale: float) -> None:
+    """The Gluon forward (dense, non-causal, no softcap, window or packing: the cases it was
+    written and measured for)."""
+    b, nq, h, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    launch(KG.attn_fwd_gluon_kernel)[(cdiv(nq, tile.block_m) * b * h,)](
+        q, k, v, o, lse, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(o), h,
+        h // hkv, nq, nk, scale * LOG2E, HEAD_DIM=d, BLOCK_D=block_d_for(d),
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, CAUSAL=False,
+        EVEN_M=bool(nq % tile.block_m == 0), EVEN_N=bool(nk % tile.block_n == 0),
+        DOT_PREC=dot_precision(q.dtype), TMA=True, STAGES=tile.stages, num_warps=tile.warps,
+        num_stages=tile.stages,
+    )  # fmt: skip
+
+
+# Softcap on half-precision inputs on the GPU uses the tanh.approx.f32 instruction (one MUFU op,
+# as FlashAttention does); float32 inputs and the interpreter an exact float32 formula. False:
+# the exact formula everywhere (an A/B switch; NOTES.md).
+FAST_TANH = True
+
+
+def _score_args(scale: float, softcap: float, q: torch.Tensor) -> tuple[float, float, int]:
+    """(qk_scale, cap_scale, SOFTCAP) of a launch: scores in log2 units are q.k * qk_scale, or
+    with a cap tanh(q.k * cap_scale) * qk_scale (kernels.py); SOFTCAP 0 off, 1 exact tanh,
+    2 tanh.approx."""
+    if not softcap:
+        return scale * LOG2E, 0.0, 0
+    fast = FAST_TANH and q.device.type == "cuda" and q.dtype != torch.float32
+    return softcap * LOG2E, scale / softcap, 2 if fast else 1
+
+
+def _window_args(causal: bool, window: tuple[int, int]) -> tuple[bool, bool, int, int]:
+    """(CAUSAL, LOCAL, win_left, win_right) of a launch: CAUSAL bounds keys on the right
+    (j <= i + shift + win_right; causal is win_right = 0), LOCAL on the left."""
+    left, right = window
+    upper = causal or right >= 0
+    return upper, left >= 0, max(left, 0), 0 if causal else max(right, 0)
+
+
+def _unit_d(t: torch.Tensor) -> torch.Tensor:
+    """The kernels read D with unit stride; any other layout of the last dim is copied."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _strides3(t: torch.Tensor):
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+@dataclass(frozen=True)
+class Varlen:
+    """A packed batch (`flash_attn_varlen`): q (total_q, H, D), k/v (total_k, Hkv, D), sequence
+    b being rows cu_q[b]:cu_q[b + 1] of q and cu_k[b]:cu_k[b + 1] of k/v (int32 prefix sums, on
+    q's device); max_q, max_k bound the sequence lengths (they size the grid)."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+def _seq_strides(t: torch.Tensor, varlen: Varlen | None):
+    """(batch, row, head) strides of a (B, N, H, D) tensor; for a packed (total, H, D) one the
+    batch stride is 0: each sequence's programs start at its own row (kernels.py, VARLEN)."""
+    return _strides3(t) if varlen is None else (0, t.stride(0), t.stride(1))
+
+
+def forward(
+    q,
+    k,
+    v,
+    causal: bool,
+    scale: float,
+    plan: Plan | None = None,
+    split: SplitPlan | None = None,
+    softcap: float = 0.0,
+    window: tuple[int, int] = (-1, -1),
+    varlen: Varlen | None = None,
+):
+    """(o, lse) for 4-D q (B, Nq, H, D), k/v (B, Nk, Hkv, D); launches only (no autograd).
+    softcap > 0 caps the scores (softcap * tanh(s / softcap)); window (left, right) as returned
+    by `window_for`. With `varlen`: packed q (total_q, H, D), k/v (total_k, Hkv, D), o like q
+    and lse (H, total_q).
+
+    With neither `plan` nor `split` given, `split_plan` chooses between the dense forward and
+    the split-KV one; a `plan` alone runs the dense forward with its tile, a `split` the split-KV
+    forward (dense batches only)."""
+    q, k, v = _unit_d(q), _unit_d(k), _unit_d(v)
+    d = int(q.shape[-1])  # compile-time in the kernels: specialise on it under dynamic shapes
+    if varlen is None:
+        b, nq, h = q.shape[:3]
+        nk, hkv = k.shape[1], k.shape[2]
+        o = torch.empty((b, nq, h, d), dtype=q.dtype, device=q.device)
+        lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
+        lse_strides = lse.stride(0), lse.stride(1)
+        if b == 0:
+            return o, lse
+        if plan is None and split is None:
+            split = split_plan(q, k, left=window[0])
+        if split is not None:
+            _forward_split(q, k, v, o, lse, causal, scale, split, softcap, window)
+            return o, lse
+    else:
+        b, nq, nk = varlen.cu_q.shape[0] - 1, varlen.max_q, varlen.max_k
+        h, hkv = q.shape[1], k.shape[1]
+        o = torch.empty((q.shape[0], h, d), dtype=q.dtype, device=q.device)
+        lse = torch.empty((h, q.shape[0]), dtype=torch.float32, device=q.device)
+        lse_strides = 0, lse.stride(0)
+        if q.shape[0] == 0 or k.shape[0] == 0:  # no rows, or rows that see no key
+            return o.zero_(), lse.fill_(-math.inf)
+    upper, local, win_left, win_right = _window_args(causal, window)
+    plan = plan or plan_for(d, upper, q.dtype, local or varlen is not None)
+    t = plan.fwd
+    if t.gluon:
+        if _gluon_flag(t, q, k, v) and not (upper or local or softcap or varlen is not None):
+            _forward_gluon(q, k, v, o, lse, t, scale)
+            return o, lse
+        t = FWD_TILES[block_d_for(d)]  # not an sm_90 GPU, or a case the Gluon kernel lacks
+    qk_scale, cap_scale, softcap_mode = _score_args(scale, softcap, q)
+    grid = (cdiv(nq, t.block_m) * b * h,)
+    launch(K.attn_fwd_kernel)[grid](
+        q,
+        k,
+        v,
+        o,
+        lse,
+        None if varlen is None else varlen.cu_q,
+        None if varlen is None else varlen.cu_k,
+        *_seq_strides(q, varlen),
+        *_seq_strides(k, varlen),
+        *_seq_strides(v, varlen),
+        *_seq_strides(o, varlen),
+        *lse_strides,
+        h,
+        h // hkv,
+        nq,
+        nk,
+        qk_scale,
+        cap_scale,
+        win_left,
+        win_right,
+        HEAD_DIM=d,
+        BLOCK_D=block_d_for(d),
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        CAUSAL=upper,
+        EVEN_M=varlen is None and bool(nq % t.block_m == 0),
+        EVEN_N=varlen is None and bool(nk % t.block_n == 0),
+        DOT_PREC=dot_precision(q.dtype),
+        TMA=_tma_flag(t, k, v),
+        SOFTCAP=softcap_mode,
+        LOCAL=local,
+        VARLEN=varlen is not None,
+        num_warps=t.warps,
+        num_stages=t.stages,
+    )
+    return o, lse
+
+
+def _forward_split(
+    q,
+    k,
+    v,
+    o,
+    lse,
+    causal: bool,
+    scale: float,
+    split: SplitPlan,
+    softcap: float = 0.0,
+    window: tuple[int, int] = (-1, -1),
+) -> None:
+    """Split-KV forward into o and lse: float32 partials per (split, packed query row), then
+    their merge (kernels.py, "Split-KV forward")."""
+    b, nq, h, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    group = h // hkv
+    t, bd = split.tile, block_d_for(d)
+    row_blocks = cdiv(group * nq, t.block_m)
+    rows_pad = row_blocks * t.block_m
+    o_part = torch.empty(
+        (b * hkv, split.splits, rows_pad, bd), dtype=torch.float32, device=q.device
+    )
+    lse_part = torch.empty((b * hkv, split.splits, rows_pad), dtype=torch.float32, device=q.device)
+    qk_scale, cap_scale, softcap_mode = _score_args(scale, softcap, q)
+    upper, local, win_left, win_right = _window_args(causal, window)
+    launch(K.attn_fwd_split_kernel)[(row_blocks * split.splits * b * hkv,)](
+        q,
+        k,
+        v,
+        o_part,
+        lse_part,
+        *_strides3(q),
+        *_strides3(k),
+        *_strides3(v),
+        hkv,
+        group,
+        nq,
+        nk,
+        qk_scale,
+        cap_scale,
+        split.splits,
+        split.split_len,
+        rows_pad,
+        split.start,
+        win_left,
+        win_right,
+        HEAD_DIM=d,
+        BLOCK_D=bd,
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        CAUSAL=upper,
+        DOT_PREC=dot_precision(q.dtype),
+        TMA=_tma_flag(t, k, v),
+        SOFTCAP=softcap_mode,
+        LOCAL=local,
+        num_warps=t.warps,
+        num_stages=t.stages,
+    )
+    block_r = min(t.block_m, COMBINE_BLOCK_R, max(2, next_power_of_2(group * nq)))
+    launch(K.attn_fwd_combine_kernel)[(cdiv(group * nq, block_r) * b * hkv,)](
+        o_part,
+        lse_part,
+        o,
+        lse,
+        *_strides3(o),
+        h,
+        hkv,
+        group,
+        nq,
+        split.splits,
+        rows_pad,
+        HEAD_DIM=d,
+        BLOCK_D=bd,
+        BLOCK_R=block_r,
+        num_warps=4,
+    )
+
+
+def backward(
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    dlse,
+    causal: bool,
+    scale: float,
+    plan: Plan | None = None,
+    softcap: float = 0.0,
+    window: tuple[int, int] = (-1, -1),
+    varlen: Varlen | None = None,
+):
+    """(dq, dk, dv) from the saved q, k, v, o, lse; dlse (or None) is the LSE's gradient.
+    Layouts as in `forward` (packed with `varlen`)."""
+    do, q, k, v, o = (_unit_d(t) for t in (do, q, k, v, o))
+    d = int(q.shape[-1])
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if varlen is None:
+        b, nq, h = q.shape[:3]
+        nk, hkv = k.shape[1], k.shape[2]
+        rows_b, rows = b, nq  # delta's (batch, row) extent, as the LSE's
+        if b == 0:
+            return dq, dk, dv
+    else:
+        b, nq, nk = varlen.cu_q.shape[0] - 1, varlen.max_q, varlen.max_k
+        h, hkv = q.shape[1], k.shape[1]
+        rows_b, rows = 1, q.shape[0]
+        if q.shape[0] == 0 or k.shape[0] == 0:
+            return dq.zero_(), dk.zero_(), dv.zero_()
+    upper, local, win_left, win_right = _window_args(causal, window)
+    plan = plan or plan_for(d, upper, q.dtype, local or varlen is not None)
+    bd = block_d_for(d)
+    prec = dot_precision(q.dtype)
+    qk_scale, cap_scale, softcap_mode = _score_args(scale, softcap, q)
+    lse = lse.contiguous()
+    # delta like the LSE: (B, H, Nq), or (1, H, total_q) for a packed batch (whose rows the
+    # preprocess walks as one sequence); both read through (batch, head) strides.
+    delta = torch.empty((rows_b, h, rows), dtype=torch.float32, device=q.device)
+    lse_strides = (delta.stride(0) if varlen is None else 0), delta.stride(1)
+    cu_q, cu_k = (None, None) if varlen is None else (varlen.cu_q, varlen.cu_k)
+    pre_m = INTERPRETER_FWD.block_m if interpreting() else PREPROCESS_BLOCK_M
+    launch(K.attn_bwd_preprocess_kernel)[(cdiv(rows, pre_m) * rows_b * h,)](
+        o,
+        do,
+        delta if dlse is None else dlse.contiguous(),
+        delta,
+        *_seq_strides(o, varlen),
+        *_seq_strides(do, varlen),
+        h,
+        rows,
+        HAS_DLSE=dlse is not None,
+        HEAD_DIM=d,
+        BLOCK_D=bd,
+        BLOCK_M=pre_m,
+        num_warps=4,
+    )
+    t = plan.dkdv
+    launch(K.attn_bwd_dkdv_kernel)[(cdiv(nk, t.block_n) * b * hkv,)](
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dk,
+        dv,
+        cu_q,
+        cu_k,
+        *_seq_strides(q, varlen),
+        *_seq_strides(k, varlen),
+        *_seq_strides(v, varlen),
+        *_seq_strides(do, varlen),
+        *_seq_strides(dk, varlen),
+        *_seq_strides(dv, varlen),
+        *lse_strides,
+        h,
+        hkv,
+        h // hkv,
+        nq,
+        nk,
+        qk_scale,
+        scale,
+        cap_scale,
+        win_left,
+        win_right,
+        HEAD_DIM=d,
+        BLOCK_D=bd,
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        CAUSAL=upper,
+        EVEN_M=varlen is None and bool(nq % t.block_m == 0),
+        EVEN_N=varlen is None and bool(nk % t.block_n == 0),
+        DOT_PREC=prec,
+        TMA=_tma_flag(t, q, do),
+        SOFTCAP=softcap_mode,
+        LOCAL=local,
+        VARLEN=varlen is not None,
+        num_warps=t.warps,
+        num_stages=t.stages,
+    )
+    t = plan.dq
+    launch(K.attn_bwd_dq_kernel)[(cdiv(nq, t.block_m) * b * h,)](
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dq,
+        cu_q,
+        cu_k,
+        *_seq_strides(q, varlen),
+        *_seq_strides(k, varlen),
+        *_seq_strides(v, varlen),
+        *_seq_strides(do, varlen),
+        *_seq_strides(dq, varlen),
+        *lse_strides,
+        h,
+        h // hkv,
+        nq,
+        nk,
+        qk_scale,
+        scale,
+        cap_scale,
+        win_left,
+        win_right,
+        HEAD_DIM=d,
+        BLOCK_D=bd,
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        CAUSAL=upper,
+        EVEN_M=varlen is None and bool(nq % t.block_m == 0),
+        EVEN_N=varlen is None and bool(nk % t.block_n == 0),
+        DOT_PREC=prec,
+        TMA=_tma_flag(t, k, v),
+        SOFTCAP=softcap_mode,
+        LOCAL=local,
+        VARLEN=varlen is not None,
+        num_warps=t.warps,
+        num_stages=t.stages,
+    )
+    return dq, dk, dv

@@ -1,0 +1,288 @@
+"""Launch plans of flash-attn: tile tables by head dim and dtype, the split-KV plan, and where
+the TMA and Gluon paths apply."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+
+from kernelkit.shared.runtime import (
+    cdiv,
+    interpreting,
+    next_power_of_2,
+    num_sms,
+)
+
+try:  # Gluon (triton.experimental.gluon) is newer than the oldest Triton this package accepts
+    from . import kernels_gluon as KG
+except ImportError:  # pragma: no cover
+    KG = None
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Tile of one kernel: BLOCK_M query rows x BLOCK_N keys, warps and pipeline stages; tma:
+    read the loop's tiles through TMA descriptors where the inputs allow it (`use_tma`), else
+    with pointer loads; gluon (forward only): the Gluon kernel of kernels_gluon.py (BLOCK_M =
+    128, `stages` deep K/V ring) where `_gluon_flag` allows it, else `FWD_TILES`' portable tile."""
+
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    tma: bool = False
+    gluon: bool = False
+
+
+# Tiles by BLOCK_D for half-precision inputs on Hopper. Candidates were screened by compiling
+# for sm_90a (registers, spills, shared memory), then timed with benchmarks/tune.py on an H200
+# at N = 8k and on an H100 at N = 4k/16k/32k (NOTES.md). TMA loads where they measured faster:
+# the d = 128 backward and the d = 64 causal backward (whose new tiles only fit without pointer
+# registers); the forward measured the same either way and keeps pointer loads. d = 16, 32 and
+# 256 were not timed: their tiles are the d = 64 ones scaled by the register budget.
+FWD_TILES = {
+    16: Tile(128, 64, 4, 3),
+    32: Tile(128, 64, 4, 3),
+    64: Tile(128, 64, 8, 3),
+    128: Tile(128, 128, 8, 3),
+    256: Tile(128, 32, 8, 2),
+}
+# The Gluon forward (kernels_gluon.py: a TMA producer warp feeding a 2-deep K/V ring, two
+# 64-row consumer warpgroups with asynchronous warpgroup MMAs) where it measured faster on an
+# H100 (benchmarks/hopper_ab.py): d = 128 non-causal, 502 -> 644 TFLOP/s at N = 16k (cuDNN 605),
+# 461 -> 566 at 4k. d = 64 measured equal or slower, causal was not verified: portable tiles.
+GLUON_FWD_TILES = {128: Tile(128, 128, 4, 2, tma=True, gluon=True)}
+# dk/dv: BLOCK_N keys held by the program, BLOCK_M query rows per step.
+DKDV_TILES = {
+    16: Tile(64, 128, 8, 2),
+    32: Tile(64, 128, 8, 2),
+    64: Tile(32, 64, 4, 3),
+    128: Tile(32, 128, 8, 3, tma=True),
+    256: Tile(16, 32, 8, 2),
+}
+# dq: BLOCK_M query rows held by the program, BLOCK_N keys per step.
+DQ_TILES = {
+    16: Tile(128, 64, 8, 3),
+    32: Tile(128, 64, 8, 3),
+    64: Tile(128, 64, 8, 3),
+    128: Tile(128, 64, 8, 3, tma=True),
+    256: Tile(64, 16, 4, 2),
+}
+# Causal overrides (the diagonal's masked steps and the uneven work per program favour other
+# shapes): (fwd, dk/dv, dq) entries, None = the table above.
+CAUSAL_TILES: dict[int, tuple[Tile | None, Tile | None, Tile | None]] = {
+    64: (None, Tile(64, 64, 4, 3, tma=True), Tile(128, 64, 8, 4, tma=True)),
+    128: (None, Tile(64, 128, 8, 3, tma=True), Tile(128, 64, 8, 4, tma=True)),
+}
+# float32 inputs (three tf32 products per dot) need about three times the operand registers:
+# small tiles, (fwd, dk/dv, dq) by BLOCK_D.
+FP32_TILES = {
+    16: (Tile(64, 32, 4, 2), Tile(32, 32, 4, 1), Tile(32, 32, 4, 1)),
+    32: (Tile(64, 32, 4, 2), Tile(32, 32, 4, 1), Tile(32, 32, 4, 1)),
+    64: (Tile(64, 32, 4, 2), Tile(32, 32, 4, 1), Tile(32, 32, 4, 1)),
+    128: (Tile(32, 32, 8, 1), Tile(16, 32, 8, 1), Tile(32, 32, 8, 1)),
+    256: (Tile(16, 16, 4, 1), Tile(16, 16, 4, 1), Tile(16, 16, 4, 1)),
+}
+PREPROCESS_BLOCK_M = 64
+# A window's left edge adds a third (masked) loop to the forward, and packed batches always run
+# the ragged-length masks; with pointer loads the d = 128 128 x 128 forward tile then needs
+# 1.7-1.9 KB of stack (1.1 KB without), with TMA loads none: such forwards at d >= 128 read K/V
+# through TMA. A register-screen choice, to be timed (a larger value switches it off).
+MASKED_FWD_TMA_MIN_D = 128
+# Under the interpreter: small, unequal tiles so that tests at small N still walk several
+# blocks, the causal diagonal and the sequence ends in every kernel; TMA loads (the pointer
+# path runs where inputs are misaligned and in test_other_tile_shapes).
+INTERPRETER_FWD = Tile(32, 16, 4, 1, tma=True)
+INTERPRETER_DKDV = Tile(16, 32, 4, 1, tma=True)
+INTERPRETER_DQ = Tile(32, 16, 4, 1, tma=True)
+
+# Split-KV forward (decoding), by BLOCK_D: (BLOCK_N, warps, stages, tma) of the tile whose
+# BLOCK_M rows hold the packed (query head of the group, query) rows of one kv head, 16..64 of
+# them; more rows take the dense forward's tile. Memory-bound: the bytes in flight set the time,
+# so TMA loads, two stages of K/V ahead, and little shared memory (d = 128, 16 x 64: 70 KB,
+# 80 registers, three programs per SM; NOTES.md). To be measured: benchmarks/tune_decode.py.
+SPLIT_TILES = {16: (128, 4, 3, True), 32: (128, 4, 3, True), 64: (128, 4, 3, True),
+               128: (128, 4, 2, True), 256: (32, 8, 3, True)}  # fmt: skip
+SPLIT_FP32_TILES = {16: (32, 4, 2, True), 32: (32, 4, 2, True), 64: (32, 4, 2, True),
+                    128: (32, 4, 2, True), 256: (16, 8, 2, True)}  # fmt: skip
+# The number of splits (`split_plan`): as many as keep the launch within SPLIT_WAVES programs per
+# SM (one wave of resident programs, no tail), at most SPLIT_MAX, and every split at least
+# max(SPLIT_MIN_KEYS, SPLIT_KEYS_PER_ROW * padded rows) keys:
+# its float32 partial (8 bytes per row and head-dim element, written and read back) then costs
+# at most 1/8 of the K/V bytes it reads (4 per key and element in half precision).
+SPLIT_WAVES, SPLIT_MIN_KEYS, SPLIT_KEYS_PER_ROW, SPLIT_MAX = 1, 256, 16, 128
+# Nq up to this always takes the split kernel (even unsplit): the dense one would read each K/V
+# byte once per query head and fill 128-row tiles with a few rows.
+DECODE_MAX_NQ = 16
+# Under the interpreter (4 stand-in SMs): small tiles and splits, so that tests with a few dozen
+# keys already take several splits.
+INTERPRETER_SPLIT = (16, 4, 1, True)
+INTERPRETER_SPLIT_RULE = (2, 32, 1, 128)
+# Packed rows per program of the merge (at most the split tile's BLOCK_M, which it divides).
+COMBINE_BLOCK_R = 16
+
+
+@dataclass(frozen=True)
+class Plan:
+    fwd: Tile
+    dkdv: Tile
+    dq: Tile
+
+
+def block_d_for(d: int) -> int:
+    return max(16, next_power_of_2(d))
+
+
+def plan_for(d: int, causal: bool, dtype: torch.dtype, masked_fwd: bool = False) -> Plan:
+    """The tiles used for head dim d (padded to a power of two), causal (or any right-bounded
+    window) or not, dtype; masked_fwd: a forward with more masked code (a window's left edge,
+    or per-sequence lengths)."""
+    if interpreting():
+        return Plan(INTERPRETER_FWD, INTERPRETER_DKDV, INTERPRETER_DQ)
+    bd = block_d_for(d)
+    if dtype == torch.float32:
+        return Plan(*FP32_TILES[bd])
+    fwd, dkdv, dq = CAUSAL_TILES.get(bd, (None, None, None)) if causal else (None, None, None)
+    if not (causal or masked_fwd):
+        fwd = GLUON_FWD_TILES.get(bd)
+    fwd = fwd or FWD_TILES[bd]
+    if masked_fwd and bd >= MASKED_FWD_TMA_MIN_D:
+        fwd = replace(fwd, tma=True)
+    return Plan(fwd, dkdv or DKDV_TILES[bd], dq or DQ_TILES[bd])
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """Split-KV forward: `tile` (BLOCK_M packed query rows, BLOCK_N keys per step) over
+    `splits` runs of `split_len` keys (a multiple of BLOCK_N; the last run may be shorter),
+    the first from key `start` (a block boundary: keys before it are outside every window)."""
+
+    tile: Tile
+    splits: int
+    split_len: int
+    start: int = 0
+
+
+def split_tile(rows: int, d: int, dtype: torch.dtype) -> Tile:
+    """The split kernel's tile for `rows` packed query rows per kv head (GROUP * Nq)."""
+    bm = max(16, next_power_of_2(rows))
+    if interpreting():
+        return Tile(min(bm, 32), *INTERPRETER_SPLIT)
+    dense = plan_for(d, False, dtype).fwd
+    if dense.gluon:  # the split kernel is a portable one
+        dense = FWD_TILES[block_d_for(d)]
+    if bm >= dense.block_m:  # many rows: the dense forward's tile
+        return dense
+    table = SPLIT_FP32_TILES if dtype == torch.float32 else SPLIT_TILES
+    return Tile(bm, *table[block_d_for(d)])
+
+
+def split_plan(q, k, num_splits: int | None = None, tile: Tile | None = None, left: int = -1):
+    """The split-KV plan for q (B, Nq, H, D), k (B, Nk, Hkv, D), or None for the dense forward.
+
+    Automatic (num_splits None): when T = B * Hkv * ceil(GROUP * Nq / BLOCK_M) query tiles (the
+    GROUP query heads of a kv head packed into one tile) cannot fill the GPU, the keys are split
+    into S = min(SPLIT_WAVES * SMs // T, Nk // max(SPLIT_MIN_KEYS, SPLIT_KEYS_PER_ROW * padded
+    rows), SPLIT_MAX) runs. The split path is taken when S >= 2, and always (S >= 1) for
+    Nq <= DECODE_MAX_NQ. num_splits forces at most that many splits (runs of whole key blocks of
+    equal length, so 5 blocks in 4 splits are 3 runs of 2, 2, 1); tile forces the tile. A
+    sliding window's left edge (`left` >= 0, as `window_for` returns it) leaves the keys before
+    the first query's window out: only the rest is split."""
+    b, nq, h, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    rows = (h // hkv) * nq
+    tile = tile or split_tile(rows, int(d), q.dtype)
+    start = max(0, nk - nq - left) // tile.block_n * tile.block_n if left >= 0 else 0
+    nk -= start
+    key_blocks = cdiv(nk, tile.block_n)
+    if num_splits is None:
+        waves, min_keys, keys_per_row, most = (
+            INTERPRETER_SPLIT_RULE
+            if interpreting()
+            else (SPLIT_WAVES, SPLIT_MIN_KEYS, SPLIT_KEYS_PER_ROW, SPLIT_MAX)
+        )
+        row_tiles = cdiv(rows, tile.block_m)
+        tiles = b * hkv * row_tiles
+        per_split = max(min_keys, keys_per_row * row_tiles * tile.block_m)
+        num_splits = min(waves * num_sms(q.device) // tiles, nk // per_split, most)
+        if num_splits < 2 and nq > DECODE_MAX_NQ:
+            return None
+    blocks = cdiv(key_blocks, max(1, min(num_splits, key_blocks)))
+    return SplitPlan(tile, cdiv(key_blocks, blocks), blocks * tile.block_n, start)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs: three tf32 products per dot (about float32 accuracy, at a third of the
+    tf32 rate); half precision ignores the setting."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def use_tma(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels' loops read these (B, N, H, D) tensors through TMA descriptors: on
+    Hopper or newer (and under the interpreter, which runs the same code) when every row starts
+    16-byte aligned, as the copy engine requires, and rows do not overlap (an expanded gradient
+    with stride 0 takes the pointer path). Storages from torch's allocators are aligned, so the
+    storage offset and the strides decide (also for fake tensors while tracing)."""
+    device = tensors[0].device
+    if not (_hopper(device.index or 0) if device.type == "cuda" else interpreting()):
+        return False
+    for t in tensors:
+        size, d = t.element_size(), t.shape[-1]
+        if (t.storage_offset() * size) % 16:
+            return False
+        for st, n in zip(t.stride()[:-1], t.shape[:-1]):
+            if n > 1 and (st < d or (st * size) % 16):
+                return False
+    return True
+
+
+@functools.cache
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+@functools.cache
+def _tma_scratch(device: torch.device):
+    """Allocator (triton.set_allocator) of the global memory in which the kernels build their
+    descriptors on `device`; torch.compile's launcher installs its own."""
+
+    def alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.int8, device=device)
+
+    return alloc
+
+
+def _tma_flag(tile: Tile, *tensors: torch.Tensor) -> bool:
+    """The TMA constexpr of a launch whose loop reads `tensors`; installs the scratch allocator
+    when it is on (a context variable: set in every thread that launches, autograd's backward
+    thread included)."""
+    flag = tile.tma and use_tma(*tensors)
+    if flag and tensors[0].device.type == "cuda":
+        triton.set_allocator(_tma_scratch(tensors[0].device))
+    return flag
+
+
+@functools.cache
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def _gluon_flag(tile: Tile, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the forward takes the Gluon kernel of kernels_gluon.py: the tile asks for it,
+    half-precision inputs with BLOCK_D 64 or 128 on an sm_90 GPU (Gluon has no interpreter),
+    every tensor TMA-aligned."""
+    return (
+        tile.gluon
+        and KG is not None
+        and q.dtype != torch.float32
+        and block_d_for(q.shape[-1]) in (64, 128)
+        and _gluon_device(q.device)
+        and _tma_flag(tile, q, k, v)
+    )
+
+
+def _gluon_device(device: torch.device) -> bool:
+    return device.type == "cuda" and _sm90(device.index or 0)

@@ -1,0 +1,169 @@
+"""Argument checks of `flash_attn` and `flash_attn_varlen` (ValueErrors that name the argument)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernelkit.shared.packed import check_cu_seqlens
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+
+
+def _check_tensors(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if q.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"q: dtype must be float16, bfloat16 or float32, got {q.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: on device {t.device}, but q is on {q.device}")
+
+
+def _check_head_dim(q, k) -> int:
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k: head dim {k.shape[-1]} differs from q's {q.shape[-1]}")
+    d = q.shape[-1]
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"q: head dim D={d} outside {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
+    return d
+
+
+def _check_heads(h: int, hkv: int) -> None:
+    if h < 1 or hkv < 1:
+        raise ValueError(f"q, k: need at least one head, got H={h}, Hkv={hkv}")
+    if h % hkv:
+        raise ValueError(f"k: q's H={h} heads are not a multiple of k/v's Hkv={hkv} heads")
+
+
+def _check_scale(causal, softmax_scale, d: int) -> float:
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal: expected a bool, got {type(causal).__name__}")
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise ValueError(f"softmax_scale: expected a float, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale: must be finite, got {softmax_scale}")
+    return float(softmax_scale)
+
+
+def validate(q, k, v, causal, softmax_scale) -> float:
+    """Check the arguments of `flash_attn`; returns the softmax scale to use."""
+    _check_tensors(q, k, v)
+    if q.dim() not in (3, 4):
+        raise ValueError(f"q: expected shape (B, Nq, H, D) or (B, Nq, D), got {tuple(q.shape)}")
+    layout = "(B, Nk, Hkv, D)" if q.dim() == 4 else "(B, Nk, D)"
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != q.dim():
+            raise ValueError(f"{name}: expected {layout} like q, got shape {tuple(t.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)} {layout}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k: batch size {k.shape[0]} differs from q's {q.shape[0]}")
+    d = _check_head_dim(q, k)
+    if q.shape[1] < 1:
+        raise ValueError("q: the query sequence is empty (Nq must be >= 1)")
+    if k.shape[1] < 1:
+        raise ValueError("k: the key sequence is empty (Nk must be >= 1)")
+    if q.dim() == 4:
+        _check_heads(q.shape[2], k.shape[2])
+    return _check_scale(causal, softmax_scale, d)
+
+
+def validate_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
+) -> float:
+    """Check the arguments of `flash_attn_varlen`; returns the softmax scale to use.
+
+    Always checked (host metadata only): tensors, dtypes, devices, shapes, cu_seqlens int32 and
+    1-D with at least two entries, max_seqlen ints >= 1. The values of cu_seqlens (first entry 0,
+    non-decreasing, last entry = total rows, lengths <= max_seqlen) are checked only where that
+    is free: cu_seqlens on the CPU outside torch.compile tracing. Reading CUDA values would
+    synchronise with the device (and break CUDA-graph capture), so there, as in FlashAttention,
+    they are the caller's contract."""
+    _check_tensors(q, k, v)
+    if q.dim() != 3:
+        raise ValueError(f"q: expected shape (total_q, H, D), got {tuple(q.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{name}: expected shape (total_k, Hkv, D), got {tuple(t.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)}")
+    d = _check_head_dim(q, k)
+    _check_heads(q.shape[1], k.shape[1])
+    lengths = [
+        check_cu_seqlens(cu, t.shape[0], q.device, name=name)
+        for name, cu, t in (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k))
+    ]
+    if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
+        raise ValueError(
+            f"cu_seqlens_k: {cu_seqlens_k.shape[0] - 1} sequences, cu_seqlens_q has "
+            f"{cu_seqlens_q.shape[0] - 1}"
+        )
+    for name, m, lens in zip(
+        ("max_seqlen_q", "max_seqlen_k"), (max_seqlen_q, max_seqlen_k), lengths
+    ):
+        if isinstance(m, bool) or not isinstance(m, (int, torch.SymInt)):
+            raise ValueError(f"{name}: expected an int, got {type(m).__name__}")
+        if m < 1:
+            raise ValueError(f"{name}: must be >= 1, got {m}")
+        if lens is not None and max(lens) > m:
+            raise ValueError(f"{name}: {m} is less than the longest sequence ({max(lens)})")
+    return _check_scale(causal, softmax_scale, d)
+
+
+def window_for(window_size, causal: bool, nq: int, nk: int) -> tuple[int, int]:
+    """(left, right) of a sliding window, -1 = unbounded: query i sees keys j with
+    i + Nk - Nq - left <= j <= i + Nk - Nq + right (FlashAttention's convention). causal=True
+    is right = 0; an explicit right > 0 with it is an error. Bounds that no row of an (Nq, Nk)
+    problem can reach (left >= Nk - 1, or an explicit right >= Nq - 1) become -1, so such
+    windows run the plain kernels."""
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
+    ):
+        raise ValueError(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
+    left, right = window_size
+    if left < -1 or right < -1:
+        raise ValueError(
+            f"window_size: sizes must be >= 0, or -1 for unbounded; got ({left}, {right})"
+        )
+    if causal:
+        if right > 0:
+            raise ValueError(
+                f"window_size: right={right} conflicts with causal=True (causal means right = 0;"
+                " for a window that looks ahead pass causal=False)"
+            )
+        right = 0
+    elif right >= nq - 1:
+        right = -1
+    if left >= nk - 1:
+        left = -1
+    return left, right
+
+
+def check_softcap(softcap) -> float:
+    """`softcap` as a float: 0 (off) or a positive finite cap."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise ValueError(f"softcap: expected a float, got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap: must be finite and >= 0 (0 = no cap), got {softcap}")
+    return float(softcap)
+
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "MAX_HEAD_DIM",
+    "MIN_HEAD_DIM",
+    "check_softcap",
+    "validate",
+    "validate_varlen",
+    "window_for",
+]
