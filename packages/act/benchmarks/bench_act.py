@@ -19,7 +19,7 @@ import torch
 
 from kernelkit.act import act
 from kernelkit.act.reference import act_reference
-from kernelkit.shared.bench import OpSuite, cu_seqlens_of, document_lengths
+from kernelkit.shared.bench import OpSuite, cu_seqlens_of, layout_row
 
 GPU = torch.cuda.is_available()
 B, H, D = (12, 12, 128) if GPU else (1, 2, 16)
@@ -35,8 +35,6 @@ CASES = [
 MODEL_CASES = [("silu", None), ("softmax", -1), ("softmax", 1)]
 MODELS = ["decode", "small", "train"]
 PROVIDERS = ["triton", "torch", "torch_compile"]
-PACKED_SHAPE = (1, 65536, 32, 128) if GPU else (1, 40, 2, 16)
-PACKED_LENGTHS = document_lengths(1, 65536) if GPU else document_lengths(1, 40, 10, 1.0, 4, 20)
 
 
 def inputs(shape, x_grad, _param_grad):
@@ -73,10 +71,11 @@ def test_model(benchmark, direction, case, model, provider):
 @pytest.mark.parametrize("layout", ["dense", "packed"])
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 def test_packed(benchmark, direction, layout, provider):
+    shape, lengths = layout_row()
     kw = {}
     if layout == "packed":
-        kw = {"cu_seqlens": cu_seqlens_of(PACKED_LENGTHS, "cuda" if GPU else "cpu")}
-    label = "dense" if not kw else f"packed {len(PACKED_LENGTHS)} docs"
+        kw = {"cu_seqlens": cu_seqlens_of(lengths, "cuda" if GPU else "cpu")}
+    label = "dense" if not kw else f"packed {len(lengths)} docs"
     SUITE.layout_cell(
-        benchmark, direction, ("softmax", 1), PACKED_SHAPE, label, provider, kw, kw, "packed"
+        benchmark, direction, ("softmax", 1), shape, label, provider, kw, kw, "packed"
     )

@@ -18,7 +18,7 @@ import torch
 
 from kernelkit.lrpe_rotate import lrpe_rotate
 from kernelkit.lrpe_rotate.reference import lrpe_rotate_reference
-from kernelkit.shared.bench import MODEL_SHAPES, OpSuite, document_lengths, position_forms
+from kernelkit.shared.bench import MODEL_SHAPES, OpSuite
 
 GPU = torch.cuda.is_available()
 B, H, D = (12, 12, 128) if GPU else (1, 2, 16)
@@ -33,11 +33,7 @@ MODEL_CASES = [  # (direction, act, learnable theta)
     ("bwd", "silu", True),
 ]
 PROVIDERS = ["triton", "torch", "torch_compile"]
-# Positions table: one (1, 65536, 32, 128) row with positions from an int offset, a positions
-# table, or cu_seqlens of log-normal documents (softmax over N then per document).
-LAYOUT_SHAPE = (1, 65536, 32, 128) if GPU else (1, 40, 2, 16)
-LAYOUT_LENGTHS = document_lengths(1, 65536) if GPU else document_lengths(1, 40, 10, 1.0, 4, 20)
-LAYOUT_CASES = [("none", None), ("silu", None), ("softmax", 1)]
+POSITION_CASES = [("none", None), ("silu", None), ("softmax", 1)]
 
 
 def inputs(shape, x_grad, theta_grad):
@@ -78,13 +74,8 @@ def test_model(benchmark, direction, act, theta_grad, provider, model):
 
 
 @pytest.mark.parametrize("provider", ["triton", "torch"])
-@pytest.mark.parametrize("layout", ["offset", "table", "packed"])
-@pytest.mark.parametrize("case", LAYOUT_CASES, ids=str)
+@pytest.mark.parametrize("form", ["offset", "table", "packed"])
+@pytest.mark.parametrize("case", POSITION_CASES, ids=str)
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
-def test_positions(benchmark, direction, case, layout, provider):
-    b, n = LAYOUT_SHAPE[:2]
-    op_kw, ref_kw = position_forms(layout, b, n, LAYOUT_LENGTHS, "cuda" if GPU else "cpu")
-    label = layout if layout != "packed" else f"packed {len(LAYOUT_LENGTHS)} docs"
-    SUITE.layout_cell(
-        benchmark, direction, case, LAYOUT_SHAPE, label, provider, op_kw, ref_kw, "positions"
-    )
+def test_positions(benchmark, direction, case, form, provider):
+    SUITE.positions_cell(benchmark, direction, case, form, provider)

@@ -27,6 +27,7 @@ __all__ = [
     "cu_seqlens_of",
     "document_lengths",
     "interleaved_ms",
+    "layout_row",
     "matmul_tflops",
     "peak_memory_mb",
     "position_forms",
@@ -68,6 +69,15 @@ def document_lengths(
         row[-1] -= sum(row) - row_tokens
         lengths += row
     return tuple(lengths)
+
+
+@functools.cache
+def layout_row() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, document lengths) of the layout tables' single row: (1, 65536, 32, 128), 537 MB in
+    bf16, holding log-normal documents of 1k-16k tokens, on a GPU; (1, 40, 2, 16) off it."""
+    if torch.cuda.is_available():
+        return (1, 65536, 32, 128), document_lengths(1, 65536)
+    return (1, 40, 2, 16), document_lengths(1, 40, 10, 1.0, 4, 20)
 
 
 def cu_seqlens_of(lengths: Sequence[int], device) -> torch.Tensor:
@@ -366,6 +376,17 @@ class OpSuite:
             benchmark, direction, provider, shape, act, dim, False, op_kw, ref_kw, tag=tag,
             x=label, xname="layout",
         )  # fmt: skip
+
+    def positions_cell(self, benchmark, direction, case, form, provider) -> None:
+        """A cell of an LRPE op's positions table: `case` on `layout_row()`'s row with its
+        positions given as `form` (see `position_forms`)."""
+        shape, lengths = layout_row()
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        op_kw, ref_kw = position_forms(form, shape[0], shape[1], lengths, device)
+        label = form if form != "packed" else f"packed {len(lengths)} docs"
+        self.layout_cell(
+            benchmark, direction, case, shape, label, provider, op_kw, ref_kw, "positions"
+        )
 
     def model_cell(self, benchmark, direction, act, param_grad, model, provider, dim=None) -> None:
         """A model-table cell: MODEL_SHAPES[model] (or a stand-in off the GPU), act (over `dim`
