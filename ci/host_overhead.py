@@ -153,6 +153,7 @@ def act_breakdown(shape, device):
     """{case: {step: us}} for silu / softmax -1 / softmax over N, forward and backward."""
     import torch
 
+    import kernelkit.act.launchers as L
     import kernelkit.act.op as O
     from kernelkit.act import act
 
@@ -161,23 +162,24 @@ def act_breakdown(shape, device):
     dy = torch.randn_like(x)
     out = torch.empty_like(x)
     cases = [("silu", "silu", None), ("softmax -1", "softmax", 3), ("softmax N", "softmax", 1)]
-    return {name: _act_case(O, act, a, dim, x, xg, dy, out) for name, a, dim in cases}
+    return {name: _act_case(O, L, act, a, dim, x, xg, dy, out) for name, a, dim in cases}
 
 
-def _act_case(O, act, a, dim, x, xg, dy, out):
+def _act_case(O, L, act, a, dim, x, xg, dy, out):
+    """O: kernelkit.act.op (the ops), L: kernelkit.act.launchers (the plans)."""
     import torch
 
     y = act(xg, a, dim)
     y.backward(dy, retain_graph=True)  # builds the forward and backward plans
     yd = y.detach()
     if dim is None:
-        fplan = O._PLANS[(id(O.K.act_fwd_kernel), a, x.numel())]
-        bplan = O._PLANS[(id(O.K.act_bwd_kernel), a, x.numel())]
+        fplan = L._PLANS[(id(L.K.act_fwd_kernel), a, x.numel())]
+        bplan = L._PLANS[(id(L.K.act_bwd_kernel), a, x.numel())]
         fwd = [
             ("launch (cached)", lambda: fplan(x, out)),
             (
                 "+ plan lookup, empty_like",
-                lambda: O._elementwise(O.K.act_fwd_kernel, torch.empty_like(x), x, act=a),
+                lambda: L.run_elementwise(L.K.act_fwd_kernel, torch.empty_like(x), x, act=a),
             ),
             ("+ use_triton", lambda: O.act_fwd.fn(x, a)),
             ("+ KernelOp checks", lambda: O.act_fwd(x, a)),
@@ -186,24 +188,24 @@ def _act_case(O, act, a, dim, x, xg, dy, out):
             ("launch (cached)", lambda: bplan(x, dy, out)),
             (
                 "+ plan lookup, empty_like",
-                lambda: O._elementwise(O.K.act_bwd_kernel, torch.empty_like(x), x, dy, act=a),
+                lambda: L.run_elementwise(L.K.act_bwd_kernel, torch.empty_like(x), x, dy, act=a),
             ),
             ("+ use_triton", lambda: O.act_bwd.fn(x, dy, a)),
             ("+ KernelOp checks", lambda: O.act_bwd(x, dy, a)),
         ]
     else:
         dev = x.get_device()
-        fplan = O._PLANS[("fwd", dim, dev, x.shape, x.stride(), out.stride())]
-        bplan = O._PLANS[("bwd", dim, dev, x.shape, x.stride(), dy.stride(), out.stride())]
+        fplan = L._PLANS[("fwd", dim, None, dev, x.shape, x.stride(), out.stride())]
+        bplan = L._PLANS[("bwd", dim, None, dev, x.shape, x.stride(), dy.stride(), out.stride())]
         fwd = [
-            ("launch (cached)", lambda: fplan(x, out)),
-            ("+ plan lookup, empty_like", lambda: O._softmax_fwd(x, dim)),
+            ("launch (cached)", lambda: fplan(x, out, None)),
+            ("+ plan lookup, empty_like", lambda: L.run_softmax_fwd(x, dim)),
             ("+ use_triton", lambda: O.softmax_fwd.fn(x, dim)),
             ("+ KernelOp checks", lambda: O.softmax_fwd(x, dim)),
         ]
         bwd = [
-            ("launch (cached)", lambda: bplan(yd, dy, out)),
-            ("+ plan lookup, empty_like", lambda: O._softmax_bwd(yd, dy, dim)),
+            ("launch (cached)", lambda: bplan(yd, dy, out, None)),
+            ("+ plan lookup, empty_like", lambda: L.run_softmax_bwd(yd, dy, dim)),
             ("+ use_triton", lambda: O.softmax_bwd.fn(yd, dy, dim)),
             ("+ KernelOp checks", lambda: O.softmax_bwd(yd, dy, dim)),
         ]
@@ -236,15 +238,15 @@ def triton_launch_us(shape, device):
     """Triton's own kernel[grid](...) for the silu forward launch: the launch step before."""
     import torch
 
-    import kernelkit.act.op as O
+    import kernelkit.act.launchers as L
 
     x = torch.randn(*shape, device=device, dtype=torch.bfloat16)
     out = torch.empty_like(x)
     n = x.numel()
-    grid = (O.cdiv(n, O.ELEMENTWISE_BLOCK),)
+    grid = (L.cdiv(n, L.ELEMENTWISE_BLOCK),)
     args = (x, out, n, 1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1)
-    kw = {"ACT": "silu", "FLAT": True, "BLOCK": O.ELEMENTWISE_BLOCK, "num_warps": 8}
-    return per_call_us(lambda: O.K.act_fwd_kernel[grid](*args, **kw))
+    kw = {"ACT": "silu", "FLAT": True, "BLOCK": L.ELEMENTWISE_BLOCK, "num_warps": 8}
+    return per_call_us(lambda: L.K.act_fwd_kernel[grid](*args, **kw))
 
 
 def eager_reference_us(shape, device):
@@ -295,11 +297,11 @@ def main():
     for name in [args.shape] if args.shape else ["tiny", "small"]:
         op_table(SHAPES[name], args.profile)
         print()
-    import kernelkit.act.op as act_op
-
     if args.no_breakdown:
         return None
-    if not hasattr(act_op, "_PLANS"):  # an older checkout: no cached plans to break down
+    try:
+        import kernelkit.act.launchers  # noqa: F401 (the plans the breakdown reads)
+    except ImportError:  # an older checkout: no cached plans (or not in this module)
         print("breakdown: not available for this checkout (no cached launch plans)")
         return None
     return print_breakdown(SHAPES[args.shape or "small"], "cuda")

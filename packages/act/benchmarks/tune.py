@@ -8,7 +8,7 @@ Prints ms, GB/s and % of copy bandwidth per variant; the chosen defaults live in
 import torch
 
 from kernelkit.act import act
-from kernelkit.act import op as act_op
+from kernelkit.act import launchers as act_launchers
 from kernelkit.shared.bench import bench_ms, copy_bandwidth_gbs
 
 
@@ -23,7 +23,7 @@ def main():
     nb = x.numel() * x.element_size()
     print(f"copy bandwidth {copy_bandwidth_gbs():.0f} GB/s; x = {nb / 2**30:.2f} GiB")
     for tile, warps in ((8192, 4), (16384, 4), (32768, 8)):
-        act_op.SPLIT_TILE, act_op.SPLIT_WARPS = tile, warps
+        act_launchers.SPLIT_TILE, act_launchers.SPLIT_WARPS = tile, warps
         row(
             f"softmax-2 fwd split TILE={tile} warps={warps}",
             bench_ms(lambda: act(x, "softmax", -2)),
@@ -35,7 +35,7 @@ def main():
             bench_ms(lambda y=y: y.backward(dy, retain_graph=True), grad_to_none=[x]),
             3 * nb,
         )
-    act_op.SPLIT_TILE, act_op.SPLIT_WARPS = 16384, 4
+    act_launchers.SPLIT_TILE, act_launchers.SPLIT_WARPS = 16384, 4
     # Per-call overhead at the smallest benchmark size (host-bound: the kernel takes ~5 us).
     xs = torch.randn(12, 12, 256, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     dys = torch.randn_like(xs)

@@ -9,7 +9,8 @@ merging, normalising, combining chunk stats) live in `kernelkit.act.kernels`.
 """
 
 from .kernels import ELEMENTWISE_ACTS
-from .op import ACTS, FLOAT_DTYPES, act, softmax_chunk_stats
+from .launchers import softmax_chunk_stats
+from .op import ACTS, FLOAT_DTYPES, act
 
 __version__ = "0.2.1"
 __all__ = ["ACTS", "ELEMENTWISE_ACTS", "FLOAT_DTYPES", "__version__", "act", "softmax_chunk_stats"]
