@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernelkit.act import act
+from kernelkit.act.launchers import COLS_MAX_L
 from kernelkit.act.reference import act_reference
 from kernelkit.shared.testing import assert_close
 
@@ -91,8 +92,18 @@ def test_softmax_dims(dtype, dim, device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_softmax_sequence_axis_multi_chunk(dtype, device):
-    """(B, N, H, D) with dim=1: many chunks per column combined."""
-    check(make((2, 300, 3, 40), dtype, device), "softmax", 1)
+    """(B, N, H, D) with dim=1, N past the single-pass columns kernel (COLS_MAX_L): the split
+    kernels, many chunks per column combined."""
+    assert COLS_MAX_L < 1100
+    check(make((2, 1100, 3, 8), dtype, device), "softmax", 1)
+
+
+@pytest.mark.parametrize("n", [1, 2, 300, 1024])
+def test_softmax_sequence_axis_single_pass(n, device):
+    """(B, N, H, D) with dim=1 and N up to COLS_MAX_L: whole columns in one program (one pass),
+    the axis length 1 (decode) and a power of two at the limit included."""
+    assert n <= COLS_MAX_L
+    check(make((2, n, 3, 5), torch.bfloat16, device), "softmax", 1)
 
 
 @pytest.mark.gpu

@@ -221,7 +221,8 @@ def act_bwd_kernel(
 # --------------------------------------------------------------------------------------------
 # Softmax. A tensor is viewed as (O0, O1, L, I): the softmax axis L, the outer dims collapsed
 # to at most two, the inner dims to one. Rows (I == 1, L short) are done in one pass by
-# `softmax_*_rows_kernel`. Otherwise L is split into chunks: a stats kernel writes per-chunk
+# `softmax_*_rows_kernel`, columns (I > 1, L short) by `softmax_*_cols_kernel`. Otherwise L is
+# split into chunks (with packed sequences, each sequence is): a stats kernel writes per-chunk
 # float32 (max, sum) (or sum(y * dy)) of shape (O0 * O1, C, I), and an apply kernel combines
 # them and writes its chunk: every program has work whatever L is.
 # --------------------------------------------------------------------------------------------
@@ -295,6 +296,81 @@ def softmax_bwd_rows_kernel(
         dx.to(dx_ptr.dtype.element_ty),
         mask=mask,
     )
+
+
+# Columns (I > 1, L short): one program holds whole columns, [BLOCK_L >= L, BLOCK_I], and does
+# the softmax (or its backward) in one pass: two transfers and one launch instead of three and
+# two, for the short sequence axes of small shapes (a decode step, a 256-token prompt).
+
+
+@triton.jit
+def _column_tile(L, I, O1, s_o0, s_o1, s_l, s_i, BLOCK_L: tl.constexpr, BLOCK_I: tl.constexpr):
+    """(offsets, mask) of this program's [BLOCK_L, BLOCK_I] tile in the (O0, O1, L, I) view:
+    program p holds column block p % cdiv(I, BLOCK_I) of outer index p // cdiv(I, BLOCK_I)."""
+    n_iblk = tl.cdiv(I, BLOCK_I)
+    pid = tl.program_id(0)
+    o = pid // n_iblk
+    cols = ((pid % n_iblk) * BLOCK_I + tl.arange(0, BLOCK_I)).to(tl.int64)
+    rows = tl.arange(0, BLOCK_L).to(tl.int64)
+    base = (o // O1).to(tl.int64) * s_o0 + (o % O1).to(tl.int64) * s_o1
+    offs = base + rows[:, None] * s_l + cols[None, :] * s_i
+    return offs, (rows < L)[:, None] & (cols < I)[None, :]
+
+
+@triton.jit(do_not_specialize=["L", "O1"])
+def softmax_fwd_cols_kernel(
+    x_ptr,
+    y_ptr,
+    L,
+    I,
+    O1,
+    xs_o0,
+    xs_o1,
+    xs_l,
+    xs_i,
+    ys_o0,
+    ys_o1,
+    ys_l,
+    ys_i,
+    BLOCK_L: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    x_off, mask = _column_tile(L, I, O1, xs_o0, xs_o1, xs_l, xs_i, BLOCK_L, BLOCK_I)
+    x = tl.load(x_ptr + x_off, mask=mask, other=-float("inf")).to(tl.float32)
+    m, s = softmax_stats(x, 0)
+    y_off, _ = _column_tile(L, I, O1, ys_o0, ys_o1, ys_l, ys_i, BLOCK_L, BLOCK_I)
+    tl.store(y_ptr + y_off, softmax_normalize(x, m, s, 0).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["L", "O1"])
+def softmax_bwd_cols_kernel(
+    y_ptr,
+    dy_ptr,
+    dx_ptr,
+    L,
+    I,
+    O1,
+    ys_o0,
+    ys_o1,
+    ys_l,
+    ys_i,
+    gs_o0,
+    gs_o1,
+    gs_l,
+    gs_i,
+    ds_o0,
+    ds_o1,
+    ds_l,
+    ds_i,
+    BLOCK_L: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    y_off, mask = _column_tile(L, I, O1, ys_o0, ys_o1, ys_l, ys_i, BLOCK_L, BLOCK_I)
+    g_off, _ = _column_tile(L, I, O1, gs_o0, gs_o1, gs_l, gs_i, BLOCK_L, BLOCK_I)
+    d_off, _ = _column_tile(L, I, O1, ds_o0, ds_o1, ds_l, ds_i, BLOCK_L, BLOCK_I)
+    y = tl.load(y_ptr + y_off, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dx_ptr + d_off, softmax_grad(y, dy, 0).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -16,6 +16,9 @@ ELEMENTWISE_BLOCK = 2048
 ELEMENTWISE_WARPS = 8
 ROWS_MAX_L = 8192  # a softmax row up to this long is held by one program (single pass)
 ROWS_TILE = 2048  # elements per (rows x L) tile of the single-pass row kernels
+COLS_MAX_L = 1024  # a softmax axis up to this long, beside I > 1 columns: one pass (columns)
+COLS_TILE = 16384  # elements per [L, I] tile of the columns forward (the backward: half)
+COLS_WARPS = 8
 SPLIT_TILE = 16384  # elements per (L x I) tile of the split-L kernels: more bytes in flight
 SPLIT_WARPS = 4  # warps of the split-L softmax kernels
 PROGRAMS_PER_SM = 8  # split-L: chunks are added until about this many programs per SM
@@ -135,6 +138,19 @@ def _use_rows(view: SoftmaxView) -> bool:
     return view.I == 1 and view.L <= ROWS_MAX_L
 
 
+def _cols_launch(kernel, view: SoftmaxView, tile: int, *tensors):
+    """The columns kernel's launch prepared for `view` (whole columns of about `tile`
+    elements per program), a function of `tensors`."""
+    block_l = next_power_of_2(view.L)
+    block_i = max(1, min(next_power_of_2(view.I), tile // block_l))
+    grid = (view.O0 * view.O1 * cdiv(view.I, block_i),)
+    sizes = (view.L, view.I, view.O1)
+    strides = [s for st in view.strides for s in st]
+    return launch(kernel).prepare(
+        grid, *tensors, *sizes, *strides, BLOCK_L=block_l, BLOCK_I=block_i, num_warps=COLS_WARPS
+    )
+
+
 class _SplitLaunches:
     """The split-L plan of one layout: float32 scratch of `shape` (from `new`, a float32 tensor
     on the device: `new.new_empty(shape)` is the cheapest allocation call) and the grid, sizes
@@ -244,6 +260,9 @@ def _softmax_fwd_plan(x: torch.Tensor, y: torch.Tensor, dim: int, cu_seqlens=Non
     view = SoftmaxView(x.shape, dim, [x.stride(), y.stride()])
     if not view.ok:
         return lambda x, y, cu: y.copy_(run_softmax_fwd(x.contiguous(), dim, cu))
+    if cu_seqlens is None and view.I > 1 and view.L <= COLS_MAX_L:
+        run = _cols_launch(K.softmax_fwd_cols_kernel, view, COLS_TILE, x, y)
+        return lambda x, y, _cu: run(x, y)
     if cu_seqlens is not None or not _use_rows(view):
         return _SplitSoftmaxFwd(x, y, view, cu_seqlens)
     block_r, block_l, warps = _rows_plan(view)
@@ -272,6 +291,9 @@ def _softmax_bwd_plan(y, dy, dx, dim: int, cu_seqlens=None):
         return lambda y, dy, dx, cu: dx.copy_(
             run_softmax_bwd(y.contiguous(), dy.contiguous(), dim, cu)
         )
+    if cu_seqlens is None and view.I > 1 and view.L <= COLS_MAX_L:
+        run = _cols_launch(K.softmax_bwd_cols_kernel, view, COLS_TILE // 2, y, dy, dx)
+        return lambda y, dy, dx, _cu: run(y, dy, dx)
     if cu_seqlens is not None or not _use_rows(view):
         return _SplitSoftmaxBwd(y, dy, dx, view, cu_seqlens)
     block_r, block_l, warps = _rows_plan(view)
