@@ -7,7 +7,7 @@ interpreter (the kernelkit pytest plugin switches it on before the kernels are i
 import pytest
 import torch
 
-from kernelkit.act import act
+from kernelkit.act import MAX_PACKED_SEQUENCES, act
 from kernelkit.act.launchers import COLS_MAX_L
 from kernelkit.act.reference import act_reference
 from kernelkit.shared.testing import assert_close
@@ -309,6 +309,12 @@ def test_packed_errors(cu, kwargs, match, device):
 
 def test_packed_errors_dtype_and_device(device):
     x = torch.ones(2, 6, device=device)
+    strided = torch.tensor([0, 9, 3, 9, 6, 9], dtype=torch.int32, device=device)[::2]
+    with pytest.raises(ValueError, match="cu_seqlens: must be contiguous, got stride 2"):
+        act(x, "softmax", 1, cu_seqlens=strided)
+    too_many = torch.tensor([0] * (MAX_PACKED_SEQUENCES + 1) + [6], dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"cu_seqlens: at most {MAX_PACKED_SEQUENCES} packed"):
+        act(x.cpu(), "softmax", 1, cu_seqlens=too_many)
     with pytest.raises(ValueError, match="cu_seqlens: dtype must be torch.int32"):
         act(x, "softmax", 1, cu_seqlens=torch.tensor([0, 6], device=device))
     with pytest.raises(ValueError, match="cu_seqlens: expected a torch.Tensor"):

@@ -540,6 +540,7 @@ def _varlen_errors(device):
         ((q, kv, kv), dict(cu_seqlens_k=i32(0, 5, 12)[None]), r"cu_seqlens_k: expected shape"),
         ((q, kv, kv), dict(cu_seqlens_k=i32(0)), r"cu_seqlens_k: expected shape"),
         ((q, kv, kv), dict(cu_seqlens_k=i32(0, 12)), "cu_seqlens_k: 1 sequences, cu_seqlens_q"),
+        ((q, kv, kv), dict(cu_seqlens_q=i32(0, 9, 4, 9, 10)[::2]), "cu_seqlens_q: must be contig"),
         ((q, kv, kv), dict(max_seqlen_q=0), "max_seqlen_q: must be >= 1"),
         ((q, kv, kv), dict(max_seqlen_k=7.0), "max_seqlen_k: expected an int"),
         ((q, kv, kv), dict(causal=True, window_size=(3, 1)), "window_size: right=1 conflicts"),

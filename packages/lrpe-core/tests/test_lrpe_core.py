@@ -11,11 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernelkit.act import MAX_PACKED_SEQUENCES
 from kernelkit.lrpe_core.kernels import cos_sin, grid_positions, token_positions
 from kernelkit.lrpe_core.op import (
     position_args,
     position_strides,
     reduce_dtheta,
+    validate_act,
     validate_positions,
 )
 from kernelkit.lrpe_core.reference import (
@@ -156,6 +158,24 @@ def test_reduce_dtheta_forms():
 def test_position_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         validate_positions(torch.empty(2, 5, 1, 4), kwargs.pop("offset", 0), **kwargs)
+
+
+def test_packed_softmax_sequence_limit():
+    """Softmax over the sequence of packed rows: at most kernelkit-act's MAX_PACKED_SEQUENCES
+    (its stats grid); the other acts take any number (they only need the positions table)."""
+    n = MAX_PACKED_SEQUENCES + 1
+    cu = torch.tensor([0] * n + [5], dtype=torch.int32)
+    x = torch.empty(1, 5, 1, 4)
+    with pytest.raises(ValueError, match=f"at most {MAX_PACKED_SEQUENCES} packed sequences"):
+        validate_act(x, "softmax", 1, cu)
+    assert validate_act(x, "softmax", -1, cu) == "softmax"
+    assert validate_act(x, "silu", None, cu) == "silu"
+
+
+def test_cu_seqlens_must_be_contiguous():
+    cu = torch.tensor([0, 9, 2, 9, 5], dtype=torch.int32)[::2]
+    with pytest.raises(ValueError, match="cu_seqlens: must be contiguous"):
+        validate_positions(torch.empty(1, 5, 1, 4), 0, None, cu)
 
 
 def test_packed_needs_one_row():

@@ -34,6 +34,8 @@ def check_cu_seqlens(
         )
     if cu_seqlens.device != device:
         raise ValueError(f"{name}: on device {cu_seqlens.device}, but the input is on {device}")
+    if cu_seqlens.stride(0) != 1:  # the kernels read entry i at cu_seqlens + i
+        raise ValueError(f"{name}: must be contiguous, got stride {cu_seqlens.stride(0)}")
     if cu_seqlens.device.type != "cpu" or torch.compiler.is_compiling():
         return None
     c = cu_seqlens.tolist()

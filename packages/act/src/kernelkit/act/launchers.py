@@ -22,8 +22,9 @@ COLS_WARPS = 8
 SPLIT_TILE = 16384  # elements per (L x I) tile of the split-L kernels: more bytes in flight
 SPLIT_WARPS = 4  # warps of the split-L softmax kernels
 PROGRAMS_PER_SM = 8  # split-L: chunks are added until about this many programs per SM
-MAX_SEQUENCES = 65535  # packed sequences x chunks share grid axis 1 (CUDA limit 65535)
-PACKED_WAVES = 4  # packed sequences: chunks until about this many times PROGRAMS_PER_SM
+MAX_PACKED_SEQUENCES = 65535  # packed sequences x chunks share grid axis 1 (CUDA limit 65535)
+PACKED_WAVES = 4  # packed sequences: chunks until about this many times PROGRAMS_PER_SM,
+PACKED_CHUNK_CAP = 32  # but no more than this many chunks per sequence for that
 
 
 def _strided4(shape, strides):
@@ -122,9 +123,11 @@ def _split_plan(view: SoftmaxView, device: torch.device, seqs: int | None = None
         chunk = cdiv(cdiv(view.L, chunks), block_l) * block_l
         return block_l, block_i, chunk, cdiv(view.L, chunk)
     # Packed: a sequence's chunks are 1/num_chunks of it, so a long one among short ones makes
-    # long programs; PACKED_WAVES times more chunks keep the tail of the launch short.
-    chunks = cdiv(target * PACKED_WAVES, programs)
-    chunks = max(1, min(chunks, cdiv(view.L, block_l), MAX_SEQUENCES // seqs))
+    # long programs; PACKED_WAVES times more chunks keep the tail of the launch short. Every
+    # apply program merges all chunks of its row, so the extra chunks stop at PACKED_CHUNK_CAP.
+    base = cdiv(target, programs)
+    chunks = min(base * PACKED_WAVES, max(base, PACKED_CHUNK_CAP))
+    chunks = max(1, min(chunks, cdiv(view.L, block_l), MAX_PACKED_SEQUENCES // seqs))
     return block_l, block_i, block_l, chunks
 
 

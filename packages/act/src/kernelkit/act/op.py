@@ -9,7 +9,7 @@ from kernelkit.shared.packed import check_cu_seqlens
 from kernelkit.shared.runtime import define_op, interpreting, use_triton
 
 from . import kernels as K
-from .launchers import MAX_SEQUENCES, run_elementwise, run_softmax_bwd, run_softmax_fwd
+from .launchers import MAX_PACKED_SEQUENCES, run_elementwise, run_softmax_bwd, run_softmax_fwd
 from .reference import act_reference, softmax_grad_reference, softmax_reference
 
 ACTS = ("none", "relu", "sigmoid", "silu", "softmax")
@@ -49,9 +49,9 @@ def validate(x, act: str, dim: int | None, cu_seqlens=None) -> int | None:
         raise ValueError(f"dim: softmax over dimension {dim} of size 0 is undefined")
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, x.size(dim), x.device, what=f"entries along dim {dim}")
-        if cu_seqlens.shape[0] - 1 > MAX_SEQUENCES:
+        if cu_seqlens.shape[0] - 1 > MAX_PACKED_SEQUENCES:
             raise ValueError(
-                f"cu_seqlens: at most {MAX_SEQUENCES} packed sequences, got {cu_seqlens.shape[0] - 1}"
+                f"cu_seqlens: at most {MAX_PACKED_SEQUENCES} packed sequences, got {cu_seqlens.shape[0] - 1}"
             )
     return dim
 

@@ -70,10 +70,9 @@ def token_positions(offset, positions, b, t, n, stride_pb, stride_pn):
     so that no lane reads past the tables."""
     t = tl.minimum(t, n - 1)
     if positions is not None:
-        # b * stride_pb first: b may be a Python int (a loop index under the interpreter), and
-        # a positions table has far fewer than 2**31 entries
-        row = b * stride_pb
-        p = tl.load(positions + row.to(tl.int64) + t.to(tl.int64) * stride_pn)
+        # tl.cast, not b.to: b may be a Python int (a loop index under the interpreter)
+        row = tl.cast(b, tl.int64) * stride_pb
+        p = tl.load(positions + row + t.to(tl.int64) * stride_pn)
         p = p.to(tl.int64)
     elif is_pointer(offset):
         p = t.to(tl.int64) + tl.load(offset + b).to(tl.int64)

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from kernelkit.act import ACTS, ELEMENTWISE_ACTS, FLOAT_DTYPES, softmax_chunk_stats
+from kernelkit.act import (
+    ACTS,
+    ELEMENTWISE_ACTS,
+    FLOAT_DTYPES,
+    MAX_PACKED_SEQUENCES,
+    softmax_chunk_stats,
+)
 from kernelkit.shared.packed import check_cu_seqlens
 from kernelkit.shared.runtime import PlanCache, num_sms
 
@@ -18,11 +24,13 @@ from .reference import packed_positions
 
 __all__ = [
     "KINDS",
+    "PACKED_CHUNK_CAP",
     "PACKED_WAVES",
     "SEQ",
     "act_and_dim",
     "as_float32",
     "cached_plan",
+    "packed_chunks",
     "position_args",
     "position_strides",
     "position_values",
@@ -42,6 +50,15 @@ SEQ = "softmax_seq"
 # (a fixed fraction of it), so one long sequence among short ones makes long programs; plans ask
 # for this many times their usual number of programs to keep the launch's tail short.
 PACKED_WAVES = 4
+PACKED_CHUNK_CAP = 32  # ... up to this many chunks: programs merge every chunk of their row
+
+
+def packed_chunks(base: int) -> int:
+    """Chunks per packed sequence from the chunk count `base` a dense plan would use:
+    PACKED_WAVES times more, but not past PACKED_CHUNK_CAP unless `base` already is."""
+    return min(base * PACKED_WAVES, max(base, PACKED_CHUNK_CAP))
+
+
 # What the kernels are told: the element-wise acts, softmax over D, softmax over the sequence.
 KINDS = (*ELEMENTWISE_ACTS, "softmax", SEQ)
 
@@ -139,8 +156,10 @@ def validate_positions(x: torch.Tensor, offset, positions=None, cu_seqlens=None)
     return offset, None, None
 
 
-def validate_act(x: torch.Tensor, act, dim) -> str:
-    """act (and dim for softmax); returns the kernel kind (see KINDS)."""
+def validate_act(x: torch.Tensor, act, dim, cu_seqlens=None) -> str:
+    """act (and dim for softmax); returns the kernel kind (see KINDS). With `cu_seqlens`
+    (already checked by validate_positions), softmax over the sequence also checks the number
+    of sequences against kernelkit-act's limit for its packed stats."""
     if act not in ACTS:
         raise ValueError(f"act: must be one of {ACTS}, got {act!r}")
     if act != "softmax":
@@ -154,6 +173,11 @@ def validate_act(x: torch.Tensor, act, dim) -> str:
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim: {dim} is out of range for x with {x.dim()} dimensions")
     if dim % x.dim() == 1:
+        if cu_seqlens is not None and cu_seqlens.shape[0] - 1 > MAX_PACKED_SEQUENCES:
+            raise ValueError(
+                f"cu_seqlens: softmax over the sequence takes at most {MAX_PACKED_SEQUENCES} "
+                f"packed sequences, got {cu_seqlens.shape[0] - 1}"
+            )
         return SEQ
     if dim % x.dim() == x.dim() - 1:
         return "softmax"

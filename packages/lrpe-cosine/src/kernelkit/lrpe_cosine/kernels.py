@@ -48,9 +48,9 @@ from kernelkit.lrpe_core.kernels import (
     wrapped_frequencies,
 )
 from kernelkit.lrpe_core.op import (
-    PACKED_WAVES,
     SEQ,
     cached_plan,
+    packed_chunks,
     position_values,
     prepared_positions,
     programs_target,
@@ -136,14 +136,15 @@ def batch_groups(plan, b, programs, device) -> tuple[int, int]:
     return rows, cdiv(b, rows)
 
 
-def sequence_chunks(plan, programs, n, block_n, device, waves=1) -> tuple[int, int]:
+def sequence_chunks(plan, programs, n, block_n, device, packed=False) -> tuple[int, int]:
     """(chunk, num_chunks) of the softmax_seq sums kernel, whose programs are a chunk of whole
     token blocks of `programs` (heads x batch-row groups, or heads x packed sequences) units:
-    chunks added until there are enough programs (`waves` times more for packed sequences,
-    lrpe-core's PACKED_WAVES)."""
+    chunks added until there are enough programs (more for packed sequences: lrpe-core's
+    `packed_chunks`)."""
     n_blocks = cdiv(n, block_n)
-    target = programs_target(device, plan.sums_programs_per_sm) * waves
-    chunks = max(1, min(n_blocks, cdiv(target, programs)))
+    target = programs_target(device, plan.sums_programs_per_sm)
+    chunks = max(1, cdiv(target, programs))
+    chunks = max(1, min(n_blocks, packed_chunks(chunks) if packed else chunks))
     chunk = cdiv(n_blocks, chunks) * block_n
     return chunk, cdiv(n, chunk)
 
@@ -268,9 +269,12 @@ def sequence_stats(stats, b, h, B, H, C, D, feats, mask):
 
 
 @triton.jit
-def token_sequences(segments, t, N):
-    """[BLOCK_N] sequence of each token of a packed row (lanes past N: the last token's)."""
-    return tl.load(segments + tl.minimum(t, N - 1))
+def token_sequences(segments, t, N, num_seqs):
+    """[BLOCK_N] sequence of each token of a packed row (lanes past N: the last token's),
+    clamped to a valid stats row: cu_seqlens that break the contract on the GPU (unchecked
+    there) give wrong values, never reads out of bounds."""
+    seq = tl.load(segments + tl.minimum(t, N - 1))
+    return tl.minimum(tl.maximum(seq, 0), num_seqs - 1)
 
 
 @triton.jit
@@ -359,7 +363,7 @@ def cosine_fwd_kernel(
     y_head = y + h.to(tl.int64) * stride_yh
     PACKED: tl.constexpr = segments is not None  # softmax_seq over sequences packed along N
     if PACKED:  # B = 1: stats of each token's sequence
-        seqs = token_sequences(segments, t, N)
+        seqs = token_sequences(segments, t, N, num_seqs)
         seq_ok = (t < N)[:, None] & feat_ok[None, :]
         m_t, s_t = sequence_stats(stats, seqs, h, num_seqs, H, 1, D, feats, seq_ok)
     else:  # sequence stats: only softmax_seq reads them
@@ -560,7 +564,7 @@ def cosine_bwd_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     PACKED: tl.constexpr = segments is not None  # softmax_seq over sequences packed along N
     if PACKED:  # B = 1: stats and sums of each token's sequence
-        seqs = token_sequences(segments, t, N)
+        seqs = token_sequences(segments, t, N, num_seqs)
         seq_ok = (t < N)[:, None] & feat_ok[None, :]
         m_t, s_t = sequence_stats(stats, seqs, h, num_seqs, H, 1, D, feats, seq_ok)
         offs = ((seqs * H + h).to(tl.int64) * D)[:, None] + feats[None, :]
@@ -775,9 +779,7 @@ def _bwd_plan(
             sums_grid = (num_chunks, heads, groups)
         else:  # B = 1, each packed sequence split into num_chunks on the device
             seqs = cu_seqlens.shape[0] - 1
-            chunk, num_chunks = sequence_chunks(
-                plan, heads * seqs, n, block_n, dy.device, PACKED_WAVES
-            )
+            chunk, num_chunks = sequence_chunks(plan, heads * seqs, n, block_n, dy.device, True)
             sums_grid = (seqs * num_chunks, heads, 1)
         run = launch(cosine_bwd_seq_sums_kernel).prepare(
             sums_grid,

@@ -31,7 +31,7 @@ def validate(x, theta, offset, act, dim, positions=None, cu_seqlens=None):
     if not 1 <= e <= d:
         raise ValueError(f"theta: E = {e} frequencies per row, expected 1 <= E <= D = {d}")
     pos = validate_positions(x, offset, positions, cu_seqlens)
-    return validate_act(x, act, dim), pos
+    return validate_act(x, act, dim, cu_seqlens), pos
 
 
 @define_op("kernelkit_lrpe_cosine::fwd")

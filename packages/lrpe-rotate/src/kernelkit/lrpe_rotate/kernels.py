@@ -38,9 +38,9 @@ from kernelkit.lrpe_core.kernels import (
     token_positions,
 )
 from kernelkit.lrpe_core.op import (
-    PACKED_WAVES,
     SEQ,
     cached_plan,
+    packed_chunks,
     position_values,
     prepared_positions,
     programs_target,
@@ -93,13 +93,14 @@ def _batch_groups(plan, batch, n_tiles, heads, device, per_row) -> tuple[int, in
     return per_group, cdiv(batch, per_group)
 
 
-def _seq_chunks(plan, batch, n, heads, block_n, device, waves=1) -> tuple[int, int]:
+def _seq_chunks(plan, batch, n, heads, block_n, device, packed=False) -> tuple[int, int]:
     """(tokens per chunk, chunks) for the softmax-over-N kernels: a multiple of BLOCK_N. Packed
-    sequences (`batch` of them) ask for `waves` times more programs: their chunks are a fixed
-    fraction of each sequence, so a long one among short ones would make a long tail."""
+    sequences (`batch` of them) get more chunks (lrpe-core's `packed_chunks`): their chunks are
+    a fixed fraction of each sequence, so a long one among short ones would make a long tail."""
     n_blocks = cdiv(n, block_n)
-    target = programs_target(device, plan.seq_programs_per_sm) * waves
-    chunks = min(n_blocks, max(1, cdiv(target, batch * heads)))
+    target = programs_target(device, plan.seq_programs_per_sm)
+    chunks = max(1, cdiv(target, batch * heads))
+    chunks = min(n_blocks, packed_chunks(chunks) if packed else chunks)
     chunk = cdiv(n_blocks, chunks) * block_n
     return chunk, cdiv(n, chunk)
 
@@ -491,11 +492,8 @@ def _seq_layout(x, theta, stats, cu_seqlens, plan):
     batch, n, heads, d = x.shape
     half = d // 2
     block_n, block_e, warps = _tile(plan, SEQ, half)
-    if cu_seqlens is None:
-        rows, waves = batch, 1
-    else:
-        rows, waves = cu_seqlens.shape[0] - 1, PACKED_WAVES
-    chunk, chunks = _seq_chunks(plan, rows, n, heads, block_n, x.device, waves)
+    rows = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    chunk, chunks = _seq_chunks(plan, rows, n, heads, block_n, x.device, cu_seqlens is not None)
     kwargs = dict(
         N=n,
         chunk=chunk,
