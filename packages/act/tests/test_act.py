@@ -113,6 +113,13 @@ def test_softmax_long_sequence_gpu(shape, device):
     check(make(shape, torch.bfloat16, device), "softmax", 1)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(8, 1024, 32, 128), (8, 1, 32, 128), (1, 256, 32, 128)])
+def test_softmax_short_sequence_gpu(shape, device):
+    """Model shapes of a softmax over N up to COLS_MAX_L: the single-pass columns kernels."""
+    check(make(shape, torch.bfloat16, device), "softmax", 1)
+
+
 def test_softmax_long_row(device):
     """A last-dim row longer than one program holds (split-L with one column per program)."""
     check(make((2, 9000), torch.float32, device), "softmax", -1)
