@@ -2,7 +2,8 @@
 
     PYTHONPATH=packages/act/src:shared/src python packages/act/benchmarks/tune.py
 
-Prints ms, GB/s and % of copy bandwidth per variant; the chosen defaults live in act/op.py.
+Prints ms, GB/s and % of copy bandwidth per variant; the chosen defaults live in act/launchers.py
+(plans are cached per layout: each variant clears the cache, or it would time the first plan).
 """
 
 import torch
@@ -24,6 +25,7 @@ def main():
     print(f"copy bandwidth {copy_bandwidth_gbs():.0f} GB/s; x = {nb / 2**30:.2f} GiB")
     for tile, warps in ((8192, 4), (16384, 4), (32768, 8)):
         act_launchers.SPLIT_TILE, act_launchers.SPLIT_WARPS = tile, warps
+        act_launchers._PLANS._plans.clear()
         row(
             f"softmax-2 fwd split TILE={tile} warps={warps}",
             bench_ms(lambda: act(x, "softmax", -2)),
@@ -36,6 +38,7 @@ def main():
             3 * nb,
         )
     act_launchers.SPLIT_TILE, act_launchers.SPLIT_WARPS = 16384, 4
+    act_launchers._PLANS._plans.clear()
     # Per-call overhead at the smallest benchmark size (host-bound: the kernel takes ~5 us).
     xs = torch.randn(12, 12, 256, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     dys = torch.randn_like(xs)

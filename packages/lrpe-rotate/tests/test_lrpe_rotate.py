@@ -288,6 +288,24 @@ def test_theta_dtypes(theta_dtype, device):
     assert_close(y, ref, name="forward with theta in " + str(theta_dtype))
 
 
+def test_parameter_theta_takes_the_cached_path(device):
+    """A learnable theta is an nn.Parameter: it must hit the cached launch plans (a Parameter
+    once counted as a traced tensor: a plan was rebuilt on every call) and give the same
+    results and gradients as a plain tensor."""
+    from kernelkit.lrpe_core import op as core_op
+
+    x = make((2, 19, 2, 16), torch.float32, device)  # a layout no other test uses
+    theta = torch.nn.Parameter(make_theta("full", 2, 16, device))
+    plans = len(core_op._PLANS._plans)
+    lrpe_rotate(x, theta, 3, "silu").sum().backward()
+    cached = len(core_op._PLANS._plans)
+    assert cached == plans + 2  # the forward's and the backward's launch plans
+    for _ in range(3):
+        lrpe_rotate(x, theta, 3, "silu").sum().backward()
+    assert len(core_op._PLANS._plans) == cached
+    check(x, theta, 3, "silu")
+
+
 def test_theta_gradient_only(device):
     """A learnable theta with a frozen x (e.g. rotating cached keys)."""
     x = make((2, 9, 2, 8), torch.bfloat16, device)

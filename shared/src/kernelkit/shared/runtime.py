@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from .compile_check import record_launch
 
 __all__ = [
+    "PLAIN_TENSORS",
     "KernelOp",
     "PlanCache",
     "cdiv",
@@ -40,6 +41,11 @@ __all__ = [
     "num_sms",
     "use_triton",
 ]
+
+
+# Classes the eager fast paths take as plain tensors: torch.Tensor and nn.Parameter (a learnable
+# theta, say). Any other subclass (fake, functional, a user's) goes through the dispatcher.
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -89,7 +95,7 @@ class PlanCache:
     @staticmethod
     def cacheable(*tensors) -> bool:
         """Plain tensors (or None) only: no fake, functional or symbolic-size tensors."""
-        return all(t is None or t.__class__ is torch.Tensor for t in tensors)
+        return all(t is None or t.__class__ in PLAIN_TENSORS for t in tensors)
 
 
 def interpreting() -> bool:
@@ -155,7 +161,7 @@ def _eager(args, kwargs=None) -> bool:
     if torch.compiler.is_compiling():
         return False
     values = args if not kwargs else (*args, *kwargs.values())
-    return all(type(a) is torch.Tensor for a in values if isinstance(a, torch.Tensor))
+    return all(type(a) in PLAIN_TENSORS for a in values if isinstance(a, torch.Tensor))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,7 +357,7 @@ class _Launcher:
 def _slot_key(t):
     """Key part of a prepared launch's per-call value: a tensor's dtype and alignment, or a
     varying (do_not_specialize) int's width."""
-    if t.__class__ is _T:
+    if t.__class__ in PLAIN_TENSORS:
         return t.dtype, not t.data_ptr() & 15
     if t.__class__ is int:
         return 0 if _I32_MIN <= t <= _I32_MAX else 1 if t <= _I64_MAX else 2
@@ -471,7 +477,7 @@ class KernelOp:
         needs_grad = False
         for a in args:
             if isinstance(a, _T):
-                if a.__class__ is not _T:
+                if a.__class__ not in PLAIN_TENSORS:
                     return self.op(*args)
                 if a.requires_grad:
                     needs_grad = True

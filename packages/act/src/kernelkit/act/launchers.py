@@ -6,7 +6,14 @@ from __future__ import annotations
 import torch
 
 from kernelkit.shared.layout import collapse_dims, is_dense
-from kernelkit.shared.runtime import PlanCache, cdiv, launch, next_power_of_2, num_sms
+from kernelkit.shared.runtime import (
+    PLAIN_TENSORS,
+    PlanCache,
+    cdiv,
+    launch,
+    next_power_of_2,
+    num_sms,
+)
 
 from . import kernels as K
 
@@ -17,7 +24,7 @@ ELEMENTWISE_WARPS = 8
 ROWS_MAX_L = 8192  # a softmax row up to this long is held by one program (single pass)
 ROWS_TILE = 2048  # elements per (rows x L) tile of the single-pass row kernels
 COLS_MAX_L = 1024  # a softmax axis up to this long, beside I > 1 columns: one pass (columns)
-COLS_TILE = 16384  # elements per [L, I] tile of the columns forward (the backward: half)
+COLS_TILE = 16384  # elements per [L, I] tile of the columns kernels (>= 16 columns at L 1024)
 COLS_WARPS = 8
 SPLIT_TILE = 16384  # elements per (L x I) tile of the split-L kernels: more bytes in flight
 SPLIT_WARPS = 4  # warps of the split-L softmax kernels
@@ -76,13 +83,13 @@ def run_elementwise(kernel, out: torch.Tensor, *tensors: torch.Tensor, act: str)
         return out
     ts = (*tensors, out)
     for t in ts:
-        if t.__class__ is not torch.Tensor or not t.is_contiguous():
+        if t.__class__ not in PLAIN_TENSORS or not t.is_contiguous():
             break
     else:  # plain and contiguous: the plan depends on the size only
         # (id: a JITFunction hashes its source's cache key, ~0.3 us)
         _PLANS.get((id(kernel), act, n), _elementwise_plan, kernel, act, *ts)(*ts)
         return out
-    if all(t.__class__ is torch.Tensor for t in ts):
+    if all(t.__class__ in PLAIN_TENSORS for t in ts):
         key = (id(kernel), act, out.shape, *(t.stride() for t in ts))
         _PLANS.get(key, _elementwise_plan, kernel, act, *ts)(*ts)
     else:  # traced: fake tensors, maybe symbolic sizes
@@ -215,7 +222,7 @@ def softmax_chunk_stats(
     collapse to at most two and those after it to one (always true for a (B, H, N, D) view).
     Arguments are not validated (callers in other packages validate their own).
     """
-    if x.__class__ is torch.Tensor:
+    if x.__class__ in PLAIN_TENSORS:
         seqs = None if cu_seqlens is None else cu_seqlens.shape[0]
         key = ("stats", dim, seqs, x.get_device(), x.shape, x.stride())
         return _PLANS.get(key, _stats_plan, x, dim, cu_seqlens)(x, cu_seqlens)[0]
@@ -295,7 +302,7 @@ def _softmax_bwd_plan(y, dy, dx, dim: int, cu_seqlens=None):
             run_softmax_bwd(y.contiguous(), dy.contiguous(), dim, cu)
         )
     if cu_seqlens is None and view.I > 1 and view.L <= COLS_MAX_L:
-        run = _cols_launch(K.softmax_bwd_cols_kernel, view, COLS_TILE // 2, y, dy, dx)
+        run = _cols_launch(K.softmax_bwd_cols_kernel, view, COLS_TILE, y, dy, dx)
         return lambda y, dy, dx, _cu: run(y, dy, dx)
     if cu_seqlens is not None or not _use_rows(view):
         return _SplitSoftmaxBwd(y, dy, dx, view, cu_seqlens)
@@ -324,7 +331,9 @@ def run_softmax_fwd(x: torch.Tensor, dim: int, cu_seqlens=None) -> torch.Tensor:
     y = torch.empty_like(x)
     if x.numel() == 0:
         return y
-    if x.__class__ is torch.Tensor and (cu_seqlens is None or cu_seqlens.__class__ is torch.Tensor):
+    if x.__class__ in PLAIN_TENSORS and (
+        cu_seqlens is None or cu_seqlens.__class__ is torch.Tensor
+    ):
         seqs = None if cu_seqlens is None else cu_seqlens.shape[0]
         key = ("fwd", dim, seqs, x.get_device(), x.shape, x.stride(), y.stride())
         _PLANS.get(key, _softmax_fwd_plan, x, y, dim, cu_seqlens)(x, y, cu_seqlens)

@@ -18,7 +18,7 @@ from kernelkit.act import (
     softmax_chunk_stats,
 )
 from kernelkit.shared.packed import check_cu_seqlens
-from kernelkit.shared.runtime import PlanCache, num_sms
+from kernelkit.shared.runtime import PLAIN_TENSORS, PlanCache, num_sms
 
 from .reference import packed_positions
 
@@ -243,7 +243,7 @@ def cached_plan(build, tensors, *args):
     for t in tensors:  # one pass: the key, and whether the call is traced
         if t is None:
             key.append(None)
-        elif t.__class__ is torch.Tensor:
+        elif t.__class__ in PLAIN_TENSORS:
             key += (t.shape, t.stride())
         else:  # fake, functional or symbolic-size tensors: build, do not cache
             return build(*tensors, *args)
