@@ -27,6 +27,11 @@ COLS_MAX_L = 1024  # a softmax axis up to this long, beside I > 1 columns: one p
 COLS_TILE = 16384  # elements per [L, I] tile of the columns kernels (>= 16 columns at L 1024)
 COLS_WARPS = 8
 SPLIT_TILE = 16384  # elements per (L x I) tile of the split-L kernels: more bytes in flight
+# The backward's apply kernel holds three tiles (y, dy, dx): at 16384 one of its specialisations
+# (64-bit outer strides, a (1, 65536, 32, 128) tensor) compiled to 32 registers and 832 bytes of
+# spills on an H100, 7.8 ms instead of 0.67 ms. 8192 compiles without spills (166-198 registers)
+# and is as fast elsewhere (NOTES.md).
+SPLIT_BWD_TILE = 8192
 SPLIT_WARPS = 4  # warps of the split-L softmax kernels
 PROGRAMS_PER_SM = 8  # split-L: chunks are added until about this many programs per SM
 MAX_PACKED_SEQUENCES = 65535  # packed sequences x chunks share grid axis 1 (CUDA limit 65535)
@@ -117,12 +122,12 @@ class SoftmaxView:
         ]
 
 
-def _split_plan(view: SoftmaxView, device: torch.device, seqs: int | None = None):
+def _split_plan(view: SoftmaxView, device: torch.device, seqs: int | None = None, tile=None):
     """(BLOCK_L, BLOCK_I, chunk, num_chunks) for the split-L softmax kernels. With `seqs` packed
     sequences along L, each is split into num_chunks chunks (their size is set per sequence
     on the device, from its length; `chunk` is unused)."""
     block_i = min(next_power_of_2(view.I), 128)
-    block_l = max(1, SPLIT_TILE // block_i)
+    block_l = max(1, (tile or SPLIT_TILE) // block_i)
     programs = view.O0 * view.O1 * cdiv(view.I, block_i) * (seqs or 1)
     target = PROGRAMS_PER_SM * num_sms(device)
     if seqs is None:
@@ -168,9 +173,9 @@ class _SplitLaunches:
     the same for every outer index) the launches take it as their last tensor and the
     stats have a row per (sequence, outer index)."""
 
-    def __init__(self, t: torch.Tensor, view: SoftmaxView, plan=None, cu_seqlens=None):
+    def __init__(self, t, view: SoftmaxView, plan=None, cu_seqlens=None, tile=None):
         seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        self.plan = plan or _split_plan(view, t.device, seqs)
+        self.plan = plan or _split_plan(view, t.device, seqs, tile)
         block_l, block_i, chunk, num_chunks = self.plan
         self.cu_seqlens = cu_seqlens
         self.shape = (2, (seqs or 1) * view.O0 * view.O1, num_chunks, view.I)
@@ -251,7 +256,7 @@ class _SplitSoftmaxFwd(_SplitLaunches):
 
 class _SplitSoftmaxBwd(_SplitLaunches):
     def __init__(self, y, dy, dx, view: SoftmaxView, cu_seqlens=None):
-        super().__init__(y, view, cu_seqlens=cu_seqlens)
+        super().__init__(y, view, cu_seqlens=cu_seqlens, tile=SPLIT_BWD_TILE)
         self.shape = self.shape[1:]  # one float32 sum(y * dy) per (row, chunk, column)
         p = self.new.new_empty(self.shape)
         ys, gs, ds = view.strides
