@@ -55,6 +55,10 @@ FWD_TILES = {
 # H100 (benchmarks/hopper_ab.py): d = 128 non-causal, 502 -> 644 TFLOP/s at N = 16k (cuDNN 605),
 # 461 -> 566 at 4k. d = 64 measured equal or slower, causal was not verified: portable tiles.
 GLUON_FWD_TILES = {128: Tile(128, 128, 4, 2, tma=True, gluon=True)}
+# Causal (bottom-right diagonal), H100 A/B of 2026-11-23 (hopper_ab.py --cases 64:1,128:1),
+# TFLOP/s current / Gluon 128x128 s2 / cuDNN: d128 N16k 432 / 598 / 563, N4k 365 / 474 / 561;
+# d64 N16k 385 / 429 / 445 but N4k 361 / 323 / 422: d64 stays on the portable kernel.
+GLUON_CAUSAL_FWD_TILES = {128: Tile(128, 128, 4, 2, tma=True, gluon=True)}
 # dk/dv: BLOCK_N keys held by the program, BLOCK_M query rows per step.
 DKDV_TILES = {
     16: Tile(64, 128, 8, 2),
@@ -146,8 +150,8 @@ def plan_for(d: int, causal: bool, dtype: torch.dtype, masked_fwd: bool = False)
     if dtype == torch.float32:
         return Plan(*FP32_TILES[bd])
     fwd, dkdv, dq = CAUSAL_TILES.get(bd, (None, None, None)) if causal else (None, None, None)
-    if not (causal or masked_fwd):
-        fwd = GLUON_FWD_TILES.get(bd)
+    if not masked_fwd:
+        fwd = (GLUON_CAUSAL_FWD_TILES if causal else GLUON_FWD_TILES).get(bd) or fwd
     fwd = fwd or FWD_TILES[bd]
     if masked_fwd and bd >= MASKED_FWD_TMA_MIN_D:
         fwd = replace(fwd, tma=True)
