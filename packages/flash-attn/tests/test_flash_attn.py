@@ -1211,15 +1211,17 @@ def test_gpu_gluon_forward(shape, tile, device, monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_default_plan_takes_gluon_where_it_ships(device, monkeypatch):
-    """d = 128 non-causal half precision on an sm_90 GPU: the default forward is the Gluon one;
-    causal and d = 64 keep the portable kernel."""
+    """d = 128 half precision on an sm_90 GPU, non-causal or causal (also Nq != Nk: the
+    bottom-right diagonal): the default forward is the Gluon one; d = 64 keeps the portable
+    kernel."""
     launched = _launched_kernels(monkeypatch)
-    for d, causal in ((128, False), (128, True), (64, False)):
+    for d, causal, nk in ((128, False, 300), (128, True, 300), (128, True, 420), (64, False, 300),
+                          (64, True, 300)):  # fmt: skip
         launched.clear()
-        q, k, v = qkv(2, 300, 300, 4, 2, d, torch.bfloat16, device)
+        q, k, v = qkv(2, 300, nk, 4, 2, d, torch.bfloat16, device)
         check(q, k, v, causal=causal)
         gluon = "attn_fwd_gluon_kernel" in launched
-        assert gluon == (d == 128 and not causal and torch.cuda.get_device_capability()[0] == 9)
+        assert gluon == (d == 128 and torch.cuda.get_device_capability()[0] == 9)
 
 
 @pytest.mark.gpu
