@@ -1,7 +1,7 @@
 """Host cost per call of each op's eager path, next to eager PyTorch and torch.compile.
 
     PYTHONPATH=shared/src:packages/act/src:packages/lrpe-core/src:packages/lrpe-rotate/src:\
-packages/lrpe-cosine/src python ci/host_overhead.py [--shape small|tiny] [--no-breakdown] [--profile]
+packages/lrpe-cosine/src:packages/flash-attn/src python ci/host_overhead.py [--shape small|tiny] [--no-breakdown] [--profile]
     python ci/host_overhead.py --cpu     # the act breakdown on a machine without a GPU
 
 Per op, microseconds of host time per call (the clock runs while Python issues the calls, not
@@ -61,9 +61,11 @@ def per_call_us(fn, calls=CALLS, rounds=5):
 
 def op_cases(shape):
     import torch
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     from kernelkit.act import act
     from kernelkit.act.reference import act_reference
+    from kernelkit.flash_attn import flash_attn
     from kernelkit.lrpe_cosine import lrpe_cosine
     from kernelkit.lrpe_cosine.reference import lrpe_cosine_reference
     from kernelkit.lrpe_rotate import lrpe_rotate
@@ -85,6 +87,11 @@ def op_cases(shape):
         "lrpe_cosine none",
         lambda x: lrpe_cosine(x, theta),
         lambda x: lrpe_cosine_reference(x, theta),
+    )
+    yield (
+        "flash_attn causal",
+        lambda x: flash_attn(x, x, x, causal=True),
+        lambda x: sdpa(x.transpose(1, 2), x.transpose(1, 2), x.transpose(1, 2), is_causal=True),
     )
     yield (
         "lrpe_cosine softmax N",

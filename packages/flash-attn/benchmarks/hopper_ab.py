@@ -44,6 +44,7 @@ import torch
 from kernelkit.flash_attn import launchers as fa_launchers
 from kernelkit.flash_attn import plans as fa_plans
 from kernelkit.flash_attn.plans import Plan, Tile
+from kernelkit.shared import runtime
 
 CASES = [(64, False), (64, True), (128, False), (128, True)]  # (d, causal)
 NS = (16384, 4096)
@@ -121,8 +122,8 @@ def captured_launches(plan, causal, b, nq, nk, h, hkv, d):
     """(kernel, args, kwargs) of one forward and one backward with `plan` on CPU tensors of these
     shapes, taken as on a Hopper GPU (TMA-aligned, the Gluon forward allowed): what
     Triton's launcher would specialise on."""
-    saved = fa_launchers.launch, fa_plans.use_tma, fa_plans._gluon_device
-    fa_launchers.launch, fa_plans.use_tma = _Capture, lambda *t: True
+    saved = runtime.launch, fa_plans.use_tma, fa_plans._gluon_device
+    runtime.launch, fa_plans.use_tma = _Capture, lambda *t: True
     fa_plans._gluon_device = lambda device: True
     _Capture.calls = []
     try:
@@ -132,7 +133,7 @@ def captured_launches(plan, causal, b, nq, nk, h, hkv, d):
         fa_launchers.backward(do, q, k, v, o, lse, None, causal, 1 / math.sqrt(d), plan)
         return list(_Capture.calls)
     finally:
-        fa_launchers.launch, fa_plans.use_tma, fa_plans._gluon_device = saved
+        runtime.launch, fa_plans.use_tma, fa_plans._gluon_device = saved
 
 
 def _compile_sm90(kernel, args, kwargs, out, log):

@@ -24,6 +24,7 @@ from triton.runtime.jit import create_function_from_signature
 
 from kernelkit.flash_attn import launchers as fa_launchers
 from kernelkit.flash_attn import plans as fa_plans
+from kernelkit.shared import runtime
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -45,8 +46,8 @@ class _Capture:
 def captured_launches(d, dtype, causal, plan, n=256, b=1, h=1):
     """The (kernel, args, kwargs) of one forward and one backward with `plan` on CPU tensors of
     shape (b, n, h, d): the strides and sizes the suite-2 shapes give (B = H = 1)."""
-    launch, use_tma = fa_launchers.launch, fa_plans.use_tma
-    fa_launchers.launch, fa_plans.use_tma = (
+    launch, use_tma = runtime.launch, fa_plans.use_tma
+    runtime.launch, fa_plans.use_tma = (
         _Capture,
         lambda *t: True,
     )  # TMA tiles compile as on Hopper
@@ -58,7 +59,7 @@ def captured_launches(d, dtype, causal, plan, n=256, b=1, h=1):
         fa_launchers.backward(do, q, k, v, o, lse, None, causal, scale, plan)
         return list(_calls)
     finally:
-        fa_launchers.launch, fa_plans.use_tma = launch, use_tma
+        runtime.launch, fa_plans.use_tma = launch, use_tma
 
 
 def resource_usage(kernel, args, kwargs) -> dict:

@@ -18,6 +18,7 @@ from kernelkit.flash_attn import op as fa_op
 from kernelkit.flash_attn import plans as fa_plans
 from kernelkit.flash_attn import validation as fa_validation
 from kernelkit.flash_attn.reference import attention_reference, attention_varlen_reference
+from kernelkit.shared import runtime
 from kernelkit.shared.runtime import interpreting
 from kernelkit.shared.testing import assert_close, assert_graph_replays
 
@@ -785,8 +786,8 @@ def test_split_kv_torch_compile_fullgraph(device):
 
 def _launched_kernels(monkeypatch):
     """The names of the kernels the op launches from now on."""
-    names, launch = [], fa_launchers.launch
-    monkeypatch.setattr(fa_launchers, "launch", lambda k: names.append(k.fn.__name__) or launch(k))
+    names, launch = [], runtime.launch
+    monkeypatch.setattr(runtime, "launch", lambda k: names.append(k.fn.__name__) or launch(k))
     return names
 
 
@@ -824,7 +825,7 @@ def test_gluon_forward_launches_are_compile_checked(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: calls.append((self.kernel, args, kwargs))
 
-    monkeypatch.setattr(fa_launchers, "launch", Capture)
+    monkeypatch.setattr(runtime, "launch", Capture)
     monkeypatch.setattr(fa_plans, "use_tma", lambda *t: True)
     monkeypatch.setattr(fa_plans, "_gluon_device", lambda device: True)
     for d, causal, tile in [(64, False, (128, 64, 3)), (80, False, (128, 128, 2))]:
@@ -1249,3 +1250,14 @@ def test_gpu_varlen_cuda_graph(device):
                                                    device, seed=seed)[:3]]  # fmt: skip
 
     assert_graph_replays(fwd_bwd, inputs(0), [inputs(10), inputs(20)])
+
+
+def test_replayed_launches_match_the_full_host_path():
+    """Launch sequences recorded per layout and replayed (`replay`, through prepared launches)
+    pass the same compiled kernels the same arguments, tensor for tensor, as the full host path
+    through Triton's own launcher."""
+    from pathlib import Path
+
+    from kernelkit.shared.testing import assert_launch_paths_agree
+
+    assert_launch_paths_agree(Path(__file__).with_name("launch_calls.py"))

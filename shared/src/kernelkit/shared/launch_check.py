@@ -6,9 +6,11 @@ suites run under it), against kernelkit.shared's fake CUDA driver, on CPU tensor
 
 `function()` yields callables that run an op's forward and backward (the ops' `use_triton` is
 forced on). Every launch of the first pass goes through the prepared launches that the ops'
-plans build; the second pass rebuilds the plans with `prepare` replaying through
-`launcher[grid]`. Tensors are compared by shape, strides and dtype (each pass allocates its
-own), everything else by value. Prints OK and the number of launches, or fails.
+plans build (and the launch sequences `replay` recorded, for calls that repeat a layout); the
+second pass rebuilds the plans with `prepare` replaying through `launcher[grid]` and runs
+every host path in full (no recorded sequences). Tensors are compared by shape, strides, dtype
+and which tensor of the call they are (numbered by first use: a replay that passed one tensor
+for another fails), everything else by value. Prints OK and the number of launches, or fails.
 """
 
 from __future__ import annotations
@@ -28,25 +30,33 @@ def _calls(spec: str):
     return getattr(module, name)
 
 
-def _run(log, calls, caches) -> list[tuple]:
+def _ident(p, seen: dict):
+    """A launch argument as compared: a tensor by shape, strides, dtype and its number."""
     import torch
 
+    if not isinstance(p, torch.Tensor):
+        return p
+    return tuple(p.shape), p.stride(), p.dtype, seen.setdefault(p.data_ptr(), len(seen))
+
+
+def _run(log, calls, caches) -> list[tuple]:
     for cache in caches:
         cache._plans.clear()
-    log.launches.clear()
+    out = []
     for call in calls():
+        log.launches.clear()
         call()
-    return [
-        tuple(
-            (tuple(p.shape), p.stride(), p.dtype) if isinstance(p, torch.Tensor) else p
-            for p in params
-        )
-        for _grid, _stream, _function, params in log.launches
-    ]
+        seen: dict[int, int] = {}  # data pointer -> number of the call's tensor, by first use
+        out += [
+            tuple(_ident(p, seen) for p in params)
+            for _grid, _stream, _function, params in log.launches
+        ]
+    return out
 
 
 def main(spec: str) -> int:
     os.environ.pop("TRITON_INTERPRET", None)
+    from . import replay as sequences
     from . import runtime
     from .fake_driver import fake_cuda
 
@@ -66,6 +76,7 @@ def main(spec: str) -> int:
         runtime._Launcher.prepare = lambda self, grid, *a, vary=(), **k: replay(
             self, grid, a, k, vary
         )
+        sequences.replayed = lambda run, inputs, options, *args: run(sequences.DIRECT, *args)
         triton_path = _run(log, calls, caches)
     if not prepared or len(prepared) != len(triton_path):
         print(f"FAIL: {len(prepared)} prepared launches, {len(triton_path)} through Triton")

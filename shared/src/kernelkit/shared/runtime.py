@@ -84,6 +84,13 @@ class PlanCache:
         """The plan cached under `key` (KeyError if none): for tools that inspect plans."""
         return self._plans[key]
 
+    def lookup(self, key):
+        """The plan cached under `key`, or None."""
+        return self._plans.get(key)
+
+    def clear(self) -> None:
+        self._plans.clear()
+
     def get(self, key, build: Callable, *args):
         plan = self._plans.get(key)
         if plan is None:
@@ -209,6 +216,9 @@ def _runtime_key(name: str, p) -> str:
     )
 
 
+_JIT_TYPES = ("JITFunction", "GluonJITFunction")
+
+
 def _make_binder(kernel):
     """A function `bind(device, *args, **kwargs) -> (key, params, options)` generated for this
     kernel's signature (as Triton generates its own binder): `params` are all of the kernel's
@@ -216,7 +226,8 @@ def _make_binder(kernel):
     remaining keywords (num_warps, num_stages, ...). None for objects that are not plain
     JITFunctions (autotuners, heuristics): those always take Triton's own path."""
     params = getattr(kernel, "params", None)
-    if not _SUPPORTED or params is None or type(kernel).__name__ != "JITFunction":
+    # Gluon kernels (GluonJITFunction) bind, specialise and launch as Triton's own do.
+    if not _SUPPORTED or params is None or type(kernel).__name__ not in _JIT_TYPES:
         return None
     names = [p.name for p in params]
     if any(n.startswith("_kk_") for n in names):

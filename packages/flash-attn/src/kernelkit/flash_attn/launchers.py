@@ -3,15 +3,17 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
+import triton
 
+from kernelkit.shared import replay
 from kernelkit.shared.runtime import (
     cdiv,
     interpreting,
-    launch,
     next_power_of_2,
 )
 
@@ -31,6 +33,7 @@ from .plans import (
     Tile,
     _gluon_flag,
     _tma_flag,
+    _tma_scratch,
     block_d_for,
     dot_precision,
     plan_for,
@@ -40,12 +43,13 @@ from .plans import (
 LOG2E = 1.4426950408889634  # scores run in log2 units (exp2)
 
 
-def _forward_gluon(q, k, v, o, lse, tile: Tile, scale: float, causal: bool) -> None:
+def _forward_gluon(ops, q, k, v, o, lse, tile: Tile, scale: float, causal: bool) -> None:
     """The Gluon forward (dense, non-causal or bottom-right causal; no softcap, window or
     packing: the cases it was written and measured for)."""
     b, nq, h, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
-    launch(KG.attn_fwd_gluon_kernel)[(cdiv(nq, tile.block_m) * b * h,)](
+    ops.launch(
+        KG.attn_fwd_gluon_kernel, (cdiv(nq, tile.block_m) * b * h,),
         q, k, v, o, lse, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(o), h,
         h // hkv, nq, nk, scale * LOG2E, HEAD_DIM=d, BLOCK_D=block_d_for(d),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, CAUSAL=causal,
@@ -106,6 +110,19 @@ def _seq_strides(t: torch.Tensor, varlen: Varlen | None):
     return _strides3(t) if varlen is None else (0, t.stride(0), t.stride(1))
 
 
+def _varlen_parts(varlen: Varlen | None):
+    """(tensors, options) of a packed batch for `replay.replayed`'s key."""
+    if varlen is None:
+        return (None, None), None
+    return (varlen.cu_q, varlen.cu_k), (varlen.max_q, varlen.max_k)
+
+
+def _options(*options):
+    """A replay key's options: the call's, plus the module switches and rules plans read (tests
+    patch them)."""
+    return (*options, FAST_TANH, interpreting())
+
+
 def forward(
     q,
     k,
@@ -124,30 +141,51 @@ def forward(
     and lse (H, total_q).
 
     With neither `plan` nor `split` given, `split_plan` chooses between the dense forward and
-    the split-KV one; a `plan` alone runs the dense forward with its tile, a `split` the split-KV
-    forward (dense batches only)."""
+    the split-KV one, and the launches are recorded per layout and replayed (`replay`); a `plan`
+    alone runs the dense forward with its tile, a `split` the split-KV forward (dense batches
+    only)."""
+    if plan is None and split is None:
+        cu, sizes = _varlen_parts(varlen)
+        return replay.replayed(
+            _forward, (q, k, v, *cu), _options("fwd", causal, scale, softcap, window, sizes),
+            q, k, v, causal, scale, None, None, softcap, window, varlen,
+        )  # fmt: skip
+    return _forward(replay.DIRECT, q, k, v, causal, scale, plan, split, softcap, window, varlen)
+
+
+def _scratch_for_replay(ops, device: torch.device) -> None:
+    """TMA launches need Triton's scratch allocator (`_tma_flag` installs it) in the thread that
+    launches: a replay installs it again first (autograd runs the backward in its own thread)."""
+    if device.type == "cuda":
+        ops.on_replay(functools.partial(triton.set_allocator, _tma_scratch(device)))
+
+
+def _forward(ops, q, k, v, causal, scale, plan, split, softcap, window, varlen):
+    """`forward` with its allocations and launches through `ops` (`replay`)."""
+    _scratch_for_replay(ops, q.device)
     q, k, v = _unit_d(q), _unit_d(k), _unit_d(v)
     d = int(q.shape[-1])  # compile-time in the kernels: specialise on it under dynamic shapes
     if varlen is None:
         b, nq, h = q.shape[:3]
         nk, hkv = k.shape[1], k.shape[2]
-        o = torch.empty((b, nq, h, d), dtype=q.dtype, device=q.device)
-        lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
+        o = ops.empty((b, nq, h, d), q.dtype, q.device)
+        lse = ops.empty((b, h, nq), torch.float32, q.device)
         lse_strides = lse.stride(0), lse.stride(1)
         if b == 0:
             return o, lse
         if plan is None and split is None:
             split = split_plan(q, k, left=window[0])
         if split is not None:
-            _forward_split(q, k, v, o, lse, causal, scale, split, softcap, window)
+            _forward_split(ops, q, k, v, o, lse, causal, scale, split, softcap, window)
             return o, lse
     else:
         b, nq, nk = varlen.cu_q.shape[0] - 1, varlen.max_q, varlen.max_k
         h, hkv = q.shape[1], k.shape[1]
-        o = torch.empty((q.shape[0], h, d), dtype=q.dtype, device=q.device)
-        lse = torch.empty((h, q.shape[0]), dtype=torch.float32, device=q.device)
+        o = ops.empty((q.shape[0], h, d), q.dtype, q.device)
+        lse = ops.empty((h, q.shape[0]), torch.float32, q.device)
         lse_strides = 0, lse.stride(0)
         if q.shape[0] == 0 or k.shape[0] == 0:  # no rows, or rows that see no key
+            ops.unplannable()
             return o.zero_(), lse.fill_(-math.inf)
     upper, local, win_left, win_right = _window_args(causal, window)
     plan = plan or plan_for(d, upper, q.dtype, local or varlen is not None)
@@ -156,12 +194,13 @@ def forward(
         # Right edge none or the causal diagonal (win_right 0); no left edge, softcap, packing.
         plain = win_right == 0 and not (local or softcap or varlen is not None)
         if plain and _gluon_flag(t, q, k, v):
-            _forward_gluon(q, k, v, o, lse, t, scale, upper)
+            _forward_gluon(ops, q, k, v, o, lse, t, scale, upper)
             return o, lse
         t = FWD_TILES[block_d_for(d)]  # not an sm_90 GPU, or a case the Gluon kernel lacks
     qk_scale, cap_scale, softcap_mode = _score_args(scale, softcap, q)
-    grid = (cdiv(nq, t.block_m) * b * h,)
-    launch(K.attn_fwd_kernel)[grid](
+    ops.launch(
+        K.attn_fwd_kernel,
+        (cdiv(nq, t.block_m) * b * h,),
         q,
         k,
         v,
@@ -201,6 +240,7 @@ def forward(
 
 
 def _forward_split(
+    ops,
     q,
     k,
     v,
@@ -220,13 +260,13 @@ def _forward_split(
     t, bd = split.tile, block_d_for(d)
     row_blocks = cdiv(group * nq, t.block_m)
     rows_pad = row_blocks * t.block_m
-    o_part = torch.empty(
-        (b * hkv, split.splits, rows_pad, bd), dtype=torch.float32, device=q.device
-    )
-    lse_part = torch.empty((b * hkv, split.splits, rows_pad), dtype=torch.float32, device=q.device)
+    o_part = ops.empty((b * hkv, split.splits, rows_pad, bd), torch.float32, q.device)
+    lse_part = ops.empty((b * hkv, split.splits, rows_pad), torch.float32, q.device)
     qk_scale, cap_scale, softcap_mode = _score_args(scale, softcap, q)
     upper, local, win_left, win_right = _window_args(causal, window)
-    launch(K.attn_fwd_split_kernel)[(row_blocks * split.splits * b * hkv,)](
+    ops.launch(
+        K.attn_fwd_split_kernel,
+        (row_blocks * split.splits * b * hkv,),
         q,
         k,
         v,
@@ -260,7 +300,9 @@ def _forward_split(
         num_stages=t.stages,
     )
     block_r = min(t.block_m, COMBINE_BLOCK_R, max(2, next_power_of_2(group * nq)))
-    launch(K.attn_fwd_combine_kernel)[(cdiv(group * nq, block_r) * b * hkv,)](
+    ops.launch(
+        K.attn_fwd_combine_kernel,
+        (cdiv(group * nq, block_r) * b * hkv,),
         o_part,
         lse_part,
         o,
@@ -295,12 +337,27 @@ def backward(
     varlen: Varlen | None = None,
 ):
     """(dq, dk, dv) from the saved q, k, v, o, lse; dlse (or None) is the LSE's gradient.
-    Layouts as in `forward` (packed with `varlen`)."""
+    Layouts as in `forward` (packed with `varlen`); without a `plan` the launches are replayed
+    per layout, as in `forward`."""
+    if plan is None:
+        cu, sizes = _varlen_parts(varlen)
+        return replay.replayed(
+            _backward, (do, q, k, v, o, lse, dlse, *cu),
+            _options("bwd", causal, scale, softcap, window, sizes),
+            do, q, k, v, o, lse, dlse, causal, scale, None, softcap, window, varlen,
+        )  # fmt: skip
+    return _backward(replay.DIRECT, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap,
+                     window, varlen)  # fmt: skip
+
+
+def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, window, varlen):
+    """`backward` with its allocations and launches through `ops` (`replay`)."""
+    _scratch_for_replay(ops, q.device)
     do, q, k, v, o = (_unit_d(t) for t in (do, q, k, v, o))
     d = int(q.shape[-1])
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq = ops.empty(q.shape, q.dtype, q.device)
+    dk = ops.empty(k.shape, k.dtype, k.device)
+    dv = ops.empty(v.shape, v.dtype, v.device)
     if varlen is None:
         b, nq, h = q.shape[:3]
         nk, hkv = k.shape[1], k.shape[2]
@@ -312,6 +369,7 @@ def backward(
         h, hkv = q.shape[1], k.shape[1]
         rows_b, rows = 1, q.shape[0]
         if q.shape[0] == 0 or k.shape[0] == 0:
+            ops.unplannable()
             return dq.zero_(), dk.zero_(), dv.zero_()
     upper, local, win_left, win_right = _window_args(causal, window)
     plan = plan or plan_for(d, upper, q.dtype, local or varlen is not None)
@@ -321,11 +379,13 @@ def backward(
     lse = lse.contiguous()
     # delta like the LSE: (B, H, Nq), or (1, H, total_q) for a packed batch (whose rows the
     # preprocess walks as one sequence); both read through (batch, head) strides.
-    delta = torch.empty((rows_b, h, rows), dtype=torch.float32, device=q.device)
+    delta = ops.empty((rows_b, h, rows), torch.float32, q.device)
     lse_strides = (delta.stride(0) if varlen is None else 0), delta.stride(1)
     cu_q, cu_k = (None, None) if varlen is None else (varlen.cu_q, varlen.cu_k)
     pre_m = INTERPRETER_FWD.block_m if interpreting() else PREPROCESS_BLOCK_M
-    launch(K.attn_bwd_preprocess_kernel)[(cdiv(rows, pre_m) * rows_b * h,)](
+    ops.launch(
+        K.attn_bwd_preprocess_kernel,
+        (cdiv(rows, pre_m) * rows_b * h,),
         o,
         do,
         delta if dlse is None else dlse.contiguous(),
@@ -341,7 +401,9 @@ def backward(
         num_warps=4,
     )
     t = plan.dkdv
-    launch(K.attn_bwd_dkdv_kernel)[(cdiv(nk, t.block_n) * b * hkv,)](
+    ops.launch(
+        K.attn_bwd_dkdv_kernel,
+        (cdiv(nk, t.block_n) * b * hkv,),
         q,
         k,
         v,
@@ -385,7 +447,9 @@ def backward(
         num_stages=t.stages,
     )
     t = plan.dq
-    launch(K.attn_bwd_dq_kernel)[(cdiv(nq, t.block_m) * b * h,)](
+    ops.launch(
+        K.attn_bwd_dq_kernel,
+        (cdiv(nq, t.block_m) * b * h,),
         q,
         k,
         v,

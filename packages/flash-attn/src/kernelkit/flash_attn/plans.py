@@ -41,11 +41,13 @@ class Tile:
 # for sm_90a (registers, spills, shared memory), then timed with benchmarks/tune.py on an H200
 # at N = 8k and on an H100 at N = 4k/16k/32k (NOTES.md). TMA loads where they measured faster:
 # the d = 128 backward and the d = 64 causal backward (whose new tiles only fit without pointer
-# registers); the forward measured the same either way and keeps pointer loads. d = 16, 32 and
-# 256 were not timed: their tiles are the d = 64 ones scaled by the register budget.
+# registers); the forward measured the same either way and keeps pointer loads. d = 16 and 32:
+# H100 flash-table sweep (tune.py --flash-table, B = H = 1 causal, N = 1k/4k/16k, 2026-11-23):
+# forward 64 x 128 1.84x / 1.86x over 128 x 64, d32 dq 64 x 128 1.13x; their dk/dv candidates
+# were mixed across N (kept). d = 256 was not timed.
 FWD_TILES = {
-    16: Tile(128, 64, 4, 3),
-    32: Tile(128, 64, 4, 3),
+    16: Tile(64, 128, 4, 3),
+    32: Tile(64, 128, 4, 3),
     64: Tile(128, 64, 8, 3),
     128: Tile(128, 128, 8, 3),
     256: Tile(128, 32, 8, 2),
@@ -70,7 +72,7 @@ DKDV_TILES = {
 # dq: BLOCK_M query rows held by the program, BLOCK_N keys per step.
 DQ_TILES = {
     16: Tile(128, 64, 8, 3),
-    32: Tile(128, 64, 8, 3),
+    32: Tile(64, 128, 4, 3),
     64: Tile(128, 64, 8, 3),
     128: Tile(128, 64, 8, 3, tma=True),
     256: Tile(64, 16, 4, 2),
@@ -82,12 +84,15 @@ CAUSAL_TILES: dict[int, tuple[Tile | None, Tile | None, Tile | None]] = {
     128: (None, Tile(64, 128, 8, 3, tma=True), Tile(128, 64, 8, 4, tma=True)),
 }
 # float32 inputs (three tf32 products per dot) need about three times the operand registers:
-# small tiles, (fwd, dk/dv, dq) by BLOCK_D.
+# small tiles, (fwd, dk/dv, dq) by BLOCK_D. Winners of the H100 flash-table sweep (geometric
+# mean over N = 1k/4k/16k against the previous tile; NOTES.md): forward d16/d32 64 x 64 1.4x,
+# d64 32 x 64 2.1x, d128 32 x 64 1.5x; d128 dk/dv 64 x 32 TMA 1.7x (it spills a little, and
+# still beats every spill-free tile); dq d32 1.12x, d64 1.07x, d128 1.17x.
 FP32_TILES = {
-    16: (Tile(64, 32, 4, 2), Tile(32, 32, 4, 1), Tile(32, 32, 4, 1)),
-    32: (Tile(64, 32, 4, 2), Tile(32, 32, 4, 1), Tile(32, 32, 4, 1)),
-    64: (Tile(64, 32, 4, 2), Tile(32, 32, 4, 1), Tile(32, 32, 4, 1)),
-    128: (Tile(32, 32, 8, 1), Tile(16, 32, 8, 1), Tile(32, 32, 8, 1)),
+    16: (Tile(64, 64, 4, 2), Tile(32, 32, 4, 1), Tile(32, 32, 4, 1)),
+    32: (Tile(64, 64, 4, 2), Tile(32, 64, 4, 2), Tile(64, 64, 4, 2)),
+    64: (Tile(32, 64, 4, 2), Tile(32, 32, 4, 1), Tile(32, 64, 4, 2)),
+    128: (Tile(32, 64, 8, 1), Tile(64, 32, 8, 1, tma=True), Tile(16, 32, 4, 2, tma=True)),
     256: (Tile(16, 16, 4, 1), Tile(16, 16, 4, 1), Tile(16, 16, 4, 1)),
 }
 PREPROCESS_BLOCK_M = 64
