@@ -4,6 +4,7 @@ kernels), the reference helpers against brute force, the d(theta) reduction and 
 The LRPE ops' own tests cover these pieces end to end; these pin each piece down on its own.
 """
 
+import itertools
 import math
 
 import pytest
@@ -12,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kernelkit.act import MAX_PACKED_SEQUENCES
-from kernelkit.lrpe_core.kernels import cos_sin, grid_positions, token_positions
+from kernelkit.lrpe_core.kernels import cos_sin, grid_positions, packed_starts, token_positions
 from kernelkit.lrpe_core.op import (
     position_args,
     position_strides,
@@ -29,6 +30,7 @@ from kernelkit.lrpe_core.reference import (
     slot_frequencies,
     wrap_frequencies,
 )
+from kernelkit.shared.packed import segment_ids
 from kernelkit.shared.runtime import launch
 
 
@@ -47,6 +49,15 @@ def _positions_kernel(out, offset, positions, N, stride_pb, stride_pn, BLOCK: tl
     t = tl.arange(0, BLOCK)
     p = token_positions(offset, positions, b, t, N, stride_pb, stride_pn)
     tl.store(out + b * N + t, p, mask=t < N)
+
+
+@triton.jit
+def _packed_kernel(seq_out, pos_out, cu_seqlens, num_seqs, N, BLOCK: tl.constexpr):
+    t0 = tl.program_id(0) * BLOCK
+    t = t0 + tl.arange(0, BLOCK)
+    seq, start = packed_starts(cu_seqlens, num_seqs, t, t0, tl.minimum(t0 + BLOCK, N) - 1)
+    tl.store(seq_out + t, seq, mask=t < N)
+    tl.store(pos_out + t, t - start, mask=t < N)
 
 
 @triton.jit
@@ -114,6 +125,24 @@ def test_grid_positions_match_reference(shape, extra, e, device):
 def test_packed_positions_restart_per_sequence():
     cu = torch.tensor([0, 3, 3, 4, 9], dtype=torch.int32)
     assert packed_positions(cu, 9).tolist() == [[0, 1, 2, 0, 0, 1, 2, 3, 4]]
+
+
+@pytest.mark.parametrize(
+    "lengths", [[9], [3, 0, 1, 5], [0, 0, 2, 0, 7, 0], [1] * 9, [2, 0, 0, 0, 0, 0, 0, 0, 0, 1, 6]]
+)
+def test_packed_starts_match_reference(lengths, device):
+    """Sequence and position of every token from cu_seqlens on the device: tiles inside one
+    sequence, across several, with empty sequences anywhere and counts not a power of two."""
+    n = sum(lengths)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    seq = torch.full((n,), -1, dtype=torch.int32, device=device)
+    pos = torch.full((n,), -1, dtype=torch.int32, device=device)
+    for block in (2, 4, 16):
+        launch(_packed_kernel)[(triton.cdiv(n, block),)](
+            seq, pos, cu.to(device), len(lengths), n, BLOCK=block
+        )
+        assert torch.equal(seq.cpu().long(), segment_ids(cu, n).long())
+        assert torch.equal(pos.cpu().long()[None], packed_positions(cu, n))
 
 
 def test_frequency_forms():

@@ -157,12 +157,11 @@ def test_packed_softmax_dx_only_and_dtheta_only(device):
 def test_packed_opcheck(device):
     x = make((1, 23, 2, 8), torch.float32, device).requires_grad_()
     theta = make_theta(2, 8, device).requires_grad_()
-    cu = packing([9, 0, 14], device)
-    table = packed_positions(cu, 23)
-    torch.library.opcheck(fwd.op, (x, theta, 0, None, table, cu, "softmax_seq"))
-    y, stats = fwd(x.detach(), theta.detach(), 0, None, table, cu, "softmax_seq")
+    cu = packing([9, 0, 14], device)  # positions from cu_seqlens on the device: no table
+    torch.library.opcheck(fwd.op, (x, theta, 0, None, None, cu, "softmax_seq"))
+    y, stats = fwd(x.detach(), theta.detach(), 0, None, None, cu, "softmax_seq")
     dy = make(y.shape, y.dtype, device, seed=3)
-    args = (dy, x.detach(), theta.detach(), 0, None, table, cu, stats, "softmax_seq", True, True)
+    args = (dy, x.detach(), theta.detach(), 0, None, None, cu, stats, "softmax_seq", True, True)
     torch.library.opcheck(bwd.op, args)
 
 

@@ -8,10 +8,14 @@ reference's value (kernelkit.lrpe_core.reference.angles).
 Positions come in three forms, told apart at compile time by what the launch passes:
   * `offset` an int:                  position = offset + t (one start for every batch row);
   * `offset` a pointer to (B,) ints:  position = offset[b] + t;
-  * `positions` a pointer (not None): position = positions[b, t] (per-token table, any strides).
+  * `positions` a pointer (not None): position = positions[b, t] (per-token table, any strides);
+  * sequences packed along N (B = 1): position = t - (first token of t's sequence), from the
+    int32 prefix sums `cu_seqlens` on the device (`packed_starts`), no per-token table;
 and, for tokens on a grid (md-lrpe-cosine), a per-feature coordinate (`grid_positions`).
 Positions depend on the batch row exactly when `positions is not None or is_pointer(offset)`
-(a compile-time condition): kernels then compute cos/sin per row, else once per program.
+(a compile-time condition): kernels then compute cos/sin per row, else once per program. Where
+cos/sin wait on a load from memory (a table, per-row starts), kernels issue the tile's loads of
+x (dy) first, so that the two latencies overlap instead of adding up.
 """
 
 import triton
@@ -79,6 +83,43 @@ def token_positions(offset, positions, b, t, n, stride_pb, stride_pn):
     else:
         p = t.to(tl.int64) + offset
     return p
+
+
+@triton.jit
+def packed_starts(cu_seqlens, num_seqs, t, t_first, t_last):
+    """(sequence, first token of that sequence), int32, of tokens t (any shape; clamped to
+    [t_first, t_last], the scalar bounds of the caller's tile) of `num_seqs` sequences packed
+    along one axis (int32 prefix sums `cu_seqlens`): t lies in the last sequence s whose first
+    token cu_seqlens[s] <= t. Binary searches over the prefix sums (a few hundred bytes, cache
+    resident) instead of a per-token table built per call: one on scalars finds the sequences of
+    t_first and t_last, and tokens search only between those two, so a tile inside one sequence
+    (the common case) loads nothing per token. Whatever cu_seqlens holds (unchecked on the GPU),
+    sequences stay in [0, num_seqs): wrong values, never reads out of bounds."""
+    t = tl.minimum(tl.maximum(t, t_first), t_last)
+    # Binary lifting: steps P/2, ..., 1 with P the first power of two >= num_seqs.
+    step = tl.full([], 1, tl.int32)
+    while step < num_seqs:
+        step *= 2
+    lo = tl.zeros_like(step)
+    hi = tl.zeros_like(step)
+    while step > 1:
+        step = step // 2
+        c_lo = tl.minimum(lo + step, num_seqs - 1)
+        c_hi = tl.minimum(hi + step, num_seqs - 1)
+        lo = tl.where(tl.load(cu_seqlens + c_lo) <= t_first, c_lo, lo)
+        hi = tl.where(tl.load(cu_seqlens + c_hi) <= t_last, c_hi, hi)
+    seq = tl.zeros_like(t) + lo
+    start = tl.zeros_like(t) + tl.load(cu_seqlens + lo)
+    while step <= hi - lo:  # step is 1 here
+        step *= 2
+    while step > 1:
+        step = step // 2
+        c = tl.minimum(seq + step, hi)
+        first = tl.load(cu_seqlens + c)
+        take = first <= t
+        seq = tl.where(take, c, seq)
+        start = tl.where(take, first, start)
+    return seq, start
 
 
 @triton.jit

@@ -3,7 +3,8 @@ of a launch, the softmax-over-the-sequence statistics and the d(theta) reduction
 
 Every LRPE op validates with these functions (one set of error texts), hands its kernels
 positions as one `offset` argument (an int, or a (B,) tensor of starts) plus an optional
-per-token `positions` table, and folds the per-program d(theta) partials the same way.
+per-token `positions` table (packed sequences: `cu_seqlens`, read by the kernels themselves),
+and folds the per-program d(theta) partials the same way.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from kernelkit.act import (
 )
 from kernelkit.shared.packed import check_cu_seqlens
 from kernelkit.shared.runtime import PLAIN_TENSORS, PlanCache, num_sms
-
-from .reference import packed_positions
 
 __all__ = [
     "KINDS",
@@ -107,8 +106,9 @@ def validate_theta(x: torch.Tensor, theta) -> int:
 
 def validate_positions(x: torch.Tensor, offset, positions=None, cu_seqlens=None):
     """Check how token positions are given; returns (start, starts, table) for `position_args`:
-    an int start, a (B,) int64 tensor of per-row starts, or a (B|1, N) integer table (explicit
-    `positions`, or built from `cu_seqlens` for packed sequences restarting at 0)."""
+    an int start, a (B,) int64 tensor of per-row starts, or a (B|1, N) integer `positions`
+    table. Packed sequences (`cu_seqlens`) return (0, None, None): the kernels derive each
+    token's position from its sequence's start on the device, with no per-call table."""
     if offset.__class__ is int and positions is None and cu_seqlens is None:  # the common call
         if not -(2**62) <= offset <= 2**62:
             raise ValueError(f"offset: {offset} is out of range (positions are int64)")
@@ -136,7 +136,7 @@ def validate_positions(x: torch.Tensor, offset, positions=None, cu_seqlens=None)
         check_cu_seqlens(cu_seqlens, n, x.device, what="tokens N")
         if b != 1:
             raise ValueError(f"x: packed sequences (cu_seqlens) need B = 1, got B = {b}")
-        return 0, None, packed_positions(cu_seqlens, n)
+        return 0, None, None
     if isinstance(offset, torch.Tensor):
         if not _is_int_tensor(offset):
             raise ValueError(

@@ -13,9 +13,10 @@ softmax (over the D features of each token) or softmax_seq (over the sequence, f
 per-chunk (max, sum) stats of kernelkit-lrpe-core's `sequence_softmax_stats`).
 
 Where the angles come from (kernelkit-lrpe-core): GRID_AXES == 0, a sequence: position
-(`offset`, `positions`) times the slot frequency of each feature; GRID_AXES = m > 0, tokens on an
-m-axis grid behind `extra` leading tokens (md-lrpe-cosine): feature k turns with the coordinate
-of its axis k // E at frequency theta[k mod E]. With `angles` (not None) the forward also writes
+(`offset`, `positions`, or `cu_seqlens` for sequences packed along N) times the slot frequency
+of each feature; GRID_AXES = m > 0, tokens on an m-axis grid behind `extra` leading tokens
+(md-lrpe-cosine): feature k turns with the coordinate of its axis k // E at frequency
+theta[k mod E]. With `angles` (not None) the forward also writes
 the float32 angle table (N, H, D) and the backward reads it instead of recomputing the angles
 (md-lrpe-cosine's cache=True: the same float32 values, so identical results).
 """
@@ -42,6 +43,7 @@ from kernelkit.lrpe_core.kernels import (
     cos_sin,
     grid_positions,
     is_pointer,
+    packed_starts,
     slot_frequencies,
     store_dtheta_partial,
     token_positions,
@@ -56,7 +58,6 @@ from kernelkit.lrpe_core.op import (
     programs_target,
     theta_args,
 )
-from kernelkit.shared.packed import segment_ids
 from kernelkit.shared.runtime import cdiv, launch, next_power_of_2
 
 # Sizes, offsets, grid sizes and batch-group sizes change with every call: never specialise.
@@ -269,15 +270,6 @@ def sequence_stats(stats, b, h, B, H, C, D, feats, mask):
 
 
 @triton.jit
-def token_sequences(segments, t, N, num_seqs):
-    """[BLOCK_N] sequence of each token of a packed row (lanes past N: the last token's),
-    clamped to a valid stats row: cu_seqlens that break the contract on the GPU (unchecked
-    there) give wrong values, never reads out of bounds."""
-    seq = tl.load(segments + tl.minimum(t, N - 1))
-    return tl.minimum(tl.maximum(seq, 0), num_seqs - 1)
-
-
-@triton.jit
 def angle_table_offsets(t, h, H, D, feats):
     """[BLOCK_N, 1, BLOCK_D] offsets into the float32 angle table (N, H, D)."""
     return ((t.to(tl.int64) * H + h) * D)[:, None, None] + feats[None, None, :]
@@ -297,7 +289,7 @@ def cosine_fwd_kernel(
     offset,
     positions,
     stats,
-    segments,
+    cu_seqlens,
     angles,
     B,
     N,
@@ -330,12 +322,13 @@ def cosine_fwd_kernel(
 ):
     h = tl.program_id(1)
     H = tl.num_programs(1)
-    t = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t0 = tl.program_id(0) * BLOCK_N
+    t = t0 + tl.arange(0, BLOCK_N)
     feats = tl.arange(0, BLOCK_D)
     feat_ok = feats < D
     tile_ok = (t < N)[:, None, None] & feat_ok[None, None, :]
     freqs = head_frequencies(theta, h, stride_th, stride_te, n_freq, feats, D, GRID_AXES)
-    per_row: tl.constexpr = positions is not None or is_pointer(offset)
+    per_row: tl.constexpr = positions is not None or is_pointer(offset) or cu_seqlens is not None
     if not per_row:
         ang = freqs * tile_positions(
             offset,
@@ -361,9 +354,10 @@ def cosine_fwd_kernel(
     y_tile = (t.to(tl.int64) * stride_yn)[:, None, None] + (feats * stride_yd)[None, None, :]
     x_head = x + h.to(tl.int64) * stride_xh
     y_head = y + h.to(tl.int64) * stride_yh
-    PACKED: tl.constexpr = segments is not None  # softmax_seq over sequences packed along N
-    if PACKED:  # B = 1: stats of each token's sequence
-        seqs = token_sequences(segments, t, N, num_seqs)
+    if cu_seqlens is not None:  # B = 1, sequences packed along N: each token's and its start
+        seqs, starts = packed_starts(cu_seqlens, num_seqs, t, t0, tl.minimum(t0 + BLOCK_N, N) - 1)
+    PACKED: tl.constexpr = cu_seqlens is not None and ACT == "softmax_seq"
+    if PACKED:  # stats of each token's sequence
         seq_ok = (t < N)[:, None] & feat_ok[None, :]
         m_t, s_t = sequence_stats(stats, seqs, h, num_seqs, H, 1, D, feats, seq_ok)
     else:  # sequence stats: only softmax_seq reads them
@@ -375,7 +369,12 @@ def cosine_fwd_kernel(
         b = b0 + tl.arange(0, ROWS)
         row_ok = b < b_hi
         mask = row_ok[None, :, None] & tile_ok
-        if per_row:
+        x_rows = x_head + (b.to(tl.int64) * stride_xb)[None, :, None] + x_tile
+        xv = tl.load(x_rows, mask=mask, other=0.0).to(tl.float32)
+        if cu_seqlens is not None:
+            cos_t, sin_t = cos_sin((t - starts).to(tl.float32)[:, None, None] * freqs)
+        elif per_row:  # after the loads of x: cos/sin wait on loads of their own
+            tl.debug_barrier()  # else ptxas hoists the position loads and conversions above x's
             pos = tile_positions(
                 offset,
                 positions,
@@ -396,19 +395,17 @@ def cosine_fwd_kernel(
         if ACT == "softmax_seq" and not PACKED:
             stat_ok = row_ok[:, None] & feat_ok[None, :]
             m_t, s_t = sequence_stats(stats, b, h, B, H, num_stat_chunks, D, feats, stat_ok)
-        x_rows = x_head + (b.to(tl.int64) * stride_xb)[None, :, None] + x_tile
-        xv = tl.load(x_rows, mask=mask, other=0.0).to(tl.float32)
         xbar = activate(xv, feat_ok[None, None, :], m_t, s_t, ACT, PACKED)
         y_rows = y_head + (b.to(tl.int64) * stride_yb)[None, :, None] + y_tile
         tl.store(y_rows, (xbar * cos_t).to(y.dtype.element_ty), mask=mask)
         tl.store(y_rows + D * stride_yd, (xbar * sin_t).to(y.dtype.element_ty), mask=mask)
 
 
-def _fwd_plan(x, y, theta, starts, table, stats, segments, angles, kind, grid, plan):
+def _fwd_plan(x, y, theta, starts, table, stats, cu_seqlens, angles, kind, grid, plan):
     """The launch of cosine_fwd_kernel prepared for this layout: a function of (x, y, theta,
-    stats, segments, angles (each if given), *position_values)."""
+    stats, cu_seqlens, angles (each if given), *position_values)."""
     b, n, heads, d = x.shape
-    per_row = (starts is not None or table is not None) and grid is None
+    per_row = (starts is not None or table is not None or cu_seqlens is not None) and grid is None
     block_n, block_d = tile_sizes(d, plan.small_tile if per_row else plan.tile, load_rows(b))
     n_blocks = cdiv(n, block_n)
     rows, groups = batch_groups(plan, b, n_blocks * heads, x.device)
@@ -419,12 +416,12 @@ def _fwd_plan(x, y, theta, starts, table, stats, segments, angles, kind, grid, p
         y=y,
         theta=theta,
         stats=stats,
-        segments=segments,
+        cu_seqlens=cu_seqlens,
         angles=angles,
         B=b,
         N=n,
         D=d,
-        num_seqs=_num_seqs(stats, heads),
+        num_seqs=_num_seqs(cu_seqlens),
         rows_per_program=rows,
         num_stat_chunks=stats.shape[2] if stats is not None else 0,
         **_strides("x", x),
@@ -440,9 +437,9 @@ def _fwd_plan(x, y, theta, starts, table, stats, segments, angles, kind, grid, p
     )
 
 
-def _num_seqs(stats, heads) -> int:
-    """Rows of the softmax_seq stats per head: B, or the number of packed sequences."""
-    return 0 if stats is None else stats.shape[1] // heads
+def _num_seqs(cu_seqlens) -> int:
+    """The number of sequences packed along N (0: not packed)."""
+    return 0 if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 
 def cosine_fwd(
@@ -458,14 +455,14 @@ def cosine_fwd(
     plan: Plan = PLAN,
 ) -> torch.Tensor:
     """y (B, N, H, 2D) = [act(x) cos, act(x) sin]; pos = (start, starts, table) of a sequence
-    (ignored with a `grid`); `stats` for softmax_seq, over the sequences packed along N with
-    `cu_seqlens`; `angles` (N, H, D) float32 to fill."""
+    (ignored with a `grid`), or positions restarting in each sequence packed along N with
+    `cu_seqlens`; `stats` for softmax_seq (over each packed sequence with `cu_seqlens`);
+    `angles` (N, H, D) float32 to fill."""
     b, n, heads, d = x.shape
     y = x.new_empty((b, n, heads, 2 * d))
-    segments = None if cu_seqlens is None else segment_ids(cu_seqlens, n)
-    tensors = (x, y, theta, pos[1], pos[2], stats, segments, angles)
+    tensors = (x, y, theta, pos[1], pos[2], stats, cu_seqlens, angles)
     run = cached_plan(_fwd_plan, tensors, kind, grid, plan)
-    given = [t for t in (x, y, theta, stats, segments, angles) if t is not None]
+    given = [t for t in (x, y, theta, stats, cu_seqlens, angles) if t is not None]
     run(*given, *position_values(*pos))
     return y
 
@@ -484,7 +481,7 @@ def cosine_bwd_kernel(
     offset,
     positions,
     stats,
-    segments,
+    cu_seqlens,
     sums,
     angles,
     dtheta_partials,
@@ -529,12 +526,13 @@ def cosine_bwd_kernel(
     NEED_DTHETA: tl.constexpr = dtheta_partials is not None
     h = tl.program_id(1)
     H = tl.num_programs(1)
-    t = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t0 = tl.program_id(0) * BLOCK_N
+    t = t0 + tl.arange(0, BLOCK_N)
     feats = tl.arange(0, BLOCK_D)
     feat_ok = feats < D
     tile_ok = (t < N)[:, None, None] & feat_ok[None, None, :]
     freqs = head_frequencies(theta, h, stride_th, stride_te, n_freq, feats, D, GRID_AXES)
-    per_row: tl.constexpr = positions is not None or is_pointer(offset)
+    per_row: tl.constexpr = positions is not None or is_pointer(offset) or cu_seqlens is not None
     if not per_row:
         pos = tile_positions(
             offset,
@@ -562,9 +560,10 @@ def cosine_bwd_kernel(
     d_tile = (t.to(tl.int64) * stride_dn)[:, None, None] + (feats * stride_dd)[None, None, :]
     g_head = dy + h.to(tl.int64) * stride_gh
     acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    PACKED: tl.constexpr = segments is not None  # softmax_seq over sequences packed along N
-    if PACKED:  # B = 1: stats and sums of each token's sequence
-        seqs = token_sequences(segments, t, N, num_seqs)
+    if cu_seqlens is not None:  # B = 1, sequences packed along N: each token's and its start
+        seqs, starts = packed_starts(cu_seqlens, num_seqs, t, t0, tl.minimum(t0 + BLOCK_N, N) - 1)
+    PACKED: tl.constexpr = cu_seqlens is not None and ACT == "softmax_seq"
+    if PACKED:  # stats and sums of each token's sequence
         seq_ok = (t < N)[:, None] & feat_ok[None, :]
         m_t, s_t = sequence_stats(stats, seqs, h, num_seqs, H, 1, D, feats, seq_ok)
         offs = ((seqs * H + h).to(tl.int64) * D)[:, None] + feats[None, :]
@@ -579,7 +578,17 @@ def cosine_bwd_kernel(
         b = b0 + tl.arange(0, ROWS)
         row_ok = b < b_hi
         mask = row_ok[None, :, None] & tile_ok
-        if per_row:
+        g_rows = g_head + (b.to(tl.int64) * stride_gb)[None, :, None] + g_tile
+        dy_cos = tl.load(g_rows, mask=mask, other=0.0).to(tl.float32)
+        dy_sin = tl.load(g_rows + D * stride_gd, mask=mask, other=0.0).to(tl.float32)
+        if ACT != "none" or NEED_DTHETA:
+            x_rows = x + h.to(tl.int64) * stride_xh + (b.to(tl.int64) * stride_xb)[None, :, None]
+            xv = tl.load(x_rows + x_tile, mask=mask, other=0.0).to(tl.float32)
+        if cu_seqlens is not None:
+            pos = (t - starts).to(tl.float32)[:, None, None]
+            cos_t, sin_t = cos_sin(pos * freqs)
+        elif per_row:  # after the loads of dy and x: cos/sin wait on loads of their own
+            tl.debug_barrier()  # else ptxas hoists the position loads and conversions above
             pos = tile_positions(
                 offset,
                 positions,
@@ -597,9 +606,6 @@ def cosine_bwd_kernel(
                 GRID_AXES,
             )
             cos_t, sin_t = cos_sin(pos * freqs)
-        g_rows = g_head + (b.to(tl.int64) * stride_gb)[None, :, None] + g_tile
-        dy_cos = tl.load(g_rows, mask=mask, other=0.0).to(tl.float32)
-        dy_sin = tl.load(g_rows + D * stride_gd, mask=mask, other=0.0).to(tl.float32)
         dxbar = dy_cos * cos_t + dy_sin * sin_t
         if ACT != "none" or NEED_DTHETA:
             if ACT == "softmax_seq" and not PACKED:
@@ -607,8 +613,6 @@ def cosine_bwd_kernel(
                 m_t, s_t = sequence_stats(stats, b, h, B, H, num_stat_chunks, D, feats, stat_ok)
                 offs = ((b * H + h).to(tl.int64) * num_chunks * D)[:, None] + feats[None, :]
                 tot = combine_chunk_sums(sums, num_chunks, D, offs, stat_ok)
-            x_rows = x + h.to(tl.int64) * stride_xh + (b.to(tl.int64) * stride_xb)[None, :, None]
-            xv = tl.load(x_rows + x_tile, mask=mask, other=0.0).to(tl.float32)
             xbar = activate(xv, feat_ok[None, None, :], m_t, s_t, ACT, PACKED)
         else:
             xv = dxbar
@@ -691,6 +695,7 @@ def cosine_bwd_seq_sums_kernel(
         c = tl.program_id(0) % num_chunks
         stat_rows = seq + b  # lane 0 (the only row: B = 1) is the sequence
         t_start, t_end = packed_chunk(cu_seqlens, seq, c, num_chunks, BLOCK_N)
+        offset = -tl.load(cu_seqlens + seq)  # positions restart at the sequence's first token
         m_t, s_t = sequence_stats(stats, stat_rows, h, num_seqs, H, 1, D, feats, stat_ok)
     x_rows = x + h.to(tl.int64) * stride_xh + (b.to(tl.int64) * stride_xb)[None, :, None]
     g_rows = dy + h.to(tl.int64) * stride_gh + (b.to(tl.int64) * stride_gb)[None, :, None]
@@ -701,6 +706,11 @@ def cosine_bwd_seq_sums_kernel(
     for t0 in range(t_start, t_end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         mask = (t < t_end)[:, None, None] & row_ok[None, :, None] & feat_ok[None, None, :]
+        x_tile = (t.to(tl.int64) * stride_xn)[:, None, None] + (feats * stride_xd)[None, None, :]
+        g_tile = (t.to(tl.int64) * stride_gn)[:, None, None] + (feats * stride_gd)[None, None, :]
+        xv = tl.load(x_rows + x_tile, mask=mask, other=0.0).to(tl.float32)
+        dy_cos = tl.load(g_rows + g_tile, mask=mask, other=0.0).to(tl.float32)
+        dy_sin = tl.load(g_rows + g_tile + D * stride_gd, mask=mask, other=0.0).to(tl.float32)
         pos = tile_positions(
             offset,
             positions,
@@ -723,11 +733,6 @@ def cosine_bwd_seq_sums_kernel(
         else:
             ang = pos * freqs
         cos_t, sin_t = cos_sin(ang)
-        x_tile = (t.to(tl.int64) * stride_xn)[:, None, None] + (feats * stride_xd)[None, None, :]
-        g_tile = (t.to(tl.int64) * stride_gn)[:, None, None] + (feats * stride_gd)[None, None, :]
-        xv = tl.load(x_rows + x_tile, mask=mask, other=0.0).to(tl.float32)
-        dy_cos = tl.load(g_rows + g_tile, mask=mask, other=0.0).to(tl.float32)
-        dy_sin = tl.load(g_rows + g_tile + D * stride_gd, mask=mask, other=0.0).to(tl.float32)
         xbar = softmax_normalize(xv, m_t, s_t, 0)
         acc_sums += xbar * (dy_cos * cos_t + dy_sin * sin_t)
         if NEED_DTHETA:
@@ -742,17 +747,16 @@ def cosine_bwd_seq_sums_kernel(
 
 
 def _bwd_plan(
-    dy, x, dx, theta, starts, table, stats, cu_seqlens, segments, angles, kind, grid, plan,
-    need_dtheta,
+    dy, x, dx, theta, starts, table, stats, cu_seqlens, angles, kind, grid, plan, need_dtheta
 ):  # fmt: skip
     """The backward's launches prepared for this layout: {"sums": (grid, chunks, launch) of the
     softmax_seq sums kernel or None, "main": (grid, launch) of cosine_bwd_kernel or None
     (d(theta) only, from the sums kernel)}. Each launch is a function of its given tensors in
-    the order x, dy, dx, sums, d(theta) partials, theta, stats, angles, then the packing
-    (sums: cu_seqlens, main: segments), then position_values."""
+    the order x, dy, dx, sums, d(theta) partials, theta, stats, angles, cu_seqlens (if given),
+    then position_values."""
     b, n, heads, d2 = dy.shape
     d = d2 // 2
-    per_row = (starts is not None or table is not None) and grid is None
+    per_row = (starts is not None or table is not None or cu_seqlens is not None) and grid is None
     pos_kwargs, vary = prepared_positions(starts, table)
     scratch = dy.new_empty((0,))  # stands for the per-call float32 buffers in their slots
     common = dict(
@@ -762,8 +766,9 @@ def _bwd_plan(
         B=b,
         N=n,
         D=d,
-        num_seqs=_num_seqs(stats, heads),
+        num_seqs=_num_seqs(cu_seqlens),
         num_stat_chunks=stats.shape[2] if stats is not None else 0,
+        cu_seqlens=cu_seqlens,
         **_strides("x", x),
         **_strides("g", dy),
         **_angle_args(theta, d, grid),
@@ -788,7 +793,6 @@ def _bwd_plan(
             sums=scratch,
             dtheta_partials=scratch if need_dtheta else None,
             **common,
-            cu_seqlens=cu_seqlens,
             chunk=chunk,
             num_chunks=num_chunks,
             BLOCK_N=block_n,
@@ -811,7 +815,6 @@ def _bwd_plan(
             sums=scratch if kind == SEQ else None,
             dtheta_partials=scratch if need_dtheta and kind != SEQ else None,
             **common,
-            segments=segments,
             rows_per_program=rows,
             num_chunks=min(num_chunks, 1),  # the chunk sums are merged before this kernel
             **_strides("d", dx),
@@ -848,11 +851,10 @@ def cosine_bwd(
     dx = None
     if need_dx:
         dx = torch.empty_like(x) if x is not None else dy.new_empty((b, n, heads, d))
-    segments = None if cu_seqlens is None else segment_ids(cu_seqlens, n)
-    tensors = (dy, x, dx, theta, pos[1], pos[2], stats, cu_seqlens, segments, angles)
+    tensors = (dy, x, dx, theta, pos[1], pos[2], stats, cu_seqlens, angles)
     launches = cached_plan(_bwd_plan, tensors, kind, grid, plan, need_dtheta)
     where = position_values(*pos)
-    tail = [t for t in (theta, stats, angles) if t is not None]
+    tail = [t for t in (theta, stats, angles, cu_seqlens) if t is not None]
     sums, partials = None, None
     if launches["sums"] is not None:
         sums_grid, chunks, run = launches["sums"]
@@ -860,7 +862,7 @@ def cosine_bwd(
         if need_dtheta:
             partials = dy.new_empty((sums_grid[0] * sums_grid[2], heads, d), dtype=torch.float32)
         given = [t for t in (x, dy, sums, partials) if t is not None]
-        run(*given, *tail, *([] if cu_seqlens is None else [cu_seqlens]), *where)
+        run(*given, *tail, *where)
         sums = sums.sum(1, keepdim=True)  # merged once, not in each short main-kernel program
     if launches["main"] is not None:
         main_grid, run = launches["main"]
@@ -870,5 +872,5 @@ def cosine_bwd(
                 (main_grid[0] * main_grid[2], heads, d), dtype=torch.float32
             )
         given = [t for t in (x, dy, dx, sums, fused) if t is not None]
-        run(*given, *tail, *([] if segments is None else [segments]), *where)
+        run(*given, *tail, *where)
     return dx, partials

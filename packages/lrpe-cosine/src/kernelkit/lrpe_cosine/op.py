@@ -15,6 +15,7 @@ from kernelkit.lrpe_core.op import (
     validate_theta,
     validate_x,
 )
+from kernelkit.lrpe_core.reference import packed_positions
 from kernelkit.shared.runtime import define_op, use_triton
 
 from . import kernels as K
@@ -45,14 +46,15 @@ def fwd(
     kind: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y (B, N, H, 2D), stats): stats are the softmax-over-N stats (2, B*H, 1, D) the backward
-    reuses (empty for other kinds). theta is float32 (H|1, E). `cu_seqlens` (softmax over N
-    only): the softmax runs over each sequence packed along N (stats (2, S*H, 1, D))."""
+    reuses (empty for other kinds). theta is float32 (H|1, E). `cu_seqlens`: sequences packed
+    along N (B = 1), positions restart in each (`positions` is None then) and
+    softmax over N runs over each (stats (2, S*H, 1, D))."""
     pos = (start, starts, positions)
     stats = x.new_empty(_NO_STATS, dtype=torch.float32)
     if x.numel() == 0:
         return x.new_empty((*x.shape[:-1], 2 * x.shape[-1])), stats
     if kind != SEQ:
-        return K.cosine_fwd(x, theta, pos, kind), stats
+        return K.cosine_fwd(x, theta, pos, kind, cu_seqlens=cu_seqlens), stats
     stats = sequence_softmax_stats(x, cu_seqlens)
     return K.cosine_fwd(x, theta, pos, kind, stats, cu_seqlens), stats
 
@@ -144,11 +146,12 @@ def lrpe_cosine(
     start, starts, table = pos
     if not use_triton(x):
         where = table if table is not None else (starts if starts is not None else start)
+        if cu_seqlens is not None:
+            where = packed_positions(cu_seqlens, x.shape[1])
         return lrpe_cosine_reference(x, theta, where, act, dim, cu_seqlens)
     three_d = x.dim() == 3
     x4 = x.unsqueeze(2) if three_d else x
-    packed = cu_seqlens if kind == SEQ else None  # other kinds need only the positions table
-    y, _ = fwd(x4, as_float32(theta), start, starts, table, packed, kind)
+    y, _ = fwd(x4, as_float32(theta), start, starts, table, cu_seqlens, kind)
     return y.squeeze(2) if three_d else y
 
 

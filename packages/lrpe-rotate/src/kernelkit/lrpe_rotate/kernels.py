@@ -7,9 +7,10 @@ positions, theta forms, cos/sin and d(theta) partials from kernelkit-lrpe-core.
 
 KIND (constexpr): "none" / "relu" / "sigmoid" / "silu" (element-wise, before the rotation) or
 "softmax" (over D). Softmax over the sequence has its own kernels (stats over all of N first).
-Positions: `offset` (an int or a pointer to per-row starts) and `positions` (a per-token table
-or None), see kernelkit.lrpe_core.kernels. Sizes, offsets and per-program batch counts are
-runtime arguments and never specialised: a new N, B or offset reuses the compiled kernel.
+Positions: `offset` (an int or a pointer to per-row starts), `positions` (a per-token table
+or None) and `cu_seqlens` (sequences packed along N, or None), see kernelkit.lrpe_core.kernels.
+Sizes, offsets and per-program batch counts are runtime arguments and never specialised: a new
+N, B or offset reuses the compiled kernel.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from kernelkit.act.kernels import (
 from kernelkit.lrpe_core.kernels import (
     cos_sin,
     is_pointer,
+    packed_starts,
     slot_frequencies,
     store_dtheta_partial,
     token_positions,
@@ -50,7 +52,7 @@ from kernelkit.shared.runtime import cdiv, launch, next_power_of_2
 
 # Never specialised (Triton would otherwise make values of 1 constants and key on divisibility
 # by 16): everything that changes with N, B or the offset.
-RUNTIME = ["B", "N", "offset", "rows_per_program", "stride_pb", "stride_pn"]
+RUNTIME = ["B", "N", "offset", "rows_per_program", "num_seqs", "stride_pb", "stride_pn"]
 SEQ_RUNTIME = ["N", "offset", "chunk", "num_chunks", "num_stat_chunks", "stride_pb", "stride_pn"]
 
 
@@ -163,6 +165,24 @@ def rotation(freqs, offset, positions, b, t, n, stride_pb, stride_pn):
     return cos_sin(pos[:, None] * freqs[None, :])
 
 
+@triton.jit
+def row_positions(offset, positions, cu_seqlens, num_seqs, b, t0, t, n, stride_pb, stride_pn):
+    """float32 positions of the tokens t = t0 + arange(BLOCK_N) of one tile of batch row b: the
+    offset or table forms or, with `cu_seqlens` (B = 1), t - the first token of its sequence.
+
+    Callers issue the tile's loads of x (dy) first and then a barrier: ptxas otherwise hoists
+    the table loads and their int64 -> float32 conversions above the loads of x (sm_90 SASS),
+    which then wait a full memory latency for the positions. A barrier does not wait for loads
+    in flight; it only keeps later loads from moving above it."""
+    if cu_seqlens is not None:
+        t_last = tl.minimum(t0 + t.shape[0], n) - 1
+        _, start = packed_starts(cu_seqlens, num_seqs, t, t0, t_last)
+        pos = t - start
+    else:
+        pos = token_positions(offset, positions, b, t, n, stride_pb, stride_pn)
+    return pos.to(tl.float32)
+
+
 # --------------------------------------------------------------------------------------------
 # Element-wise act and softmax over D. Grid (token blocks x batch groups, H); a program rotates
 # one token block of one head for `rows_per_program` batch rows. With positions shared by all
@@ -177,8 +197,10 @@ def rotate_fwd_kernel(
     theta,
     offset,
     positions,
+    cu_seqlens,
     B,
     N,
+    num_seqs,
     rows_per_program,
     stride_xb,
     stride_xn,
@@ -202,35 +224,41 @@ def rotate_fwd_kernel(
     pid = tl.program_id(0)
     b0 = (pid // n_tiles).to(tl.int64) * rows_per_program  # b * stride_b may pass 2**31
     h = tl.program_id(1)
-    t = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t0 = (pid % n_tiles) * BLOCK_N
+    t = t0 + tl.arange(0, BLOCK_N)
     j = tl.arange(0, BLOCK_E)
     mask = (t < N)[:, None] & (j < HALF)[None, :]
     freqs = slot_frequencies(theta + h * stride_th, stride_te, j, n_freq)
-    per_row: tl.constexpr = positions is not None or is_pointer(offset)
+    per_row: tl.constexpr = positions is not None or is_pointer(offset) or cu_seqlens is not None
     if not per_row:
         cos, sin = rotation(freqs, offset, positions, 0, t, N, stride_pb, stride_pn)
     x_off = h.to(tl.int64) * stride_xh + tile_offsets(t, j, stride_xn, stride_xd)
     y_off = h.to(tl.int64) * stride_yh + tile_offsets(t, j, stride_yn, stride_yd)
     for b in range(b0, tl.minimum(b0 + rows_per_program, B)):
-        if per_row:
-            cos, sin = rotation(freqs, offset, positions, b, t, N, stride_pb, stride_pn)
         x1, x2 = activated_halves(x + b * stride_xb, x_off, HALF * stride_xd, mask, KIND)
+        if per_row:  # after the loads of x: cos/sin wait on loads of their own
+            tl.debug_barrier()  # keeps ptxas from scheduling them first (see row_positions)
+            pos = row_positions(
+                offset, positions, cu_seqlens, num_seqs, b, t0, t, N, stride_pb, stride_pn
+            )
+            cos, sin = cos_sin(pos[:, None] * freqs[None, :])
         y1 = x1 * cos - x2 * sin
         y2 = x1 * sin + x2 * cos
         store_halves(y + b * stride_yb, y_off, HALF * stride_yd, y1, y2, mask)
 
 
-def _rotate_layout(x, theta, starts, table, kind, plan):
+def _rotate_layout(x, theta, starts, table, cu_seqlens, kind, plan):
     """(grid, layout kwargs) of rotate_fwd_kernel / rotate_bwd_kernel."""
     batch, n, heads, d = x.shape
     half = d // 2
     block_n, block_e, warps = _tile(plan, kind, half)
     n_tiles = cdiv(n, block_n)
-    per_row = starts is not None or table is not None
+    per_row = starts is not None or table is not None or cu_seqlens is not None
     per_group, groups = _batch_groups(plan, batch, n_tiles, heads, x.device, per_row)
     kwargs = dict(
         B=batch,
         N=n,
+        num_seqs=0 if cu_seqlens is None else cu_seqlens.shape[0] - 1,
         rows_per_program=per_group,
         **theta_args(theta, half),
         KIND=kind,
@@ -242,16 +270,17 @@ def _rotate_layout(x, theta, starts, table, kind, plan):
     return (n_tiles * groups, heads), kwargs
 
 
-def _rotate_fwd_plan(x, y, theta, starts, table, kind, plan):
+def _rotate_fwd_plan(x, y, theta, starts, table, cu_seqlens, kind, plan):
     """The launch of rotate_fwd_kernel prepared for this layout: a function of (x, y, theta,
-    *position_values)."""
-    grid, kwargs = _rotate_layout(x, theta, starts, table, kind, plan)
+    cu_seqlens if given, *position_values)."""
+    grid, kwargs = _rotate_layout(x, theta, starts, table, cu_seqlens, kind, plan)
     pos_kwargs, vary = prepared_positions(starts, table)
     return launch(rotate_fwd_kernel).prepare(
         grid,
         x=x,
         y=y,
         theta=theta,
+        cu_seqlens=cu_seqlens,
         **_strides("x", x),
         **_strides("y", y),
         **kwargs,
@@ -260,12 +289,13 @@ def _rotate_fwd_plan(x, y, theta, starts, table, kind, plan):
     )
 
 
-def rotate_fwd(x, theta, pos, kind, plan: Plan = PLAN) -> torch.Tensor:
+def rotate_fwd(x, theta, pos, kind, cu_seqlens=None, plan: Plan = PLAN) -> torch.Tensor:
     """y = rotate(act(x)) for an element-wise act or softmax over D; pos = (start, starts,
-    table) from kernelkit.lrpe_core.op.validate_positions."""
+    table) from kernelkit.lrpe_core.op.validate_positions, or positions restarting in each
+    sequence packed along N with `cu_seqlens`."""
     y = torch.empty_like(x)
-    run = cached_plan(_rotate_fwd_plan, (x, y, theta, pos[1], pos[2]), kind, plan)
-    run(x, y, theta, *position_values(*pos))
+    run = cached_plan(_rotate_fwd_plan, (x, y, theta, pos[1], pos[2], cu_seqlens), kind, plan)
+    run(x, y, theta, *_given(cu_seqlens), *position_values(*pos))
     return y
 
 
@@ -277,9 +307,11 @@ def rotate_bwd_kernel(
     theta,
     offset,
     positions,
+    cu_seqlens,
     dtheta_partials,
     B,
     N,
+    num_seqs,
     rows_per_program,
     stride_xb,
     stride_xn,
@@ -312,11 +344,12 @@ def rotate_bwd_kernel(
     pid = tl.program_id(0)
     b0 = (pid // n_tiles).to(tl.int64) * rows_per_program
     h = tl.program_id(1)
-    t = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t0 = (pid % n_tiles) * BLOCK_N
+    t = t0 + tl.arange(0, BLOCK_N)
     j = tl.arange(0, BLOCK_E)
     mask = (t < N)[:, None] & (j < HALF)[None, :]
     freqs = slot_frequencies(theta + h * stride_th, stride_te, j, n_freq)
-    per_row: tl.constexpr = positions is not None or is_pointer(offset)
+    per_row: tl.constexpr = positions is not None or is_pointer(offset) or cu_seqlens is not None
     if not per_row:
         cos, sin = rotation(freqs, offset, positions, 0, t, N, stride_pb, stride_pn)
         pos = token_positions(offset, positions, 0, t, N, stride_pb, stride_pn).to(tl.float32)
@@ -325,14 +358,20 @@ def rotate_bwd_kernel(
     d_off = h.to(tl.int64) * stride_dh + tile_offsets(t, j, stride_dn, stride_dd)
     acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
     for b in range(b0, tl.minimum(b0 + rows_per_program, B)):
-        if per_row:
-            cos, sin = rotation(freqs, offset, positions, b, t, N, stride_pb, stride_pn)
-            pos = token_positions(offset, positions, b, t, N, stride_pb, stride_pn).to(tl.float32)
         dy1, dy2 = load_halves(dy + b * stride_gb, g_off, HALF * stride_gd, mask, 0.0)
+        if KIND == "softmax":
+            xb1, xb2 = activated_halves(x + b * stride_xb, x_off, HALF * stride_xd, mask, KIND)
+        elif KIND != "none" or NEED_DTHETA:
+            x1, x2 = load_halves(x + b * stride_xb, x_off, HALF * stride_xd, mask, 0.0)
+        if per_row:  # after the loads of dy and x: cos/sin wait on loads of their own
+            tl.debug_barrier()  # keeps ptxas from scheduling them first (see row_positions)
+            pos = row_positions(
+                offset, positions, cu_seqlens, num_seqs, b, t0, t, N, stride_pb, stride_pn
+            )
+            cos, sin = cos_sin(pos[:, None] * freqs[None, :])
         g1 = cos * dy1 + sin * dy2  # gradient w.r.t. act(x): the inverse rotation of dy
         g2 = cos * dy2 - sin * dy1
         if KIND == "softmax":
-            xb1, xb2 = activated_halves(x + b * stride_xb, x_off, HALF * stride_xd, mask, KIND)
             dot = tl.sum(xb1 * g1, axis=1) + tl.sum(xb2 * g2, axis=1)
             dx1 = xb1 * (g1 - dot[:, None])
             dx2 = xb2 * (g2 - dot[:, None])
@@ -340,9 +379,9 @@ def rotate_bwd_kernel(
             dx1 = g1
             dx2 = g2
             if NEED_DTHETA:
-                xb1, xb2 = load_halves(x + b * stride_xb, x_off, HALF * stride_xd, mask, 0.0)
+                xb1 = x1
+                xb2 = x2
         else:
-            x1, x2 = load_halves(x + b * stride_xb, x_off, HALF * stride_xd, mask, 0.0)
             dx1 = apply_act_grad(x1, g1, KIND)
             dx2 = apply_act_grad(x2, g2, KIND)
             if NEED_DTHETA:
@@ -355,10 +394,11 @@ def rotate_bwd_kernel(
         store_dtheta_partial(dtheta_partials, pid, tl.num_programs(1), h, j, HALF, tl.sum(acc, 0))
 
 
-def _rotate_bwd_plan(dy, x, dx, theta, starts, table, kind, need_dtheta, plan):
+def _rotate_bwd_plan(dy, x, dx, theta, starts, table, cu_seqlens, kind, need_dtheta, plan):
     """(grid, the launch of rotate_bwd_kernel prepared for this layout: a function of (x if
-    given, dy, dx, theta, d(theta) partials if needed, *position_values))."""
-    grid, kwargs = _rotate_layout(dy, theta, starts, table, kind, plan)
+    given, dy, dx, theta, cu_seqlens if given, d(theta) partials if needed,
+    *position_values))."""
+    grid, kwargs = _rotate_layout(dy, theta, starts, table, cu_seqlens, kind, plan)
     pos_kwargs, vary = prepared_positions(starts, table)
     partials = dy.new_empty((0,)) if need_dtheta else None  # a tensor slot, filled per call
     run = launch(rotate_bwd_kernel).prepare(
@@ -367,6 +407,7 @@ def _rotate_bwd_plan(dy, x, dx, theta, starts, table, kind, need_dtheta, plan):
         dy=dy,
         dx=dx,
         theta=theta,
+        cu_seqlens=cu_seqlens,
         dtheta_partials=partials,
         **_strides("x", x if x is not None else dy),
         **_strides("g", dy),
@@ -378,16 +419,16 @@ def _rotate_bwd_plan(dy, x, dx, theta, starts, table, kind, need_dtheta, plan):
     return grid, run
 
 
-def rotate_bwd(dy, x, theta, pos, kind, need_dtheta, plan: Plan = PLAN):
+def rotate_bwd(dy, x, theta, pos, kind, need_dtheta, cu_seqlens=None, plan: Plan = PLAN):
     """(dx, float32 d(theta) partials (programs, H, D/2) or None) for an element-wise act or
-    softmax over D; x may be None for act none without d(theta)."""
+    softmax over D; x may be None for act none without d(theta); positions as rotate_fwd."""
     dx = torch.empty_like(dy)
-    tensors = (dy, x, dx, theta, pos[1], pos[2])
+    tensors = (dy, x, dx, theta, pos[1], pos[2], cu_seqlens)
     grid, run = cached_plan(_rotate_bwd_plan, tensors, kind, need_dtheta, plan)
     partials = None
     if need_dtheta:
         partials = dy.new_empty((grid[0], grid[1], dy.shape[3] // 2), dtype=torch.float32)
-    given = [t for t in (x, dy, dx, theta, partials) if t is not None]
+    given = [t for t in (x, dy, dx, theta, cu_seqlens, partials) if t is not None]
     run(*given, *position_values(*pos))
     return dx, partials
 
@@ -464,6 +505,8 @@ def seq_softmax_fwd_kernel(
     pid = tl.program_id(0)
     h = tl.program_id(1)
     b, row, t_lo, t_hi = seq_coords(pid, num_chunks, chunk, N, cu_seqlens, BLOCK_N)
+    if cu_seqlens is not None:  # positions restart at the first token of each sequence
+        offset = -tl.load(cu_seqlens + row)
     j = tl.arange(0, BLOCK_E)
     m1, s1, m2, s2 = seq_stats(
         stats, row * tl.num_programs(1) + h, num_chunks, num_stat_chunks, j, HALF
@@ -474,10 +517,10 @@ def seq_softmax_fwd_kernel(
     for t_start in range(t_lo, t_hi, BLOCK_N):
         t = t_start + tl.arange(0, BLOCK_N)
         mask = (t < t_hi)[:, None] & (j < HALF)[None, :]
-        cos, sin = rotation(freqs, offset, positions, b, t, N, stride_pb, stride_pn)
         x1, x2 = load_halves(
             x_base, tile_offsets(t, j, stride_xn, stride_xd), HALF * stride_xd, mask, 0.0
         )
+        cos, sin = rotation(freqs, offset, positions, b, t, N, stride_pb, stride_pn)
         x1 = softmax_normalize(x1, m1, s1, 0)
         x2 = softmax_normalize(x2, m2, s2, 0)
         y_off = tile_offsets(t, j, stride_yn, stride_yd)
@@ -548,14 +591,14 @@ def seq_tile(x_base, dy_base, t, j, mask, row_stats, freqs, pos_args, strides, H
     m1, s1, m2, s2 = row_stats
     offset, positions, b, n, stride_pb, stride_pn = pos_args
     stride_xn, stride_xd, stride_gn, stride_gd = strides
-    pos = token_positions(offset, positions, b, t, n, stride_pb, stride_pn).to(tl.float32)
-    cos, sin = cos_sin(pos[:, None] * freqs[None, :])
     x1, x2 = load_halves(
         x_base, tile_offsets(t, j, stride_xn, stride_xd), HALF * stride_xd, mask, 0.0
     )
     dy1, dy2 = load_halves(
         dy_base, tile_offsets(t, j, stride_gn, stride_gd), HALF * stride_gd, mask, 0.0
     )
+    pos = token_positions(offset, positions, b, t, n, stride_pb, stride_pn).to(tl.float32)
+    cos, sin = cos_sin(pos[:, None] * freqs[None, :])
     xb1 = softmax_normalize(x1, m1, s1, 0)
     xb2 = softmax_normalize(x2, m2, s2, 0)
     return xb1, xb2, cos * dy1 + sin * dy2, cos * dy2 - sin * dy1, pos
@@ -596,6 +639,8 @@ def seq_softmax_bwd_sums_kernel(
     pid = tl.program_id(0)
     h = tl.program_id(1)
     b, row, t_lo, t_hi = seq_coords(pid, num_chunks, chunk, N, cu_seqlens, BLOCK_N)
+    if cu_seqlens is not None:  # positions restart at the first token of each sequence
+        offset = -tl.load(cu_seqlens + row)
     j = tl.arange(0, BLOCK_E)
     o = row * tl.num_programs(1) + h
     row_stats = seq_stats(stats, o, num_chunks, num_stat_chunks, j, HALF)
@@ -668,6 +713,8 @@ def seq_softmax_bwd_apply_kernel(
     pid = tl.program_id(0)
     h = tl.program_id(1)
     b, row, t_lo, t_hi = seq_coords(pid, num_chunks, chunk, N, cu_seqlens, BLOCK_N)
+    if cu_seqlens is not None:  # positions restart at the first token of each sequence
+        offset = -tl.load(cu_seqlens + row)
     j = tl.arange(0, BLOCK_E)
     o = row * tl.num_programs(1) + h
     row_stats = seq_stats(stats, o, num_chunks, num_stat_chunks, j, HALF)

@@ -15,6 +15,7 @@ from kernelkit.lrpe_core.op import (
     validate_theta,
     validate_x,
 )
+from kernelkit.lrpe_core.reference import packed_positions
 from kernelkit.shared.runtime import define_op, use_triton
 
 from . import kernels as K
@@ -45,15 +46,16 @@ def fwd(
     kind: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, stats) for 4-D x; stats are the softmax-over-N stats the backward reuses (empty for
-    other kinds). theta is float32 (H|1, E). `cu_seqlens` (softmax over N only): the softmax
-    runs over each sequence packed along N."""
+    other kinds). theta is float32 (H|1, E). `cu_seqlens`: sequences packed along N (B = 1),
+    positions restart in each (`positions` is None then) and softmax over N runs
+    over each."""
     pos = (start, starts, positions)
     if x.numel() == 0:
         return torch.empty_like(x), x.new_empty((0,), dtype=torch.float32)
     if kind == SEQ:
         stats = sequence_softmax_stats(x, cu_seqlens)
         return K.seq_softmax_fwd(x, theta, pos, stats, cu_seqlens), stats
-    return K.rotate_fwd(x, theta, pos, kind), x.new_empty((0,), dtype=torch.float32)
+    return K.rotate_fwd(x, theta, pos, kind, cu_seqlens), x.new_empty((0,), dtype=torch.float32)
 
 
 @define_op("kernelkit_lrpe_rotate::bwd")
@@ -78,7 +80,7 @@ def bwd(
     if kind == SEQ:
         dx, partials = K.seq_softmax_bwd(dy, x, theta, pos, stats, need_dtheta, cu_seqlens)
     else:
-        dx, partials = K.rotate_bwd(dy, x, theta, pos, kind, need_dtheta)
+        dx, partials = K.rotate_bwd(dy, x, theta, pos, kind, need_dtheta, cu_seqlens)
     dtheta = reduce_dtheta(partials, theta.shape) if need_dtheta else theta.new_empty((0, 0))
     return dx, dtheta
 
@@ -128,10 +130,11 @@ def lrpe_rotate(
     start, starts, table = pos
     if not use_triton(x):
         where = table if table is not None else (starts if starts is not None else start)
+        if cu_seqlens is not None:
+            where = packed_positions(cu_seqlens, x.shape[1])
         return lrpe_rotate_reference(x, theta, where, act, dim, cu_seqlens)
     x4 = x if x.dim() == 4 else x.unsqueeze(2)
-    packed = cu_seqlens if kind == SEQ else None  # other kinds need only the positions table
-    y, _ = fwd(x4, as_float32(theta), start, starts, table, packed, kind)
+    y, _ = fwd(x4, as_float32(theta), start, starts, table, cu_seqlens, kind)
     return y if x.dim() == 4 else y.squeeze(2)
 
 
