@@ -123,7 +123,12 @@ _FP32_SMALL_D = {
         (64, 32, 4, 2, True),
     ],
 }
+# d64/d128 bf16 at one head: 64-row forward tiles (twice the programs of the suite-1 tiles) for
+# a small-grid rule; the backward keeps plans.py's tiles.
+_BF16_SMALL_GRID = {"fwd": [(64, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (64, 64, 4, 4)]}
 FLASH_TABLE = {
+    (64, "bf16"): _BF16_SMALL_GRID,
+    (128, "bf16"): _BF16_SMALL_GRID,
     (16, "bf16"): _BF16_SMALL_D,
     (32, "bf16"): _BF16_SMALL_D,
     (16, "fp32"): _FP32_SMALL_D,
