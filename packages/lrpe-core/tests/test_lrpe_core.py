@@ -51,7 +51,9 @@ def _positions_kernel(out, offset, positions, N, stride_pb, stride_pn, BLOCK: tl
     tl.store(out + b * N + t, p, mask=t < N)
 
 
-@triton.jit
+# As in the ops' kernels, the sizes are never specialised (Triton would make num_seqs = 1 a
+# constant, and its sm_90 pipeline then fails on the search loops: an LLVM assertion).
+@triton.jit(do_not_specialize=["num_seqs", "N"])
 def _packed_kernel(seq_out, pos_out, cu_seqlens, num_seqs, N, BLOCK: tl.constexpr):
     t0 = tl.program_id(0) * BLOCK
     t = t0 + tl.arange(0, BLOCK)

@@ -706,11 +706,6 @@ def cosine_bwd_seq_sums_kernel(
     for t0 in range(t_start, t_end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         mask = (t < t_end)[:, None, None] & row_ok[None, :, None] & feat_ok[None, None, :]
-        x_tile = (t.to(tl.int64) * stride_xn)[:, None, None] + (feats * stride_xd)[None, None, :]
-        g_tile = (t.to(tl.int64) * stride_gn)[:, None, None] + (feats * stride_gd)[None, None, :]
-        xv = tl.load(x_rows + x_tile, mask=mask, other=0.0).to(tl.float32)
-        dy_cos = tl.load(g_rows + g_tile, mask=mask, other=0.0).to(tl.float32)
-        dy_sin = tl.load(g_rows + g_tile + D * stride_gd, mask=mask, other=0.0).to(tl.float32)
         pos = tile_positions(
             offset,
             positions,
@@ -733,6 +728,14 @@ def cosine_bwd_seq_sums_kernel(
         else:
             ang = pos * freqs
         cos_t, sin_t = cos_sin(ang)
+        # Loads after cos/sin here (unlike the main kernels): with the loads first, the GPU
+        # compile of the grid form contracted the products into FMAs differently with and
+        # without the angle cache, and cache=True must give d(theta) bit for bit.
+        x_tile = (t.to(tl.int64) * stride_xn)[:, None, None] + (feats * stride_xd)[None, None, :]
+        g_tile = (t.to(tl.int64) * stride_gn)[:, None, None] + (feats * stride_gd)[None, None, :]
+        xv = tl.load(x_rows + x_tile, mask=mask, other=0.0).to(tl.float32)
+        dy_cos = tl.load(g_rows + g_tile, mask=mask, other=0.0).to(tl.float32)
+        dy_sin = tl.load(g_rows + g_tile + D * stride_gd, mask=mask, other=0.0).to(tl.float32)
         xbar = softmax_normalize(xv, m_t, s_t, 0)
         acc_sums += xbar * (dy_cos * cos_t + dy_sin * sin_t)
         if NEED_DTHETA:
