@@ -8,7 +8,8 @@ every tensor it allocates, `ops.launch(kernel, grid, *args, **kwargs)` for every
 `ops.on_replay(fn)` for host state each replay must set up again first (in its own thread,
 e.g. Triton's scratch allocator, a context variable).
 `replayed(run, inputs, options, *args)` calls `run(ops, *args)`: the first call with a given
-layout of `inputs` (shapes, strides, dtypes, 16-byte alignment, device) and `options` runs it
+layout of `inputs` (shapes, strides, dtypes, 16-byte alignment, which of them are the same
+tensor, device) and `options` runs it
 through a `Recorder`, which launches as usual and keeps each launch prepared
 (`runtime.launch(kernel).prepare`) with the places of its tensors (an input or a buffer the
 sequence allocated); later calls with that layout allocate the buffers and call the prepared
@@ -56,18 +57,18 @@ DIRECT = _Direct()
 
 class _Sequence:
     """A recorded sequence: allocate the buffers, run the prepared launches on the inputs and
-    buffers, return the output buffers. `before` (or None) runs first (e.g. installing Triton's
+    buffers, return the output buffers. The `before` callables run first (e.g. installing Triton's
     scratch allocator in the calling thread)."""
 
     def __init__(self, buffers, launches, outputs, before):
         self._buffers = buffers
         self._launches = launches
         self._outputs = outputs
-        self._before = before
+        self._before = tuple(before)
 
     def __call__(self, inputs):
-        if self._before is not None:
-            self._before()
+        for fn in self._before:
+            fn()
         bufs = [
             torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in self._buffers
         ]
@@ -89,7 +90,7 @@ class Recorder:
         self._buffers: list = []
         self._launches: list = []
         self._ok = True
-        self._before: Callable[[], object] | None = None
+        self._before: list[Callable[[], object]] = []
 
     def empty(self, shape, dtype, device) -> torch.Tensor:
         t = torch.empty(shape, dtype=dtype, device=device)
@@ -114,7 +115,7 @@ class Recorder:
         self._ok = False
 
     def on_replay(self, fn: Callable[[], object]) -> None:
-        self._before = fn
+        self._before.append(fn)
 
     def sequence(self, outputs: Sequence[torch.Tensor]):
         """The replayable sequence returning `outputs` (buffers of this recording), or a marker
@@ -137,11 +138,13 @@ def replayed(run: Callable, inputs: Sequence[torch.Tensor | None], options, *arg
     """`run(ops, *args)` (a tuple of output tensors), replayed per layout of `inputs` (None
     allowed) and hashable `options`; traced calls (fake, functional tensors) always run."""
     key = [run, options, runtime.launch]  # a patched launch (tests, tools) records anew
-    for t in inputs:
+    first: dict[int, int] = {}  # which inputs are one tensor (flash_attn(x, x, x)) is layout too
+    for i, t in enumerate(inputs):
         if t is None:
             key.append(None)
         elif t.__class__ in PLAIN_TENSORS:
             key += (t.shape, t.stride(), t.dtype, (t.storage_offset() * t.element_size()) & 15)
+            key.append(first.setdefault(id(t), i))
         else:
             return run(DIRECT, *args)
     key.append(inputs[0].get_device())
