@@ -17,6 +17,7 @@ live in plans.py (FWD_TILES, DKDV_TILES, DQ_TILES); NOTES.md keeps the measureme
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from dataclasses import replace
 
@@ -244,6 +245,44 @@ def run_ab(cases, n, rounds, bh=None):
         torch.cuda.empty_cache()
 
 
+# --small-grid: the forward's table tile against 64-row tiles (plans.SMALL_GRID_FWD) at grids of a
+# few waves or less: (B, H) pairs timed at each N, causal and not.
+SMALL_GRID_TILES = [(64, 128, 4, 3), (64, 64, 4, 3)]
+SMALL_GRID_BH = [(1, 1), (1, 4), (2, 8), (1, 16), (4, 16), (8, 16)]
+
+
+def run_small_grid(cases, ns, bhs, rounds):
+    """Forward ms (median of `rounds` round-robin passes) of plans.py's table tile, each 64-row
+    candidate and the automatic choice (the small-grid rule), with the table tile's programs
+    per SM: where the rule's thresholds (SMALL_GRID_FWD) come from."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for d, causal in cases:
+        table = fa_plans.plan_for(d, causal, torch.bfloat16)
+        plans = {"table " + tile_str(table.fwd): table}
+        for t in SMALL_GRID_TILES:
+            plans[tile_str(Tile(*t))] = replace(table, fwd=Tile(*t))
+        plans["auto (rule)"] = None
+        for b, h in bhs:
+            for n in ns:
+                q, k, v, do = inputs(b, h, n, d)
+                scale = 1.0 / math.sqrt(d)
+                times = {name: [] for name in plans}
+                for _ in range(rounds):
+                    for name, plan in plans.items():
+                        f = functools.partial(fa_launchers.forward, q, k, v, causal, scale, plan)
+                        f()
+                        times[name].append(bench_ms(f))
+                ms = {name: _median(t) for name, t in times.items()}
+                base = next(iter(ms.values()))
+                waves = b * h * math.ceil(n / table.fwd.block_m) / sms
+                cells = "  ".join(f"{name} {m:.4f} x{base / m:4.2f}" for name, m in ms.items())
+                ff = fwd_flops(b, h, n, d, causal)
+                print(f"d{d} causal{int(causal)} B{b} H{h} N{n} waves {waves:5.2f} "
+                      f"({ff / base / 1e9:.0f} TF): {cells}", flush=True)  # fmt: skip
+                del q, k, v, do
+        torch.cuda.empty_cache()
+
+
 def tile_str(t):
     return f"{t.block_m}x{t.block_n} w{t.warps} s{t.stages}" + (" tma" if t.tma else "")
 
@@ -368,8 +407,15 @@ def main():
     ap.add_argument("--ns", default="1024,4096,16384", help="N list for --flash-table")
     ap.add_argument("--rounds", type=int, default=2, help="round-robin passes for --flash-table")
     ap.add_argument("--screen", action="store_true", help="CPU: sm_90a registers/spills only")
+    ap.add_argument("--small-grid", action="store_true", help="64-row forward tiles, few heads")
     args = ap.parse_args()
     kernels = tuple(args.kernels.split(","))
+    if args.small_grid:
+        cases = [(int(c.split(":")[0]), c.split(":")[1] == "1") for c in args.cases.split(",")]
+        bhs = [tuple(map(int, x.split(","))) for x in args.bh.split(";")] if args.bh else None
+        print(f"GPU {torch.cuda.get_device_name()}  small grids: forward ms, bf16")
+        run_small_grid(cases, [int(n) for n in args.ns.split(",")], bhs or SMALL_GRID_BH, 3)
+        return
     if args.flash_table:
         cases = [(int(c.split(":")[0]), c.split(":")[1]) for c in args.table_cases.split(",")]
         shard, nshards = (int(x) for x in args.shard.split("/"))

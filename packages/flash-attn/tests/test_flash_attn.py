@@ -405,6 +405,30 @@ def test_masked_forward_plan(monkeypatch):
     assert not fa_plans.plan_for(64, False, torch.bfloat16, masked_fwd=True).fwd.tma
 
 
+def test_small_grid_forward_plan(monkeypatch):
+    """d = 64 half-precision forwards take the 64-row tile where the table's 128-row tile would
+    launch fewer than 2 waves of programs (8 when causal); other head dims, float32 and large
+    grids keep the table's tile."""
+    _as_on_gpu(monkeypatch)
+    small = fa_plans.SMALL_GRID_FWD[64][0]
+    table = fa_plans.FWD_TILES[64]
+    sms = 132
+
+    def fwd(d, causal, bh, nq, dtype=torch.bfloat16):
+        return fa_plans.plan_for(d, causal, dtype, grid=(bh, nq, sms)).fwd
+
+    assert fwd(64, False, 1, 16384) == small  # 128 programs: 0.97 waves
+    assert fwd(64, False, 2, 16384) == small  # 256: 1.94
+    assert fwd(64, False, 3, 16384) == table  # 384: 2.9
+    assert fwd(64, True, 8, 16384) == small  # 1024: 7.8
+    assert fwd(64, True, 9, 16384) == table  # 1152: 8.7
+    assert fwd(64, True, 1, 16384, torch.float32) == fa_plans.FP32_TILES[64][0]
+    assert fwd(128, False, 1, 1024) == fa_plans.plan_for(128, False, torch.bfloat16).fwd
+    # The rule only changes the forward's tile.
+    plan = fa_plans.plan_for(64, True, torch.bfloat16, grid=(1, 1024, sms))
+    assert (plan.dkdv, plan.dq) == fa_plans.CAUSAL_TILES[64][1:]
+
+
 def test_window_size_normalisation():
     """Bounds no row can reach are dropped (plain kernels); causal is right = 0."""
     assert fa_validation.window_for((-1, -1), False, 10, 20) == (-1, -1)

@@ -15,6 +15,7 @@ from kernelkit.shared.runtime import (
     cdiv,
     interpreting,
     next_power_of_2,
+    num_sms,
 )
 
 from . import kernels as K
@@ -188,7 +189,9 @@ def _forward(ops, q, k, v, causal, scale, plan, split, softcap, window, varlen):
             ops.unplannable()
             return o.zero_(), lse.fill_(-math.inf)
     upper, local, win_left, win_right = _window_args(causal, window)
-    plan = plan or plan_for(d, upper, q.dtype, local or varlen is not None)
+    if plan is None:  # the automatic tiles, for the size of this grid
+        grid = (b * h, nq, num_sms(q.device))
+        plan = plan_for(d, upper, q.dtype, local or varlen is not None, grid)
     t = plan.fwd
     if t.gluon:
         # Right edge none or the causal diagonal (win_right 0); no left edge, softcap, packing.

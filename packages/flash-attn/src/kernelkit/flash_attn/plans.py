@@ -96,6 +96,14 @@ FP32_TILES = {
     256: (Tile(16, 16, 4, 1), Tile(16, 16, 4, 1), Tile(16, 16, 4, 1)),
 }
 PREPROCESS_BLOCK_M = 64
+# Half-precision forwards whose grid cannot fill the GPU (few heads, short rows): by BLOCK_D, a
+# 64-row tile (twice the programs) and the waves (programs of the table's tile per SM) below
+# which it replaces the table's tile, non-causal / causal. H100 (`tune.py --small-grid`, NOTES.md
+# "Small-grid forward"), d64 64 x 128 w4 s3 against 128 x 64 w8 s3: non-causal 1.19-1.61x up to
+# 1 wave, 0.96-0.97x at 3.9; causal (uneven programs: smaller ones balance the tail) 1.27-1.52x
+# up to 1 wave, 1.16-1.33x at 3.9, 0.97-1.01x at 15.5. d128: the 64-row tiles lost to the
+# Gluon kernel wherever the forward was not host-bound (0.5-0.92x): none.
+SMALL_GRID_FWD = {64: (Tile(64, 128, 4, 3), 2.0, 8.0)}
 # A window's left edge adds a third (masked) loop to the forward, and packed batches always run
 # the ragged-length masks; with pointer loads the d = 128 128 x 128 forward tile then needs
 # 1.7-1.9 KB of stack (1.1 KB without), with TMA loads none: such forwards at d >= 128 read K/V
@@ -145,10 +153,17 @@ def block_d_for(d: int) -> int:
     return max(16, next_power_of_2(d))
 
 
-def plan_for(d: int, causal: bool, dtype: torch.dtype, masked_fwd: bool = False) -> Plan:
+def plan_for(
+    d: int,
+    causal: bool,
+    dtype: torch.dtype,
+    masked_fwd: bool = False,
+    grid: tuple[int, int, int] | None = None,
+) -> Plan:
     """The tiles used for head dim d (padded to a power of two), causal (or any right-bounded
     window) or not, dtype; masked_fwd: a forward with more masked code (a window's left edge,
-    or per-sequence lengths)."""
+    or per-sequence lengths); grid (sequences x heads, query rows per sequence, SMs): the
+    forward's tile may then change for a small grid (`small_grid_fwd`)."""
     if interpreting():
         return Plan(INTERPRETER_FWD, INTERPRETER_DKDV, INTERPRETER_DQ)
     bd = block_d_for(d)
@@ -158,9 +173,22 @@ def plan_for(d: int, causal: bool, dtype: torch.dtype, masked_fwd: bool = False)
     if not masked_fwd:
         fwd = (GLUON_CAUSAL_FWD_TILES if causal else GLUON_FWD_TILES).get(bd) or fwd
     fwd = fwd or FWD_TILES[bd]
+    if grid is not None:
+        fwd = small_grid_fwd(fwd, bd, causal, *grid)
     if masked_fwd and bd >= MASKED_FWD_TMA_MIN_D:
         fwd = replace(fwd, tma=True)
     return Plan(fwd, dkdv or DKDV_TILES[bd], dq or DQ_TILES[bd])
+
+
+def small_grid_fwd(tile: Tile, bd: int, causal: bool, bh: int, nq: int, sms: int) -> Tile:
+    """The half-precision forward tile for bh (sequence, head) pairs of nq query rows on `sms`
+    SMs: SMALL_GRID_FWD's 64-row tile where `tile` would launch fewer programs than its waves
+    x sms, else `tile`."""
+    small, waves, causal_waves = SMALL_GRID_FWD.get(bd, (None, 0.0, 0.0))
+    if small is None or tile.block_m <= small.block_m:
+        return tile
+    programs = bh * cdiv(nq, tile.block_m)
+    return small if programs < (causal_waves if causal else waves) * sms else tile
 
 
 @dataclass(frozen=True)
