@@ -43,9 +43,10 @@ class _Capture:
         return lambda *args, **kwargs: _calls.append((self.kernel, args, kwargs))
 
 
-def captured_launches(d, dtype, causal, plan, n=256, b=1, h=1):
+def captured_launches(d, dtype, causal, plan, n=256, b=1, h=1, varlen=False):
     """The (kernel, args, kwargs) of one forward and one backward with `plan` on CPU tensors of
-    shape (b, n, h, d): the strides and sizes the suite-2 shapes give (B = H = 1)."""
+    shape (b, n, h, d): the strides and sizes the suite-2 shapes give (B = H = 1). varlen: the
+    same b sequences packed into (b * n, h, d) (the VARLEN specialisation)."""
     launch, use_tma = runtime.launch, fa_plans.use_tma
     runtime.launch, fa_plans.use_tma = (
         _Capture,
@@ -54,9 +55,14 @@ def captured_launches(d, dtype, causal, plan, n=256, b=1, h=1):
     _calls.clear()
     try:
         q, k, v, do = (torch.randn(b, n, h, d, dtype=dtype) for _ in range(4))
+        packed = None
+        if varlen:
+            q, k, v, do = (t.flatten(0, 1) for t in (q, k, v, do))
+            cu = torch.arange(0, (b + 1) * n, n, dtype=torch.int32)
+            packed = fa_launchers.Varlen(cu, cu, n, n)
         scale = 1.0 / math.sqrt(d)
-        o, lse = fa_launchers.forward(q, k, v, causal, scale, plan)
-        fa_launchers.backward(do, q, k, v, o, lse, None, causal, scale, plan)
+        o, lse = fa_launchers.forward(q, k, v, causal, scale, plan, varlen=packed)
+        fa_launchers.backward(do, q, k, v, o, lse, None, causal, scale, plan, varlen=packed)
         return list(_calls)
     finally:
         runtime.launch, fa_plans.use_tma = launch, use_tma
@@ -88,7 +94,9 @@ def resource_usage(kernel, args, kwargs) -> dict:
 KERNEL_OF = {"fwd": "attn_fwd_kernel", "dkdv": "attn_bwd_dkdv_kernel", "dq": "attn_bwd_dq_kernel"}
 
 
-def screen_plan(d, dtype, causal, plan, kinds=("fwd", "dkdv", "dq")) -> dict:
-    """{kind: resource_usage} of the plan's kernels of the given kinds."""
-    calls = {k.fn.__name__: (k, a, kw) for k, a, kw in captured_launches(d, dtype, causal, plan)}
+def screen_plan(d, dtype, causal, plan, kinds=("fwd", "dkdv", "dq"), n=256, varlen=False) -> dict:
+    """{kind: resource_usage} of the plan's kernels of the given kinds (n not a multiple of the
+    tiles: the ragged-length kernels; varlen: the packed ones)."""
+    launches = captured_launches(d, dtype, causal, plan, n=n, varlen=varlen)
+    calls = {k.fn.__name__: (k, a, kw) for k, a, kw in launches}
     return {kind: resource_usage(*calls[KERNEL_OF[kind]]) for kind in kinds}

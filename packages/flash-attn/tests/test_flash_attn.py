@@ -532,6 +532,24 @@ def test_varlen_deterministic(device):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_peel_ragged_tail_switch(causal, device, monkeypatch):
+    """launchers.PEEL_RAGGED_TAIL (the backward's partial last block checked on its own) gives
+    the gradients of the all-checked loops: packed ragged lengths, and a ragged dense batch whose
+    k/v rows are misaligned (pointer loads: the dq loop's key checks are peeled too)."""
+    q, k, v, kw = packed([70, 33, 0, 64, 5], [70, 40, 9, 64, 5], 4, 2, 32, torch.bfloat16, device)
+    do = make(q.shape, q.dtype, device, seed=5)
+    q2, do2 = (make((2, 45, 2, 16), torch.float32, device, s) for s in (0, 5))
+    k2, v2 = (make((2, 71, 1, 17), torch.float32, device, s)[..., 1:] for s in (1, 2))
+    runs = []
+    for peel in (True, False):
+        monkeypatch.setattr(fa_launchers, "PEEL_RAGGED_TAIL", peel)
+        runs.append(_run(flash_attn_varlen, q, k, v, do, None, causal=causal, **kw)[2]
+                    + _run(flash_attn, q2, k2, v2, do2, None, causal=causal)[2])  # fmt: skip
+    for a, b, name in zip(*runs, ("dq", "dk", "dv") * 2):
+        assert torch.equal(a, b), name
+
+
 def test_varlen_empty_batches(device):
     """No query rows at all, or no keys at all: outputs of the right shapes, zeros / -inf."""
     q, k, v, kw = packed([0, 0], [3, 4], 2, 1, 16, torch.float32, device)

@@ -199,6 +199,14 @@ def _ranges(first, last, start, end, lo_shift, hi_shift, BLOCK: tl.constexpr,
 
 
 @triton.jit
+def _tail_start(lo, hi, n, BLOCK: tl.constexpr):
+    """Where the blocks of [lo, hi) (block-aligned from 0) that can reach past n begin: at n's
+    last block boundary, clamped to the range. A ragged length leaves one partial block, so
+    the loops run [lo, tail) without the length checks and only the rest with them."""
+    return tl.maximum(tl.minimum(hi, n // BLOCK * BLOCK), lo)
+
+
+@triton.jit
 def _program_ids(num_blocks, REVERSE: tl.constexpr):
     """(block index, batch * head index) of this program; REVERSE starts with the last blocks
     (the longest causal rows), which balances the tail of the launch."""
@@ -630,61 +638,63 @@ def attn_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _dkdv_steps(
-    dk,
-    dv,
-    k,
-    v,
-    q_src,
-    do_src,
-    lse_base,
-    delta_base,
-    stride_qn,
-    stride_don,
-    cols,
-    lo,
-    hi,
-    Nq,
-    lo_shift,
-    hi_shift,
-    qk_scale,
-    cap_scale,
-    MASK: tl.constexpr,
-    CHECK_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    TMA: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    LOCAL: tl.constexpr,
-):
-    """Accumulate dk, dv of one key block over the query blocks [lo, hi), in the transposed
-    (key x query) orientation. Query rows past Nq load q = do = 0 and LSE = +inf, so their p is 0
+def _dkdv_step(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qn, stride_don, cols,
+               start_m, Nq, lo_shift, hi_shift, qk_scale, cap_scale, MASK: tl.constexpr,
+               CHECK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
+               SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr):  # fmt: skip
+    """dk, dv of one key block plus the query block at start_m, in the transposed (key x query)
+    orientation. Query rows past Nq (CHECK_M) load q = do = 0 and LSE = +inf, so their p is 0
     and they add nothing; MASK applies the window (causal) mask."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    for start_m in range(lo, hi, BLOCK_M):
-        rows = start_m + offs_m
-        q = _load_block(q_src, start_m, stride_qn, offs_m, Nq, offs_d, CHECK_M, HEAD_DIM, TMA)
-        lse2 = _lse_log2(_load_vec(lse_base + rows, rows, Nq, float("inf"), CHECK_M))
-        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
-        if SOFTCAP:  # qk_t holds tanh(s / softcap) from here on
-            qk_t = _tanh(qk_t * cap_scale, SOFTCAP == 2)
-        p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
-        if MASK:
-            keep = _visible(rows[None, :], cols[:, None], 0, lo_shift, hi_shift, LOCAL, CAUSAL,
-                            False)  # fmt: skip
-            p_t = tl.where(keep, p_t, 0.0)
-        do = _load_block(do_src, start_m, stride_don, offs_m, Nq, offs_d, CHECK_M, HEAD_DIM, TMA)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
-        delta = _load_vec(delta_base + rows, rows, Nq, 0.0, CHECK_M)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-        ds_t = p_t * (dp_t - delta[None, :])
-        if SOFTCAP:  # d(softcap * tanh(s / softcap)) / ds
-            ds_t = ds_t * (1.0 - qk_t * qk_t)
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    rows = start_m + offs_m
+    q = _load_block(q_src, start_m, stride_qn, offs_m, Nq, offs_d, CHECK_M, HEAD_DIM, TMA)
+    lse2 = _lse_log2(_load_vec(lse_base + rows, rows, Nq, float("inf"), CHECK_M))
+    qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
+    if SOFTCAP:  # qk_t holds tanh(s / softcap) from here on
+        qk_t = _tanh(qk_t * cap_scale, SOFTCAP == 2)
+    p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
+    if MASK:
+        keep = _visible(rows[None, :], cols[:, None], 0, lo_shift, hi_shift, LOCAL, CAUSAL,
+                        False)  # fmt: skip
+        p_t = tl.where(keep, p_t, 0.0)
+    do = _load_block(do_src, start_m, stride_don, offs_m, Nq, offs_d, CHECK_M, HEAD_DIM, TMA)
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+    delta = _load_vec(delta_base + rows, rows, Nq, 0.0, CHECK_M)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+    ds_t = p_t * (dp_t - delta[None, :])
+    if SOFTCAP:  # d(softcap * tanh(s / softcap)) / ds
+        ds_t = ds_t * (1.0 - qk_t * qk_t)
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_steps(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qn, stride_don, cols,
+                lo, hi, Nq, lo_shift, hi_shift, qk_scale, cap_scale, MASK: tl.constexpr,
+                CHECK_M: tl.constexpr, PEEL: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+                TMA: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr,
+                LOCAL: tl.constexpr):  # fmt: skip
+    """Accumulate dk, dv of one key block over the query blocks [lo, hi) (`_dkdv_step`).
+    PEEL (with CHECK_M): only the blocks from Nq's last block boundary on take the row checks;
+    those before it run the unchecked steps of a block-multiple Nq."""
+    start = lo
+    if PEEL and CHECK_M:
+        start = _tail_start(lo, hi, Nq, BLOCK_M)
+        for start_m in range(lo, start, BLOCK_M):
+            dk, dv = _dkdv_step(
+                dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qn, stride_don, cols,
+                start_m, Nq, lo_shift, hi_shift, qk_scale, cap_scale, MASK, False, HEAD_DIM,
+                BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
+            )  # fmt: skip
+    for start_m in range(start, hi, BLOCK_M):
+        dk, dv = _dkdv_step(
+            dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qn, stride_don, cols,
+            start_m, Nq, lo_shift, hi_shift, qk_scale, cap_scale, MASK, CHECK_M, HEAD_DIM,
+            BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
+        )  # fmt: skip
     return dk, dv
 
 
@@ -742,6 +752,7 @@ def attn_bwd_dkdv_kernel(
     SOFTCAP: tl.constexpr,
     LOCAL: tl.constexpr,
     VARLEN: tl.constexpr,
+    PEEL_TAIL: tl.constexpr,
 ):
     """dk, dv of one key block of one kv head. With GQA the program loops over the GROUP query
     heads that read this kv head, so their contributions add up in a fixed order (deterministic,
@@ -807,20 +818,21 @@ def attn_bwd_dkdv_kernel(
             dk, dv = _dkdv_steps(
                 dk, dv, k, v, q_src, do_src, LSE + vec_base, DELTA + vec_base, stride_qn,
                 stride_don, cols, m_lo, m_full, Nq, lo_shift, hi_shift, qk_scale, cap_scale,
-                True, not EVEN_M, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL,
-                LOCAL,
+                True, not EVEN_M, False, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP,
+                CAUSAL, LOCAL,
             )  # fmt: skip
         dk, dv = _dkdv_steps(
             dk, dv, k, v, q_src, do_src, LSE + vec_base, DELTA + vec_base, stride_qn,
             stride_don, cols, m_full, m_full_hi, Nq, lo_shift, hi_shift, qk_scale, cap_scale,
-            False, not EVEN_M, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
+            False, not EVEN_M, PEEL_TAIL, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP,
+            CAUSAL, LOCAL,
         )  # fmt: skip
         if LOCAL:
             dk, dv = _dkdv_steps(
                 dk, dv, k, v, q_src, do_src, LSE + vec_base, DELTA + vec_base, stride_qn,
                 stride_don, cols, m_full_hi, m_hi, Nq, lo_shift, hi_shift, qk_scale, cap_scale,
-                True, not EVEN_M, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL,
-                LOCAL,
+                True, not EVEN_M, False, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP,
+                CAUSAL, LOCAL,
             )  # fmt: skip
 
     dk *= sm_scale
@@ -837,56 +849,57 @@ def attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_steps(
-    dq,
-    q,
-    do,
-    lse2,
-    delta,
-    k_src,
-    v_src,
-    stride_kn,
-    stride_vn,
-    rows,
-    lo,
-    hi,
-    Nk,
-    lo_shift,
-    hi_shift,
-    qk_scale,
-    cap_scale,
-    MASK: tl.constexpr,
-    CHECK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    TMA: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    LOCAL: tl.constexpr,
-):
-    """Accumulate dq of one query block over the key blocks [lo, hi). Keys past Nk load
+def _dq_step(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, start_n, Nk,
+             lo_shift, hi_shift, qk_scale, cap_scale, MASK: tl.constexpr, CHECK_N: tl.constexpr,
+             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+             DOT_PREC: tl.constexpr, TMA: tl.constexpr, SOFTCAP: tl.constexpr,
+             CAUSAL: tl.constexpr, LOCAL: tl.constexpr):  # fmt: skip
+    """dq of one query block plus the key block at start_n. Keys past Nk (CHECK_N) load
     k = v = 0 and so add nothing to dq; MASK applies the window (causal) mask."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n
-        k = _load_block(k_src, start_n, stride_kn, offs_n, Nk, offs_d, CHECK_N, HEAD_DIM, TMA)
-        v = _load_block(v_src, start_n, stride_vn, offs_n, Nk, offs_d, CHECK_N, HEAD_DIM, TMA)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        if SOFTCAP:  # qk holds tanh(s / softcap) from here on
-            qk = _tanh(qk * cap_scale, SOFTCAP == 2)
-        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
-        if MASK:
-            keep = _visible(rows[:, None], cols[None, :], Nk, lo_shift, hi_shift, LOCAL, CAUSAL,
-                            False)  # fmt: skip
-            p = tl.where(keep, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-        ds = p * (dp - delta[:, None])
-        if SOFTCAP:  # d(softcap * tanh(s / softcap)) / ds
-            ds = ds * (1.0 - qk * qk)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+    cols = start_n + offs_n
+    k = _load_block(k_src, start_n, stride_kn, offs_n, Nk, offs_d, CHECK_N, HEAD_DIM, TMA)
+    v = _load_block(v_src, start_n, stride_vn, offs_n, Nk, offs_d, CHECK_N, HEAD_DIM, TMA)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    if SOFTCAP:  # qk holds tanh(s / softcap) from here on
+        qk = _tanh(qk * cap_scale, SOFTCAP == 2)
+    p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+    if MASK:
+        keep = _visible(rows[:, None], cols[None, :], Nk, lo_shift, hi_shift, LOCAL, CAUSAL,
+                        False)  # fmt: skip
+        p = tl.where(keep, p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+    ds = p * (dp - delta[:, None])
+    if SOFTCAP:  # d(softcap * tanh(s / softcap)) / ds
+        ds = ds * (1.0 - qk * qk)
+    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+    return dq
+
+
+@triton.jit
+def _dq_steps(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, lo, hi, Nk,
+              lo_shift, hi_shift, qk_scale, cap_scale, MASK: tl.constexpr, CHECK_N: tl.constexpr,
+              PEEL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
+              SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr):  # fmt: skip
+    """Accumulate dq of one query block over the key blocks [lo, hi) (`_dq_step`); PEEL as in
+    `_dkdv_steps`, for the key checks."""
+    start = lo
+    if PEEL and CHECK_N and not TMA:  # (TMA reads keys past Nk as zeros without a check)
+        start = _tail_start(lo, hi, Nk, BLOCK_N)
+        for start_n in range(lo, start, BLOCK_N):
+            dq = _dq_step(
+                dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, start_n, Nk,
+                lo_shift, hi_shift, qk_scale, cap_scale, MASK, False, HEAD_DIM, BLOCK_N,
+                BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
+            )  # fmt: skip
+    for start_n in range(start, hi, BLOCK_N):
+        dq = _dq_step(
+            dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, start_n, Nk,
+            lo_shift, hi_shift, qk_scale, cap_scale, MASK, CHECK_N, HEAD_DIM, BLOCK_N, BLOCK_D,
+            DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
+        )  # fmt: skip
     return dq
 
 
@@ -939,6 +952,7 @@ def attn_bwd_dq_kernel(
     SOFTCAP: tl.constexpr,
     LOCAL: tl.constexpr,
     VARLEN: tl.constexpr,
+    PEEL_TAIL: tl.constexpr,
 ):
     """dq of one query block: a pass over the key blocks of its own (no atomics)."""
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -1001,25 +1015,25 @@ def attn_bwd_dq_kernel(
         if LOCAL:
             dq = _dq_steps(
                 dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, lo, mid_lo, Nk,
-                lo_shift, hi_shift, qk_scale, cap_scale, True, not EVEN_N, HEAD_DIM, BLOCK_N,
-                BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
+                lo_shift, hi_shift, qk_scale, cap_scale, True, not EVEN_N, False, HEAD_DIM,
+                BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
             )  # fmt: skip
         dq = _dq_steps(
             dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, mid_lo, mid_hi, Nk,
-            lo_shift, hi_shift, qk_scale, cap_scale, False, not (EVEN_N or CAUSAL), HEAD_DIM,
-            BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
+            lo_shift, hi_shift, qk_scale, cap_scale, False, not (EVEN_N or CAUSAL), PEEL_TAIL,
+            HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
         )  # fmt: skip
         if CAUSAL:
             dq = _dq_steps(
                 dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, mid_hi, hi, Nk,
-                lo_shift, hi_shift, qk_scale, cap_scale, True, not EVEN_N, HEAD_DIM, BLOCK_N,
-                BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
+                lo_shift, hi_shift, qk_scale, cap_scale, True, not EVEN_N, False, HEAD_DIM,
+                BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
             )  # fmt: skip
     else:
         dq = _dq_steps(
             dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, 0, Nk, Nk,
-            lo_shift, hi_shift, qk_scale, cap_scale, False, not EVEN_N, HEAD_DIM, BLOCK_N,
-            BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
+            lo_shift, hi_shift, qk_scale, cap_scale, False, not EVEN_N, PEEL_TAIL, HEAD_DIM,
+            BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
         )  # fmt: skip
 
     dq *= sm_scale

@@ -64,6 +64,11 @@ def _forward_gluon(ops, q, k, v, o, lse, tile: Tile, scale: float, causal: bool)
 # as FlashAttention does); float32 inputs and the interpreter an exact float32 formula. False:
 # the exact formula everywhere (an A/B switch; NOTES.md).
 FAST_TANH = True
+# The backward's query (dk/dv) and key (dq) loops at a length that is not a block multiple
+# (ragged dense N, every packed batch): only the last, partial block takes the length checks,
+# the blocks before it run the unchecked code of a block-multiple length. False: every block of
+# a ragged loop is checked, as before (an A/B switch; benchmarks/varlen_ab.py).
+PEEL_RAGGED_TAIL = True
 
 
 def _score_args(scale: float, softcap: float, q: torch.Tensor) -> tuple[float, float, int]:
@@ -121,7 +126,7 @@ def _varlen_parts(varlen: Varlen | None):
 def _options(*options):
     """A replay key's options: the call's, plus the module switches and rules plans read (tests
     patch them)."""
-    return (*options, FAST_TANH, interpreting())
+    return (*options, FAST_TANH, PEEL_RAGGED_TAIL, interpreting())
 
 
 def forward(
@@ -446,6 +451,7 @@ def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, wind
         SOFTCAP=softcap_mode,
         LOCAL=local,
         VARLEN=varlen is not None,
+        PEEL_TAIL=PEEL_RAGGED_TAIL,
         num_warps=t.warps,
         num_stages=t.stages,
     )
@@ -489,6 +495,7 @@ def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, wind
         SOFTCAP=softcap_mode,
         LOCAL=local,
         VARLEN=varlen is not None,
+        PEEL_TAIL=PEEL_RAGGED_TAIL,
         num_warps=t.warps,
         num_stages=t.stages,
     )
