@@ -561,3 +561,79 @@ def test_prepared_launches_match_tritons_path():
     from kernelkit.shared.testing import assert_launch_paths_agree
 
     assert_launch_paths_agree(Path(__file__).with_name("launch_calls.py"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-token kernels (kernels.POSITIONS_TILING "ahead" / "ahead_x")
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["ahead", "ahead_x"])
+def tiling(request, monkeypatch):
+    """Per-token positions through the *_tokens_kernel pair, several work items per program
+    (programs_target 1: as many items as the plan allows, so every loop runs and reloads)."""
+    from kernelkit.lrpe_core import op as core_op
+    from kernelkit.lrpe_rotate import kernels as K
+
+    monkeypatch.setattr(K, "POSITIONS_TILING", request.param)
+    monkeypatch.setattr(K, "programs_target", lambda device, per_sm: 1)
+    core_op._PLANS.clear()
+    yield request.param
+    core_op._PLANS.clear()
+
+
+@pytest.mark.parametrize(
+    "where", ["table", "table_row", "starts", "packed", "packed_d128", "table_d128"]
+)
+@pytest.mark.parametrize("case", [("none", None), ("silu", None), ("softmax", -1)], ids=case_id)
+def test_positions_tilings(case, where, tiling, device):
+    """Every per-token form, N not a multiple of the tile, items crossing batch rows, d(theta)."""
+    g = torch.Generator().manual_seed(5)
+    if where == "packed":
+        lengths = [5, 1, 0, 40, 17, 0, 33]
+        x = make((1, sum(lengths), 2, 16), torch.float32, device)
+        check(x, make_theta("full", 2, 16, device), 0, *case, cu=packing(lengths, device))
+        return
+    if where == "packed_d128":  # 32-token tiles: items inside and across sequences
+        lengths = [40, 1, 0, 70, 39]
+        x = make((1, sum(lengths), 1, 128), torch.float32, device)
+        check(x, make_theta("full", 1, 128, device), 0, *case, cu=packing(lengths, device))
+        return
+    x = make((3, 45, 2, 16), torch.float32, device)
+    theta = make_theta("partial", 2, 16, device)
+    if where == "table_d128":
+        x = make((2, 70, 1, 128), torch.float32, device)
+        theta = make_theta("full", 1, 128, device)
+    if where == "starts":
+        check(x, theta, torch.tensor([3, 100_000, 0], device=device), *case)
+        return
+    rows = 1 if where == "table_row" else x.shape[0]
+    positions = torch.randint(0, 300_000, (rows, x.shape[1]), generator=g).to(device)
+    check(x, theta, 0, *case, positions=positions)
+
+
+def test_positions_tiling_none_without_dtheta(tiling, device):
+    """Act none without d(theta): the per-token backward reads no x."""
+    x = make((2, 70, 2, 16), torch.bfloat16, device)
+    positions = torch.randint(0, 9_000, (2, 70), generator=torch.Generator().manual_seed(6))
+    check(x, make_theta("full", 2, 16, device), 0, theta_grad=False, positions=positions.to(device))
+
+
+def test_positions_tiling_switch_is_read_per_call(device, monkeypatch):
+    """Flipping POSITIONS_TILING between calls takes effect (the plan cache keys on it), and
+    the tilings agree; an unknown value is an error."""
+    from kernelkit.lrpe_rotate import kernels as K
+
+    x = make((1, 50, 2, 16), torch.float32, device)
+    theta = make_theta("full", 2, 16, device)
+    positions = torch.randint(0, 5_000, (1, 50), generator=torch.Generator().manual_seed(8))
+    positions = positions.to(device)
+    ys = {}
+    for t in K.TILINGS:
+        monkeypatch.setattr(K, "POSITIONS_TILING", t)
+        ys[t] = lrpe_rotate(x, theta, act="silu", positions=positions)
+    torch.testing.assert_close(ys["ahead"], ys["old"])  # FMA contraction may differ on a GPU
+    torch.testing.assert_close(ys["ahead_x"], ys["old"])
+    monkeypatch.setattr(K, "POSITIONS_TILING", "bogus")
+    with pytest.raises(ValueError, match="POSITIONS_TILING"):
+        lrpe_rotate(x, theta, positions=positions)

@@ -48,11 +48,12 @@ from kernelkit.lrpe_core.op import (
     programs_target,
     theta_args,
 )
-from kernelkit.shared.runtime import cdiv, launch, next_power_of_2
+from kernelkit.shared.runtime import cdiv, interpreting, launch, next_power_of_2
 
 # Never specialised (Triton would otherwise make values of 1 constants and key on divisibility
 # by 16): everything that changes with N, B or the offset.
 RUNTIME = ["B", "N", "offset", "rows_per_program", "num_seqs", "stride_pb", "stride_pn"]
+TOKENS_RUNTIME = ["B", "N", "items_per_program", "num_seqs", "stride_pb", "stride_pn"]
 SEQ_RUNTIME = ["N", "offset", "chunk", "num_chunks", "num_stat_chunks", "stride_pb", "stride_pn"]
 
 
@@ -72,9 +73,24 @@ class Plan:
     seq_programs_per_sm: int = 8
     min_block_n: int = 8
     max_block_n: int = 128
+    tokens_items: int = 8  # per-token positions ("ahead" tilings): items per program, at most
+    tokens_programs_per_sm: int = 32  # ... and fewer while programs would drop below this
+    # Register cap of the per-token kernels: 64 keeps 4 programs of 8 warps per SM (sm_90:
+    # "ahead_x" compiles to 80-90 registers uncapped, 3 programs; capped, act none does not
+    # spill, silu spills 16 bytes). 0: no cap.
+    tokens_maxnreg: int = 64
 
 
 PLAN = Plan()
+
+# How kernels with per-token positions (a (B|1, N) table, per-row starts, cu_seqlens) tile the
+# work, read at every call (and part of the plan cache key), so that an A/B flips it in one
+# process: "old" = rotate_fwd_kernel / rotate_bwd_kernel, a program per tile and batch row, the
+# tile's positions loaded after its x; "ahead" = the *_tokens_kernel pair, a program walks
+# `Plan.tokens_items` tiles loading the next tile's positions one tile ahead; "ahead_x" = the
+# same, and the next tile's x (dy) too. Int offsets always take the old kernels.
+POSITIONS_TILING = "old"
+TILINGS = ("old", "ahead", "ahead_x")
 
 
 def _tile(plan: Plan, kind: str, half: int) -> tuple[int, int, int]:
@@ -247,6 +263,145 @@ def rotate_fwd_kernel(
         store_halves(y + b * stride_yb, y_off, HALF * stride_yd, y1, y2, mask)
 
 
+@triton.jit
+def item_positions(
+    item, n_tiles, offset, positions, cu_seqlens, num_seqs, N, stride_pb, stride_pn, BLOCK_N
+):
+    """Integer positions (as loaded: converted to float32 where they are used, so that nothing
+    waits on the load before then) of work item `item` (tile item % n_tiles of batch row
+    item // n_tiles) of the per-token kernels."""
+    b = item // n_tiles
+    t0 = (item - b * n_tiles) * BLOCK_N
+    t = t0 + tl.arange(0, BLOCK_N)
+    if cu_seqlens is not None:
+        t_last = tl.minimum(t0 + BLOCK_N, N) - 1
+        _, start = packed_starts(cu_seqlens, num_seqs, t, t0, t_last)
+        pos = t - start
+    elif positions is not None:
+        t = tl.minimum(t, N - 1)
+        pos = tl.load(positions + tl.cast(b, tl.int64) * stride_pb + t.to(tl.int64) * stride_pn)
+    else:
+        pos = token_positions(offset, positions, b, t, N, stride_pb, stride_pn)
+    return pos
+
+
+@triton.jit
+def load_raw_halves(ptr, off, half_step, mask, other):
+    """Both halves of a tile as stored (no conversion): what a prefetch keeps in registers."""
+    x1 = tl.load(ptr + off, mask=mask, other=other)
+    x2 = tl.load(ptr + off + half_step, mask=mask, other=other)
+    return x1, x2
+
+
+@triton.jit
+def act_of_raw(x1, x2, mask, KIND: tl.constexpr):
+    """act(x) of raw halves loaded with `other` -inf (softmax) or 0; invalid lanes are 0."""
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    if KIND == "softmax":
+        x1, x2 = softmax_halves(x1, x2)
+        x1 = tl.where(mask, x1, 0.0)
+        x2 = tl.where(mask, x2, 0.0)
+    else:
+        x1 = tl.where(mask, apply_act(x1, KIND), 0.0)
+        x2 = tl.where(mask, apply_act(x2, KIND), 0.0)
+    return x1, x2
+
+
+# --------------------------------------------------------------------------------------------
+# Per-token positions (a table, per-row starts or packed sequences), POSITIONS_TILING "ahead" /
+# "ahead_x". Grid (programs, H): a program walks `items_per_program` consecutive work items
+# (item = b * n_tiles + tile: one BLOCK_N-token tile of one batch row) of one head, and loads
+# the positions of item i + 1 while item i is in flight, so that every tile's cos/sin start
+# without waiting on memory (as the int offset's do) and the program streams as many bytes as
+# an int-offset program looping over its batch rows. PREFETCH_X also loads item i + 1's x (dy,
+# x) before item i's arithmetic and stores: two tiles of loads in flight per program.
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=TOKENS_RUNTIME)
+def rotate_fwd_tokens_kernel(
+    x,
+    y,
+    theta,
+    offset,
+    positions,
+    cu_seqlens,
+    B,
+    N,
+    num_seqs,
+    items_per_program,
+    stride_xb,
+    stride_xn,
+    stride_xh,
+    stride_xd,
+    stride_yb,
+    stride_yn,
+    stride_yh,
+    stride_yd,
+    stride_th,
+    stride_te,
+    n_freq,
+    stride_pb,
+    stride_pn,
+    KIND: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    PREFETCH_X: tl.constexpr,
+):
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    first = tl.program_id(0) * items_per_program
+    last = tl.minimum(first + items_per_program, B * n_tiles) - 1
+    h = tl.program_id(1)
+    j = tl.arange(0, BLOCK_E)
+    freqs = slot_frequencies(theta + h * stride_th, stride_te, j, n_freq)
+    x_h = x + h.to(tl.int64) * stride_xh
+    y_h = y + h.to(tl.int64) * stride_yh
+    other: tl.constexpr = -float("inf") if KIND == "softmax" else 0.0
+    pos = item_positions(
+        first, n_tiles, offset, positions, cu_seqlens, num_seqs, N, stride_pb, stride_pn, BLOCK_N
+    )
+    if PREFETCH_X:
+        b = first // n_tiles
+        t = (first - b * n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (t < N)[:, None] & (j < HALF)[None, :]
+        x_off = b.to(tl.int64) * stride_xb + tile_offsets(t, j, stride_xn, stride_xd)
+        r1, r2 = load_raw_halves(x_h, x_off, HALF * stride_xd, mask, other)
+    for item in range(first, last + 1):
+        b = item // n_tiles
+        t = (item - b * n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (t < N)[:, None] & (j < HALF)[None, :]
+        nxt = tl.minimum(item + 1, last)  # the last item reloads itself (cache hits)
+        # Loads of the next item's positions first (a table: issued before this item's cos/sin,
+        # in flight across its loads and stores); a search of cu_seqlens waits on its own
+        # loads, so it comes after this item's loads of x.
+        if cu_seqlens is None:
+            pos_next = item_positions(
+                nxt, n_tiles, offset, positions, cu_seqlens, num_seqs, N, stride_pb, stride_pn,
+                BLOCK_N,
+            )  # fmt: skip
+        cos, sin = cos_sin(pos.to(tl.float32)[:, None] * freqs[None, :])
+        if PREFETCH_X:
+            x1, x2 = act_of_raw(r1, r2, mask, KIND)
+            bn = nxt // n_tiles
+            tn = (nxt - bn * n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = (tn < N)[:, None] & (j < HALF)[None, :]
+            x_off = bn.to(tl.int64) * stride_xb + tile_offsets(tn, j, stride_xn, stride_xd)
+            r1, r2 = load_raw_halves(x_h, x_off, HALF * stride_xd, mask_n, other)
+        else:
+            x_off = b.to(tl.int64) * stride_xb + tile_offsets(t, j, stride_xn, stride_xd)
+            x1, x2 = activated_halves(x_h, x_off, HALF * stride_xd, mask, KIND)
+        if cu_seqlens is not None:
+            pos_next = item_positions(
+                nxt, n_tiles, offset, positions, cu_seqlens, num_seqs, N, stride_pb, stride_pn,
+                BLOCK_N,
+            )  # fmt: skip
+        y_off = b.to(tl.int64) * stride_yb + tile_offsets(t, j, stride_yn, stride_yd)
+        store_halves(y_h, y_off, HALF * stride_yd, x1 * cos - x2 * sin, x1 * sin + x2 * cos, mask)
+        pos = pos_next
+
+
 def _rotate_layout(x, theta, starts, table, cu_seqlens, kind, plan):
     """(grid, layout kwargs) of rotate_fwd_kernel / rotate_bwd_kernel."""
     batch, n, heads, d = x.shape
@@ -270,12 +425,52 @@ def _rotate_layout(x, theta, starts, table, cu_seqlens, kind, plan):
     return (n_tiles * groups, heads), kwargs
 
 
-def _rotate_fwd_plan(x, y, theta, starts, table, cu_seqlens, kind, plan):
-    """The launch of rotate_fwd_kernel prepared for this layout: a function of (x, y, theta,
-    cu_seqlens if given, *position_values)."""
-    grid, kwargs = _rotate_layout(x, theta, starts, table, cu_seqlens, kind, plan)
+def _tokens_layout(x, theta, cu_seqlens, kind, plan, tiling):
+    """(grid, layout kwargs) of rotate_fwd_tokens_kernel / rotate_bwd_tokens_kernel: work items
+    (batch row, tile) split into runs of at most `tokens_items` per program."""
+    batch, n, heads, d = x.shape
+    half = d // 2
+    block_n, block_e, warps = _tile(plan, kind, half)
+    items = batch * cdiv(n, block_n)
+    target = programs_target(x.device, plan.tokens_programs_per_sm)
+    per_program = max(1, min(plan.tokens_items, (items * heads) // target))
+    kwargs = dict(
+        B=batch,
+        N=n,
+        num_seqs=0 if cu_seqlens is None else cu_seqlens.shape[0] - 1,
+        items_per_program=per_program,
+        **theta_args(theta, half),
+        KIND=kind,
+        HALF=half,
+        BLOCK_N=block_n,
+        BLOCK_E=block_e,
+        PREFETCH_X=tiling == "ahead_x",
+        num_warps=warps,
+    )
+    if plan.tokens_maxnreg and not interpreting():
+        kwargs["maxnreg"] = plan.tokens_maxnreg
+    return (cdiv(items, per_program), heads), kwargs
+
+
+def _tokens(starts, table, cu_seqlens, tiling) -> bool:
+    """Whether a launch takes the per-token kernels (see POSITIONS_TILING)."""
+    if tiling not in TILINGS:
+        raise ValueError(f"POSITIONS_TILING: expected one of {TILINGS}, got {tiling!r}")
+    return tiling != "old" and (starts is not None or table is not None or cu_seqlens is not None)
+
+
+def _rotate_fwd_plan(x, y, theta, starts, table, cu_seqlens, kind, plan, tiling="old"):
+    """The launch of rotate_fwd_kernel (or, per POSITIONS_TILING, rotate_fwd_tokens_kernel)
+    prepared for this layout: a function of (x, y, theta, cu_seqlens if given,
+    *position_values)."""
+    if _tokens(starts, table, cu_seqlens, tiling):
+        kernel = rotate_fwd_tokens_kernel
+        grid, kwargs = _tokens_layout(x, theta, cu_seqlens, kind, plan, tiling)
+    else:
+        kernel = rotate_fwd_kernel
+        grid, kwargs = _rotate_layout(x, theta, starts, table, cu_seqlens, kind, plan)
     pos_kwargs, vary = prepared_positions(starts, table)
-    return launch(rotate_fwd_kernel).prepare(
+    return launch(kernel).prepare(
         grid,
         x=x,
         y=y,
@@ -294,7 +489,8 @@ def rotate_fwd(x, theta, pos, kind, cu_seqlens=None, plan: Plan = PLAN) -> torch
     table) from kernelkit.lrpe_core.op.validate_positions, or positions restarting in each
     sequence packed along N with `cu_seqlens`."""
     y = torch.empty_like(x)
-    run = cached_plan(_rotate_fwd_plan, (x, y, theta, pos[1], pos[2], cu_seqlens), kind, plan)
+    tensors = (x, y, theta, pos[1], pos[2], cu_seqlens)
+    run = cached_plan(_rotate_fwd_plan, tensors, kind, plan, POSITIONS_TILING)
     run(x, y, theta, *_given(cu_seqlens), *position_values(*pos))
     return y
 
@@ -394,14 +590,171 @@ def rotate_bwd_kernel(
         store_dtheta_partial(dtheta_partials, pid, tl.num_programs(1), h, j, HALF, tl.sum(acc, 0))
 
 
-def _rotate_bwd_plan(dy, x, dx, theta, starts, table, cu_seqlens, kind, need_dtheta, plan):
-    """(grid, the launch of rotate_bwd_kernel prepared for this layout: a function of (x if
-    given, dy, dx, theta, cu_seqlens if given, d(theta) partials if needed,
-    *position_values))."""
-    grid, kwargs = _rotate_layout(dy, theta, starts, table, cu_seqlens, kind, plan)
+@triton.jit
+def dx_of(dy1, dy2, x1, x2, cos, sin, mask, KIND: tl.constexpr, NEED_X: tl.constexpr):
+    """(dx halves, g halves, act(x) halves: g where not NEED_X) of one tile of float32 dy and raw x (loaded with
+    `other` -inf for softmax, 0 otherwise; unused unless NEED_X): rotate_bwd_kernel's math."""
+    g1 = cos * dy1 + sin * dy2  # gradient w.r.t. act(x): the inverse rotation of dy
+    g2 = cos * dy2 - sin * dy1
+    xb1 = g1  # placeholders where act(x) is not needed
+    xb2 = g2
+    if KIND == "softmax":
+        xb1, xb2 = act_of_raw(x1, x2, mask, KIND)
+        dot = tl.sum(xb1 * g1, axis=1) + tl.sum(xb2 * g2, axis=1)
+        dx1 = xb1 * (g1 - dot[:, None])
+        dx2 = xb2 * (g2 - dot[:, None])
+    elif KIND == "none":
+        dx1 = g1
+        dx2 = g2
+        if NEED_X:
+            xb1 = x1.to(tl.float32)
+            xb2 = x2.to(tl.float32)
+    else:
+        f1 = x1.to(tl.float32)
+        f2 = x2.to(tl.float32)
+        dx1 = apply_act_grad(f1, g1, KIND)
+        dx2 = apply_act_grad(f2, g2, KIND)
+        if NEED_X:
+            xb1 = apply_act(f1, KIND)
+            xb2 = apply_act(f2, KIND)
+    return dx1, dx2, g1, g2, xb1, xb2
+
+
+@triton.jit(do_not_specialize=TOKENS_RUNTIME)
+def rotate_bwd_tokens_kernel(
+    x,
+    dy,
+    dx,
+    theta,
+    offset,
+    positions,
+    cu_seqlens,
+    dtheta_partials,
+    B,
+    N,
+    num_seqs,
+    items_per_program,
+    stride_xb,
+    stride_xn,
+    stride_xh,
+    stride_xd,
+    stride_gb,
+    stride_gn,
+    stride_gh,
+    stride_gd,
+    stride_db,
+    stride_dn,
+    stride_dh,
+    stride_dd,
+    stride_th,
+    stride_te,
+    n_freq,
+    stride_pb,
+    stride_pn,
+    KIND: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    PREFETCH_X: tl.constexpr,
+):
+    """rotate_bwd_kernel's dx and d(theta) partials with rotate_fwd_tokens_kernel's work items
+    (positions one item ahead; with PREFETCH_X, dy and x too)."""
+    NEED_DTHETA: tl.constexpr = dtheta_partials is not None
+    NEED_X: tl.constexpr = KIND != "none" or NEED_DTHETA
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    first = tl.program_id(0) * items_per_program
+    last = tl.minimum(first + items_per_program, B * n_tiles) - 1
+    h = tl.program_id(1)
+    j = tl.arange(0, BLOCK_E)
+    freqs = slot_frequencies(theta + h * stride_th, stride_te, j, n_freq)
+    x_h = x  # None for act none without d(theta)
+    if NEED_X:
+        x_h = x + h.to(tl.int64) * stride_xh
+    g_h = dy + h.to(tl.int64) * stride_gh
+    d_h = dx + h.to(tl.int64) * stride_dh
+    other: tl.constexpr = -float("inf") if KIND == "softmax" else 0.0
+    acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
+    pos = item_positions(
+        first, n_tiles, offset, positions, cu_seqlens, num_seqs, N, stride_pb, stride_pn, BLOCK_N
+    )
+    if PREFETCH_X:
+        b = first // n_tiles
+        t = (first - b * n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (t < N)[:, None] & (j < HALF)[None, :]
+        g_off = b.to(tl.int64) * stride_gb + tile_offsets(t, j, stride_gn, stride_gd)
+        r1, r2 = load_raw_halves(g_h, g_off, HALF * stride_gd, mask, 0.0)
+        if NEED_X:
+            x_off = b.to(tl.int64) * stride_xb + tile_offsets(t, j, stride_xn, stride_xd)
+            s1, s2 = load_raw_halves(x_h, x_off, HALF * stride_xd, mask, other)
+    for item in range(first, last + 1):
+        b = item // n_tiles
+        t = (item - b * n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (t < N)[:, None] & (j < HALF)[None, :]
+        nxt = tl.minimum(item + 1, last)
+        if cu_seqlens is None:  # as rotate_fwd_tokens_kernel
+            pos_next = item_positions(
+                nxt, n_tiles, offset, positions, cu_seqlens, num_seqs, N, stride_pb, stride_pn,
+                BLOCK_N,
+            )  # fmt: skip
+        pos_f = pos.to(tl.float32)
+        cos, sin = cos_sin(pos_f[:, None] * freqs[None, :])
+        if PREFETCH_X:
+            dy1 = r1.to(tl.float32)
+            dy2 = r2.to(tl.float32)
+            if NEED_X:
+                x1 = s1
+                x2 = s2
+            else:
+                x1 = dy1
+                x2 = dy2
+            bn = nxt // n_tiles
+            tn = (nxt - bn * n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = (tn < N)[:, None] & (j < HALF)[None, :]
+            g_off = bn.to(tl.int64) * stride_gb + tile_offsets(tn, j, stride_gn, stride_gd)
+            r1, r2 = load_raw_halves(g_h, g_off, HALF * stride_gd, mask_n, 0.0)
+            if NEED_X:
+                x_off = bn.to(tl.int64) * stride_xb + tile_offsets(tn, j, stride_xn, stride_xd)
+                s1, s2 = load_raw_halves(x_h, x_off, HALF * stride_xd, mask_n, other)
+        else:
+            g_off = b.to(tl.int64) * stride_gb + tile_offsets(t, j, stride_gn, stride_gd)
+            dy1, dy2 = load_halves(g_h, g_off, HALF * stride_gd, mask, 0.0)
+            if NEED_X:
+                x_off = b.to(tl.int64) * stride_xb + tile_offsets(t, j, stride_xn, stride_xd)
+                x1, x2 = load_raw_halves(x_h, x_off, HALF * stride_xd, mask, other)
+            else:
+                x1 = dy1
+                x2 = dy2
+        if cu_seqlens is not None:
+            pos_next = item_positions(
+                nxt, n_tiles, offset, positions, cu_seqlens, num_seqs, N, stride_pb, stride_pn,
+                BLOCK_N,
+            )  # fmt: skip
+        dx1, dx2, g1, g2, xb1, xb2 = dx_of(dy1, dy2, x1, x2, cos, sin, mask, KIND, NEED_X)
+        d_off = b.to(tl.int64) * stride_db + tile_offsets(t, j, stride_dn, stride_dd)
+        store_halves(d_h, d_off, HALF * stride_dd, dx1, dx2, mask)
+        if NEED_DTHETA:  # lanes past N or D/2 have dy = 0, hence g = 0
+            acc += pos_f[:, None] * (xb1 * g2 - xb2 * g1)
+        pos = pos_next
+    if NEED_DTHETA:
+        store_dtheta_partial(dtheta_partials, tl.program_id(0), tl.num_programs(1), h, j, HALF,
+                             tl.sum(acc, 0))  # fmt: skip
+
+
+def _rotate_bwd_plan(
+    dy, x, dx, theta, starts, table, cu_seqlens, kind, need_dtheta, plan, tiling="old"
+):
+    """(grid, the launch of rotate_bwd_kernel (or, per POSITIONS_TILING,
+    rotate_bwd_tokens_kernel) prepared for this layout: a function of (x if given, dy, dx,
+    theta, cu_seqlens if given, d(theta) partials if needed, *position_values))."""
+    if _tokens(starts, table, cu_seqlens, tiling):
+        kernel = rotate_bwd_tokens_kernel
+        grid, kwargs = _tokens_layout(dy, theta, cu_seqlens, kind, plan, tiling)
+    else:
+        kernel = rotate_bwd_kernel
+        grid, kwargs = _rotate_layout(dy, theta, starts, table, cu_seqlens, kind, plan)
     pos_kwargs, vary = prepared_positions(starts, table)
     partials = dy.new_empty((0,)) if need_dtheta else None  # a tensor slot, filled per call
-    run = launch(rotate_bwd_kernel).prepare(
+    run = launch(kernel).prepare(
         grid,
         x=x,
         dy=dy,
@@ -424,7 +777,7 @@ def rotate_bwd(dy, x, theta, pos, kind, need_dtheta, cu_seqlens=None, plan: Plan
     softmax over D; x may be None for act none without d(theta); positions as rotate_fwd."""
     dx = torch.empty_like(dy)
     tensors = (dy, x, dx, theta, pos[1], pos[2], cu_seqlens)
-    grid, run = cached_plan(_rotate_bwd_plan, tensors, kind, need_dtheta, plan)
+    grid, run = cached_plan(_rotate_bwd_plan, tensors, kind, need_dtheta, plan, POSITIONS_TILING)
     partials = None
     if need_dtheta:
         partials = dy.new_empty((grid[0], grid[1], dy.shape[3] // 2), dtype=torch.float32)
