@@ -637,3 +637,70 @@ def test_positions_tiling_switch_is_read_per_call(device, monkeypatch):
     monkeypatch.setattr(K, "POSITIONS_TILING", "bogus")
     with pytest.raises(ValueError, match="POSITIONS_TILING"):
         lrpe_rotate(x, theta, positions=positions)
+
+
+def test_wave_rule_splits_grids_of_few_heads(monkeypatch):
+    """The launch plan on an H100-sized device (132 SMs): GQA keys/values (8, 4096, 8, 128) make
+    128 token tiles x 8 heads = 1024 programs, which the former rule (4 programs per SM) ran as
+    one group of 8 batch rows per program (1.55 waves of 660 resident programs); the wave rule
+    (16 per SM) splits the rows into 3 groups (3072 programs). The training shape's 32 heads
+    (4096 programs) and per-row positions (one row a program) keep their plans."""
+    import dataclasses
+
+    from kernelkit.lrpe_core import op as core_op
+    from kernelkit.lrpe_rotate import kernels as K
+
+    monkeypatch.setattr(core_op, "num_sms", lambda device: 132)
+    former = dataclasses.replace(K.PLAN, programs_per_sm=4)
+    assert K.PLAN.programs_per_sm == 16
+
+    def plan_of(shape, plan, starts=None):
+        x = torch.empty(shape, dtype=torch.bfloat16, device="meta")
+        theta = torch.empty(shape[2], shape[3] // 2, device="meta")
+        grid, kw = K._rotate_layout(x, theta, starts, None, None, "silu", plan)
+        return grid, kw["rows_per_program"], kw["BLOCK_N"], kw["num_warps"]
+
+    gqa, train = (8, 4096, 8, 128), (8, 4096, 32, 128)
+    assert plan_of(gqa, K.PLAN) == ((384, 8), 3, 32, 8)  # groups of 3, 3, 2 rows
+    assert plan_of(gqa, former) == ((128, 8), 8, 32, 8)
+    assert plan_of(train, K.PLAN) == plan_of(train, former) == ((128, 32), 8, 32, 8)
+    starts = torch.zeros(8, dtype=torch.int64, device="meta")
+    assert plan_of(gqa, K.PLAN, starts) == plan_of(gqa, former, starts) == ((1024, 8), 1, 32, 8)
+
+
+def test_wave_rule_gives_the_same_results(monkeypatch, device):
+    """The public op under the wave rule and under the former rule (kernels.PLAN swapped in one
+    process: the plan keys the launch cache) at a shape where they group the batch rows
+    differently on this device: the same y and dx bit for bit (rows_per_program only changes
+    which program rotates a row), d(theta) equal up to the order of its float32 partial sums."""
+    import dataclasses
+
+    from kernelkit.lrpe_core.op import num_sms
+    from kernelkit.lrpe_rotate import kernels as K
+
+    sms = num_sms(torch.device(device))
+    # 16-token-wide D: one program is 128 tokens of one head; 4 x SMs programs per batch group.
+    shape = (4, 128 * 2 * sms, 2, 16)
+    x0 = make(shape, torch.float32, device)
+    theta0 = make_theta("full", 2, 16, device)
+    dy = make(shape, torch.float32, device, seed=5)
+    rows = {}
+    results = {}
+    for name, plan in (
+        ("wave", K.PLAN),
+        ("former", dataclasses.replace(K.PLAN, programs_per_sm=4)),
+    ):
+        monkeypatch.setattr(K, "PLAN", plan)
+        _, kw = K._rotate_layout(x0, theta0, None, None, None, "silu", plan)
+        rows[name] = kw["rows_per_program"]
+        x = x0.clone().requires_grad_()
+        theta = theta0.clone().requires_grad_()
+        y = lrpe_rotate(x, theta, 5, "silu")
+        y.backward(dy)
+        results[name] = (y.detach(), x.grad, theta.grad)
+    assert rows == {"wave": 1, "former": 4}
+    (y1, dx1, dt1), (y2, dx2, dt2) = results["wave"], results["former"]
+    assert torch.equal(y1, y2)
+    assert torch.equal(dx1, dx2)
+    # sums over thousands of tokens at positions up to ~1000: compare at the scale of the largest
+    torch.testing.assert_close(dt1, dt2, rtol=1e-4, atol=1e-5 * dt1.abs().max().item())
