@@ -23,7 +23,7 @@ PLANS = {
     "shipped": K.PLAN,
     "warps4": dataclasses.replace(K.PLAN, warps=4),
     "tile4096": dataclasses.replace(K.PLAN, tile=4096),
-    "pps4": dataclasses.replace(K.PLAN, programs_per_sm=4),  # the rule before the wave rule
+    "pps8": dataclasses.replace(K.PLAN, programs_per_sm=8),
 }
 SHAPES = {"seed": (12, 32768, 12, 128), "train": (8, 4096, 32, 128)}
 SEQ = (0, None, None)

@@ -63,21 +63,11 @@ class Plan:
     32 tokens at D = 128: two bf16 halves = 8 KB per batch row); cos/sin of the tile stay live
     across the batch loop, so tiles are kept moderate. Batch rows are split into groups until
     about `programs_per_sm` programs per SM. Softmax over N: a program walks a chunk of the
-    sequence of one (b, h); chunks until about `seq_programs_per_sm` programs per SM.
-
-    `programs_per_sm` is a wave rule, not just "fill the GPU": 3 to 5 of these programs are
-    resident per SM (48 registers at 8 warps: 5; the backward with an act or d(theta), 60 to 80:
-    4 or 3), so the former target of 4 per SM left grids of few heads in 1.5 to 2.6 waves of
-    8-row programs: (8, 4096, 8, 128), GQA keys/values, ran 1024 programs in 660 slots, its
-    second wave half empty, where the training shape's 32 heads give 4096 programs. 16 per SM
-    splits such grids (3 rows a program there: 3072 programs); grids of 16 or more programs
-    per SM already (training, seed shapes) keep one group. rotate_fwd / rotate_bwd read the
-    module's PLAN per call and the plan keys the launch cache: for an A/B in one process, set
-    `kernels.PLAN = dataclasses.replace(kernels.PLAN, programs_per_sm=4)` (the former rule)."""
+    sequence of one (b, h); chunks until about `seq_programs_per_sm` programs per SM."""
 
     tile: int = 2048
     warps: int = 8  # H200 sweep: 8 warps x tile 2048 = 92% of copy bandwidth fwd (4: 86%)
-    programs_per_sm: int = 16  # 4 before the wave rule (see above)
+    programs_per_sm: int = 4
     seq_tile: int = 2048
     seq_warps: int = 4
     seq_programs_per_sm: int = 8
@@ -112,8 +102,7 @@ def _tile(plan: Plan, kind: str, half: int) -> tuple[int, int, int]:
 
 def _batch_groups(plan, batch, n_tiles, heads, device, per_row) -> tuple[int, int]:
     """(rows per program, groups). With positions shared by all rows a program loops over
-    several batch rows reusing its cos/sin; rows are split into groups only until about
-    `programs_per_sm` programs per SM (see Plan)."""
+    several batch rows reusing its cos/sin; rows are split into groups only until the GPU is full."""
     if per_row:
         return 1, batch
     target = programs_target(device, plan.programs_per_sm)
@@ -495,11 +484,10 @@ def _rotate_fwd_plan(x, y, theta, starts, table, cu_seqlens, kind, plan, tiling=
     )
 
 
-def rotate_fwd(x, theta, pos, kind, cu_seqlens=None, plan: Plan | None = None) -> torch.Tensor:
+def rotate_fwd(x, theta, pos, kind, cu_seqlens=None, plan: Plan = PLAN) -> torch.Tensor:
     """y = rotate(act(x)) for an element-wise act or softmax over D; pos = (start, starts,
     table) from kernelkit.lrpe_core.op.validate_positions, or positions restarting in each
-    sequence packed along N with `cu_seqlens`. `plan` None: the module's PLAN at this call."""
-    plan = PLAN if plan is None else plan
+    sequence packed along N with `cu_seqlens`."""
     y = torch.empty_like(x)
     tensors = (x, y, theta, pos[1], pos[2], cu_seqlens)
     run = cached_plan(_rotate_fwd_plan, tensors, kind, plan, POSITIONS_TILING)
@@ -784,11 +772,9 @@ def _rotate_bwd_plan(
     return grid, run
 
 
-def rotate_bwd(dy, x, theta, pos, kind, need_dtheta, cu_seqlens=None, plan: Plan | None = None):
+def rotate_bwd(dy, x, theta, pos, kind, need_dtheta, cu_seqlens=None, plan: Plan = PLAN):
     """(dx, float32 d(theta) partials (programs, H, D/2) or None) for an element-wise act or
-    softmax over D; x may be None for act none without d(theta); positions and `plan` as
-    rotate_fwd."""
-    plan = PLAN if plan is None else plan
+    softmax over D; x may be None for act none without d(theta); positions as rotate_fwd."""
     dx = torch.empty_like(dy)
     tensors = (dy, x, dx, theta, pos[1], pos[2], cu_seqlens)
     grid, run = cached_plan(_rotate_bwd_plan, tensors, kind, need_dtheta, plan, POSITIONS_TILING)
