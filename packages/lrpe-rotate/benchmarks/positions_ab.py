@@ -72,7 +72,9 @@ def cell(shape, forms, direction, act, tilings, rounds, lengths):
             out, ref = fn(), fns[f"{form} old"]()
             out, ref = (out, ref) if direction == "fwd" else (out[0], ref[0])
             diff = (out.float() - ref.float()).abs().max().item()
-            assert diff <= 1e-2, f"{name}: max |difference| to old {diff}"
+            # one bf16 rounding step at the largest magnitude (FMA contraction may differ)
+            tol = 2.0**-7 * max(1.0, ref.float().abs().max().item())
+            assert diff <= tol, f"{name}: max |difference| to old {diff} > {tol}"
     results = interleaved_ms(fns, rounds)
     copy = copy_bandwidth_gbs()
     for name, (ms, spread) in results.items():
