@@ -93,6 +93,7 @@ def main():
     ap.add_argument("--tilings", default=",".join(K.TILINGS))
     ap.add_argument("--acts", default="none,silu")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--directions", default="fwd,bwd")
     args = ap.parse_args()
     tilings = args.tilings.split(",")
     assert all(t in K.TILINGS for t in tilings), f"--tilings: from {K.TILINGS}"
@@ -102,7 +103,7 @@ def main():
     print(f"{dev}: copy bandwidth {copy_bandwidth_gbs():.0f} GB/s; {len(lengths)} packed documents")
     for shape_name in args.shapes.split(","):
         shape, forms = SHAPES[shape_name]
-        for direction in ("fwd", "bwd"):
+        for direction in args.directions.split(","):
             for act in args.acts.split(","):
                 print(f"{shape_name} {tuple(shape)} bf16 {direction} act {act}")
                 cell(shape, forms, direction, act, tilings, args.rounds, lengths)
