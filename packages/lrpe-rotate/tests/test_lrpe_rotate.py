@@ -564,14 +564,15 @@ def test_prepared_launches_match_tritons_path():
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-token kernels (kernels.POSITIONS_TILING "ahead" / "ahead_x")
+# Per-token kernels (kernels.POSITIONS_TILING "ahead", the default) and the "old" tiling
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["ahead", "ahead_x"])
+@pytest.fixture(params=["ahead", "old"])
 def tiling(request, monkeypatch):
     """Per-token positions through the *_tokens_kernel pair, several work items per program
-    (programs_target 1: as many items as the plan allows, so every loop runs and reloads)."""
+    (programs_target 1: as many items as the plan allows, so every loop runs and reloads), and
+    through the old kernels (a program per tile and row), which the switch still selects."""
     from kernelkit.lrpe_core import op as core_op
     from kernelkit.lrpe_rotate import kernels as K
 
@@ -633,7 +634,6 @@ def test_positions_tiling_switch_is_read_per_call(device, monkeypatch):
         monkeypatch.setattr(K, "POSITIONS_TILING", t)
         ys[t] = lrpe_rotate(x, theta, act="silu", positions=positions)
     torch.testing.assert_close(ys["ahead"], ys["old"])  # FMA contraction may differ on a GPU
-    torch.testing.assert_close(ys["ahead_x"], ys["old"])
     monkeypatch.setattr(K, "POSITIONS_TILING", "bogus")
     with pytest.raises(ValueError, match="POSITIONS_TILING"):
         lrpe_rotate(x, theta, positions=positions)

@@ -75,9 +75,8 @@ class Plan:
     max_block_n: int = 128
     tokens_items: int = 8  # per-token positions ("ahead" tilings): items per program, at most
     tokens_programs_per_sm: int = 32  # ... and fewer while programs would drop below this
-    # Register cap of the per-token kernels: 64 keeps 4 programs of 8 warps per SM (sm_90:
-    # "ahead_x" compiles to 80-90 registers uncapped, 3 programs; capped, act none does not
-    # spill, silu spills 16 bytes). 0: no cap.
+    # Register cap of the per-token kernels: 64 keeps 4 programs of 8 warps per SM on sm_90
+    # (they compile to 64 without spills). 0: no cap.
     tokens_maxnreg: int = 64
 
 
@@ -85,12 +84,13 @@ PLAN = Plan()
 
 # How kernels with per-token positions (a (B|1, N) table, per-row starts, cu_seqlens) tile the
 # work, read at every call (and part of the plan cache key), so that an A/B flips it in one
-# process: "old" = rotate_fwd_kernel / rotate_bwd_kernel, a program per tile and batch row, the
-# tile's positions loaded after its x; "ahead" = the *_tokens_kernel pair, a program walks
-# `Plan.tokens_items` tiles loading the next tile's positions one tile ahead; "ahead_x" = the
-# same, and the next tile's x (dy) too. Int offsets always take the old kernels.
-POSITIONS_TILING = "old"
-TILINGS = ("old", "ahead", "ahead_x")
+# process: "ahead" = the *_tokens_kernel pair, a program walks `Plan.tokens_items` tiles
+# loading the next tile's positions one tile ahead; "old" = rotate_fwd_kernel /
+# rotate_bwd_kernel, a program per tile and batch row, the tile's positions loaded after its
+# x. Int offsets always take the old kernels. H100 A/B (NOTES.md, session 19): "ahead" +1.4 to
+# +11.5% in 7 of 8 cells (-1.3% in one); also loading the next tile's x lost.
+POSITIONS_TILING = "ahead"
+TILINGS = ("old", "ahead")
 
 
 def _tile(plan: Plan, kind: str, half: int) -> tuple[int, int, int]:
@@ -287,7 +287,7 @@ def item_positions(
 
 @triton.jit
 def load_raw_halves(ptr, off, half_step, mask, other):
-    """Both halves of a tile as stored (no conversion): what a prefetch keeps in registers."""
+    """Both halves of a tile as stored (no conversion)."""
     x1 = tl.load(ptr + off, mask=mask, other=other)
     x2 = tl.load(ptr + off + half_step, mask=mask, other=other)
     return x1, x2
@@ -309,13 +309,12 @@ def act_of_raw(x1, x2, mask, KIND: tl.constexpr):
 
 
 # --------------------------------------------------------------------------------------------
-# Per-token positions (a table, per-row starts or packed sequences), POSITIONS_TILING "ahead" /
-# "ahead_x". Grid (programs, H): a program walks `items_per_program` consecutive work items
+# Per-token positions (a table, per-row starts or packed sequences), POSITIONS_TILING "ahead".
+# Grid (programs, H): a program walks `items_per_program` consecutive work items
 # (item = b * n_tiles + tile: one BLOCK_N-token tile of one batch row) of one head, and loads
 # the positions of item i + 1 while item i is in flight, so that every tile's cos/sin start
 # without waiting on memory (as the int offset's do) and the program streams as many bytes as
-# an int-offset program looping over its batch rows. PREFETCH_X also loads item i + 1's x (dy,
-# x) before item i's arithmetic and stores: two tiles of loads in flight per program.
+# an int-offset program looping over its batch rows.
 # --------------------------------------------------------------------------------------------
 
 
@@ -348,7 +347,6 @@ def rotate_fwd_tokens_kernel(
     HALF: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    PREFETCH_X: tl.constexpr,
 ):
     n_tiles = tl.cdiv(N, BLOCK_N)
     first = tl.program_id(0) * items_per_program
@@ -358,16 +356,9 @@ def rotate_fwd_tokens_kernel(
     freqs = slot_frequencies(theta + h * stride_th, stride_te, j, n_freq)
     x_h = x + h.to(tl.int64) * stride_xh
     y_h = y + h.to(tl.int64) * stride_yh
-    other: tl.constexpr = -float("inf") if KIND == "softmax" else 0.0
     pos = item_positions(
         first, n_tiles, offset, positions, cu_seqlens, num_seqs, N, stride_pb, stride_pn, BLOCK_N
     )
-    if PREFETCH_X:
-        b = first // n_tiles
-        t = (first - b * n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (t < N)[:, None] & (j < HALF)[None, :]
-        x_off = b.to(tl.int64) * stride_xb + tile_offsets(t, j, stride_xn, stride_xd)
-        r1, r2 = load_raw_halves(x_h, x_off, HALF * stride_xd, mask, other)
     for item in range(first, last + 1):
         b = item // n_tiles
         t = (item - b * n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -382,16 +373,8 @@ def rotate_fwd_tokens_kernel(
                 BLOCK_N,
             )  # fmt: skip
         cos, sin = cos_sin(pos.to(tl.float32)[:, None] * freqs[None, :])
-        if PREFETCH_X:
-            x1, x2 = act_of_raw(r1, r2, mask, KIND)
-            bn = nxt // n_tiles
-            tn = (nxt - bn * n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask_n = (tn < N)[:, None] & (j < HALF)[None, :]
-            x_off = bn.to(tl.int64) * stride_xb + tile_offsets(tn, j, stride_xn, stride_xd)
-            r1, r2 = load_raw_halves(x_h, x_off, HALF * stride_xd, mask_n, other)
-        else:
-            x_off = b.to(tl.int64) * stride_xb + tile_offsets(t, j, stride_xn, stride_xd)
-            x1, x2 = activated_halves(x_h, x_off, HALF * stride_xd, mask, KIND)
+        x_off = b.to(tl.int64) * stride_xb + tile_offsets(t, j, stride_xn, stride_xd)
+        x1, x2 = activated_halves(x_h, x_off, HALF * stride_xd, mask, KIND)
         if cu_seqlens is not None:
             pos_next = item_positions(
                 nxt, n_tiles, offset, positions, cu_seqlens, num_seqs, N, stride_pb, stride_pn,
@@ -444,7 +427,6 @@ def _tokens_layout(x, theta, cu_seqlens, kind, plan, tiling):
         HALF=half,
         BLOCK_N=block_n,
         BLOCK_E=block_e,
-        PREFETCH_X=tiling == "ahead_x",
         num_warps=warps,
     )
     if plan.tokens_maxnreg and not interpreting():
@@ -655,10 +637,9 @@ def rotate_bwd_tokens_kernel(
     HALF: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    PREFETCH_X: tl.constexpr,
 ):
     """rotate_bwd_kernel's dx and d(theta) partials with rotate_fwd_tokens_kernel's work items
-    (positions one item ahead; with PREFETCH_X, dy and x too)."""
+    (positions one item ahead)."""
     NEED_DTHETA: tl.constexpr = dtheta_partials is not None
     NEED_X: tl.constexpr = KIND != "none" or NEED_DTHETA
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -677,15 +658,6 @@ def rotate_bwd_tokens_kernel(
     pos = item_positions(
         first, n_tiles, offset, positions, cu_seqlens, num_seqs, N, stride_pb, stride_pn, BLOCK_N
     )
-    if PREFETCH_X:
-        b = first // n_tiles
-        t = (first - b * n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (t < N)[:, None] & (j < HALF)[None, :]
-        g_off = b.to(tl.int64) * stride_gb + tile_offsets(t, j, stride_gn, stride_gd)
-        r1, r2 = load_raw_halves(g_h, g_off, HALF * stride_gd, mask, 0.0)
-        if NEED_X:
-            x_off = b.to(tl.int64) * stride_xb + tile_offsets(t, j, stride_xn, stride_xd)
-            s1, s2 = load_raw_halves(x_h, x_off, HALF * stride_xd, mask, other)
     for item in range(first, last + 1):
         b = item // n_tiles
         t = (item - b * n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -698,32 +670,14 @@ def rotate_bwd_tokens_kernel(
             )  # fmt: skip
         pos_f = pos.to(tl.float32)
         cos, sin = cos_sin(pos_f[:, None] * freqs[None, :])
-        if PREFETCH_X:
-            dy1 = r1.to(tl.float32)
-            dy2 = r2.to(tl.float32)
-            if NEED_X:
-                x1 = s1
-                x2 = s2
-            else:
-                x1 = dy1
-                x2 = dy2
-            bn = nxt // n_tiles
-            tn = (nxt - bn * n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask_n = (tn < N)[:, None] & (j < HALF)[None, :]
-            g_off = bn.to(tl.int64) * stride_gb + tile_offsets(tn, j, stride_gn, stride_gd)
-            r1, r2 = load_raw_halves(g_h, g_off, HALF * stride_gd, mask_n, 0.0)
-            if NEED_X:
-                x_off = bn.to(tl.int64) * stride_xb + tile_offsets(tn, j, stride_xn, stride_xd)
-                s1, s2 = load_raw_halves(x_h, x_off, HALF * stride_xd, mask_n, other)
+        g_off = b.to(tl.int64) * stride_gb + tile_offsets(t, j, stride_gn, stride_gd)
+        dy1, dy2 = load_halves(g_h, g_off, HALF * stride_gd, mask, 0.0)
+        if NEED_X:
+            x_off = b.to(tl.int64) * stride_xb + tile_offsets(t, j, stride_xn, stride_xd)
+            x1, x2 = load_raw_halves(x_h, x_off, HALF * stride_xd, mask, other)
         else:
-            g_off = b.to(tl.int64) * stride_gb + tile_offsets(t, j, stride_gn, stride_gd)
-            dy1, dy2 = load_halves(g_h, g_off, HALF * stride_gd, mask, 0.0)
-            if NEED_X:
-                x_off = b.to(tl.int64) * stride_xb + tile_offsets(t, j, stride_xn, stride_xd)
-                x1, x2 = load_raw_halves(x_h, x_off, HALF * stride_xd, mask, other)
-            else:
-                x1 = dy1
-                x2 = dy2
+            x1 = dy1
+            x2 = dy2
         if cu_seqlens is not None:
             pos_next = item_positions(
                 nxt, n_tiles, offset, positions, cu_seqlens, num_seqs, N, stride_pb, stride_pn,
