@@ -304,6 +304,9 @@ SOFTCAP_CASES = [
     (5.0, False, torch.float32, (1, 37, 41, 2, 1, 32)),
     (30.0, True, torch.float16, (2, 21, 21, 2, 2, 64)),
     (2.0, True, torch.bfloat16, (2, 1, 100, 4, 1, 32)),  # decoding: the split-KV forward
+    # d = 128 half precision: the Gluon forward on an sm_90 GPU (causal and not, GQA, Nq != Nk)
+    (4.0, True, torch.bfloat16, (2, 200, 260, 4, 2, 128)),
+    (50.0, False, torch.float16, (1, 130, 150, 2, 1, 128)),
 ]
 
 
@@ -855,7 +858,8 @@ def test_gluon_forward_launches_are_compile_checked(monkeypatch):
     """The Gluon forward (kernels_gluon.py) runs only on an sm_90 GPU (Gluon has no interpreter):
     here its launches are captured as on one (CPU tensors taken as TMA-aligned on Hopper) and
     recorded for the end-of-session compile check, which lowers them to TTGIR for sm_90.
-    GQA, Nq != Nk, ragged ends, a padded head dim (non-causal: the case it ships for)."""
+    GQA, Nq != Nk, ragged ends, a padded head dim, causal and softcap (tanh.approx, as for
+    half precision on a GPU)."""
     from kernelkit.shared.compile_check import record_launch
 
     calls = []
@@ -870,13 +874,23 @@ def test_gluon_forward_launches_are_compile_checked(monkeypatch):
     monkeypatch.setattr(runtime, "launch", Capture)
     monkeypatch.setattr(fa_plans, "use_tma", lambda *t: True)
     monkeypatch.setattr(fa_plans, "_gluon_device", lambda device: True)
-    for d, causal, tile in [(64, False, (128, 64, 3)), (80, False, (128, 128, 2))]:
+    score_args = fa_launchers._score_args
+
+    def fast_score_args(scale, softcap, q):  # tanh.approx as on a GPU (CPU: the exact formula)
+        qk_scale, cap_scale, mode = score_args(scale, softcap, q)
+        return qk_scale, cap_scale, 2 if mode else 0
+
+    monkeypatch.setattr(fa_launchers, "_score_args", fast_score_args)
+    cases = [(64, False, (128, 64, 3), 0.0), (80, False, (128, 128, 2), 0.0),
+             (128, True, (128, 128, 2), 30.0)]  # fmt: skip
+    for d, causal, tile, softcap in cases:
         q, k, v = qkv(2, 300, 260, 4, 2, d, torch.bfloat16, "cpu")
         plan = fa_plans.Plan(
             fa_plans.Tile(*tile[:2], 4, tile[2], tma=True, gluon=True), *([None] * 2)
         )
-        fa_launchers.forward(q, k, v, causal, 0.125, plan)
-    assert [kernel.fn.__name__ for kernel, _, _ in calls] == ["attn_fwd_gluon_kernel"] * 2
+        fa_launchers.forward(q, k, v, causal, 0.125, plan, softcap=softcap)
+    assert [kernel.fn.__name__ for kernel, _, _ in calls] == ["attn_fwd_gluon_kernel"] * 3
+    assert calls[-1][2]["SOFTCAP"] and not calls[0][2]["SOFTCAP"]
     for kernel, args, kwargs in calls:
         record_launch(kernel, args, kwargs)
 

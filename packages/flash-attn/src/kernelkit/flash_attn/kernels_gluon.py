@@ -54,10 +54,17 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, start_n, last, full_hi, qk_scale, BLOCK_N: gl.constexpr,
-                  s_layout: gl.constexpr):  # fmt: skip
+def _softmax_step(s, m_i, l_i, start_n, last, full_hi, qk_scale, cap_scale,
+                  BLOCK_N: gl.constexpr, s_layout: gl.constexpr, SOFTCAP: gl.constexpr):  # fmt: skip
     """Online softmax of one score block s (raw q.k): (p, m_new, l_new, alpha). Blocks from
-    full_hi on hide the keys past each row's `last` visible key (causal diagonal, end of Nk)."""
+    full_hi on hide the keys past each row's `last` visible key (causal diagonal, end of Nk).
+    SOFTCAP: the scores are first capped, s -> tanh(s * cap_scale) (tanh.approx.f32, as the
+    portable kernel's SOFTCAP == 2); qk_scale then carries softcap * log2(e)."""
+    if SOFTCAP:
+        s = gl.inline_asm_elementwise(
+            "tanh.approx.f32 $0, $1;", "=f,f", [s * cap_scale], dtype=gl.float32, is_pure=True,
+            pack=1,
+        )  # fmt: skip
     if start_n >= full_hi:
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s = gl.where(cols[None, :] <= last[:, None], s * qk_scale, -float("inf"))
@@ -75,9 +82,9 @@ def _softmax_step(s, m_i, l_i, start_n, last, full_hi, qk_scale, BLOCK_N: gl.con
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
-              stride_on, start_m, Nq, Nk, n_blocks, qk_scale, WG: gl.constexpr,
+              stride_on, start_m, Nq, Nk, n_blocks, qk_scale, cap_scale, WG: gl.constexpr,
               CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              BLOCK_D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+              BLOCK_D: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr):  # fmt: skip
     """Rows [start_m + WG * 64, +64) of the program's query block: the pipelined loop over the
     n_blocks key blocks, then o and the LSE to global memory."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -113,8 +120,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                               is_async=True)  # fmt: skip
         s = warpgroup_mma_wait(0, deps=(s_tok,))
         mbarrier.arrive(k_empty.index(0))
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, 0, last, full_hi, qk_scale, BLOCK_N,
-                                           s_layout)  # fmt: skip
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, 0, last, full_hi, qk_scale, cap_scale,
+                                           BLOCK_N, s_layout, SOFTCAP)  # fmt: skip
     for j in range(1, n_blocks):
         slot = j % STAGES
         prev = (j - 1) % STAGES
@@ -127,7 +134,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
         s = warpgroup_mma_wait(1, deps=(s_tok,))  # S_j done; P_{j-1} V_{j-1} may still run
         mbarrier.arrive(k_empty.index(slot))
         p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, j * BLOCK_N, last, full_hi, qk_scale,
-                                           BLOCK_N, s_layout)  # fmt: skip
+                                           cap_scale, BLOCK_N, s_layout, SOFTCAP)  # fmt: skip
         o, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
         mbarrier.arrive(v_empty.index(prev))
         o = o * gl.convert_layout(alpha, row_o)[:, None]
@@ -174,6 +181,7 @@ def attn_fwd_gluon_kernel(
     Nq,
     Nk,
     qk_scale,
+    cap_scale,
     HEAD_DIM: gl.constexpr,
     BLOCK_D: gl.constexpr,
     BLOCK_M: gl.constexpr,
@@ -184,13 +192,16 @@ def attn_fwd_gluon_kernel(
     DOT_PREC: gl.constexpr,
     TMA: gl.constexpr,
     STAGES: gl.constexpr,
+    SOFTCAP: gl.constexpr,
 ):
     """One BLOCK_M (= 128) query block of one head; launched with num_warps = 4 (the default
     partition), 12 warps in all. The arguments are kernels.attn_fwd_kernel's (EVEN_M, EVEN_N
-    and DOT_PREC unused: the masks are run-time branches, half precision only) plus STAGES."""
+    and DOT_PREC unused: the masks are run-time branches, half precision only; SOFTCAP 0 or 1:
+    tanh.approx) plus STAGES."""
     gl.static_assert(BLOCK_M == 2 * WG_ROWS, "two consumer warpgroups of 64 rows")
     gl.static_assert(TMA, "the host takes this kernel only where every tensor is TMA-aligned")
     qk_scale = qk_scale.to(gl.float32)  # torch.compile may pass Python floats as float64
+    cap_scale = cap_scale.to(gl.float32)
     num_m = gl.cdiv(Nq, BLOCK_M)
     pid = gl.program_id(0)
     pid_m = pid % num_m
@@ -237,10 +248,12 @@ def attn_fwd_gluon_kernel(
         [
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                          o_base, lse_base, stride_on, start_m, Nq, Nk, n_blocks, qk_scale,
-                         gl.constexpr(0), CAUSAL, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES)),
+                         cap_scale, gl.constexpr(0), CAUSAL, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES,
+                         SOFTCAP)),
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                          o_base, lse_base, stride_on, start_m, Nq, Nk, n_blocks, qk_scale,
-                         gl.constexpr(1), CAUSAL, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES)),
+                         cap_scale, gl.constexpr(1), CAUSAL, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES,
+                         SOFTCAP)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
                          v_ready, k_empty, v_empty, start_m, n_blocks, BLOCK_N, STAGES)),
         ],

@@ -44,19 +44,20 @@ from .plans import (
 LOG2E = 1.4426950408889634  # scores run in log2 units (exp2)
 
 
-def _forward_gluon(ops, q, k, v, o, lse, tile: Tile, scale: float, causal: bool) -> None:
-    """The Gluon forward (dense, non-causal or bottom-right causal; no softcap, window or
-    packing: the cases it was written and measured for)."""
+def _forward_gluon(ops, q, k, v, o, lse, tile: Tile, causal: bool, qk_scale: float,
+                   cap_scale: float, softcap_mode: int) -> None:  # fmt: skip
+    """The Gluon forward (dense, non-causal or bottom-right causal, softcap through
+    tanh.approx (`_score_args`' mode 2) or none; no window or packing)."""
     b, nq, h, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
     ops.launch(
         KG.attn_fwd_gluon_kernel, (cdiv(nq, tile.block_m) * b * h,),
         q, k, v, o, lse, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(o), h,
-        h // hkv, nq, nk, scale * LOG2E, HEAD_DIM=d, BLOCK_D=block_d_for(d),
+        h // hkv, nq, nk, qk_scale, cap_scale, HEAD_DIM=d, BLOCK_D=block_d_for(d),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, CAUSAL=causal,
         EVEN_M=bool(nq % tile.block_m == 0), EVEN_N=bool(nk % tile.block_n == 0),
-        DOT_PREC=dot_precision(q.dtype), TMA=True, STAGES=tile.stages, num_warps=tile.warps,
-        num_stages=tile.stages,
+        DOT_PREC=dot_precision(q.dtype), TMA=True, STAGES=tile.stages,
+        SOFTCAP=softcap_mode == 2, num_warps=tile.warps, num_stages=tile.stages,
     )  # fmt: skip
 
 
@@ -198,14 +199,15 @@ def _forward(ops, q, k, v, causal, scale, plan, split, softcap, window, varlen):
         grid = (b * h, nq, num_sms(q.device))
         plan = plan_for(d, upper, q.dtype, local or varlen is not None, grid)
     t = plan.fwd
+    qk_scale, cap_scale, softcap_mode = _score_args(scale, softcap, q)
     if t.gluon:
-        # Right edge none or the causal diagonal (win_right 0); no left edge, softcap, packing.
-        plain = win_right == 0 and not (local or softcap or varlen is not None)
+        # Right edge none or the causal diagonal (win_right 0); no left edge or packing; softcap
+        # only through tanh.approx.
+        plain = win_right == 0 and not (local or varlen is not None or softcap_mode == 1)
         if plain and _gluon_flag(t, q, k, v):
-            _forward_gluon(ops, q, k, v, o, lse, t, scale, upper)
+            _forward_gluon(ops, q, k, v, o, lse, t, upper, qk_scale, cap_scale, softcap_mode)
             return o, lse
         t = FWD_TILES[block_d_for(d)]  # not an sm_90 GPU, or a case the Gluon kernel lacks
-    qk_scale, cap_scale, softcap_mode = _score_args(scale, softcap, q)
     ops.launch(
         K.attn_fwd_kernel,
         (cdiv(nq, t.block_m) * b * h,),
