@@ -553,6 +553,29 @@ def test_peel_ragged_tail_switch(causal, device, monkeypatch):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_pad_row_vectors_switch(causal, device, monkeypatch):
+    """launchers.PAD_ROW_VECTORS (the backward reads lse2 and delta from padded copies, without
+    row checks) gives the gradients of the checked reads, bitwise: packed ragged lengths with
+    an empty sequence and rows that see no key, a ragged dense batch read through TMA, and one
+    through pointers (misaligned q and do) with a window; all with an LSE gradient."""
+    q, k, v, kw = packed([70, 33, 0, 64, 5], [70, 20, 9, 64, 5], 4, 2, 32, torch.bfloat16, device)
+    do, dlse = make(q.shape, q.dtype, device, seed=5), make((4, 172), torch.float32, device, 6)
+    q2, k2, v2, do2 = (make((2, 45, 2, 32), torch.bfloat16, device, s) for s in range(4))
+    q3, do3 = (make((2, 45, 2, 17), torch.float32, device, s)[..., 1:] for s in (0, 5))
+    k3, v3 = (make((2, 71, 1, 16), torch.float32, device, s) for s in (1, 2))
+    dlse2 = make((2, 2, 45), torch.float32, device, seed=7)
+    runs = []
+    for pad in (True, False):
+        monkeypatch.setattr(fa_launchers, "PAD_ROW_VECTORS", pad)
+        runs.append(_run(flash_attn_varlen, q, k, v, do, dlse, causal=causal, **kw)[2]
+                    + _run(flash_attn, q2, k2, v2, do2, dlse2, causal=causal)[2]
+                    + _run(flash_attn, q3, k3, v3, do3, dlse2, causal=causal,
+                           window_size=(20, 0 if causal else 3))[2])  # fmt: skip
+    for a, b, name in zip(*runs, ("dq", "dk", "dv") * 3):
+        assert torch.equal(a, b), name
+
+
 def test_varlen_empty_batches(device):
     """No query rows at all, or no keys at all: outputs of the right shapes, zeros / -inf."""
     q, k, v, kw = packed([0, 0], [3, 4], 2, 1, 16, torch.float32, device)

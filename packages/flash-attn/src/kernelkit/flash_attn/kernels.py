@@ -3,7 +3,9 @@ for decoding (its own section below).
 
 Layout: q and o are (B, Nq, H, D), k and v (B, Nk, Hkv, D), read through runtime strides with a
 unit stride along D (the host makes D contiguous); the LSE and delta are (B, H, Nq) float32.
-Query head h reads kv head h // GROUP.
+Query head h reads kv head h // GROUP. The backward kernels read the LSE (in log2 units) and
+delta from the preprocess's padded copies by default (ROWVEC, `attn_bwd_preprocess_kernel`):
+rows past the end hold values that make them add nothing, so those reads need no row checks.
 
 Scores are kept in log2 units, s2 = (q . k) * scale * log2(e), so that exp2 replaces exp.
 Causal masking is bottom-right aligned: query i sees key j iff j <= i + SHIFT, SHIFT = Nk - Nq.
@@ -30,7 +32,9 @@ passes zero batch strides and the longest sequence as Nq / Nk (the grid), and ea
 its sequence's first row and length from the cu_seqlens prefix sums (`_sequence`), moves its base
 pointers to that row and works on that sequence alone; a program whose block starts past its
 sequence's end returns at once (those rows are another sequence's, or none). The LSE and delta
-are read through (batch, head) strides: (H * Nq, Nq) for a dense batch, (0, total_q) packed.
+are read through (batch, head) strides: (H * Nq, Nq) for a dense batch, (0, total_q) packed; the
+padded row vectors (H * Np, Np) with Np = Nq rounded up, or (0, Np) packed with each sequence
+from a multiple of 16 (`_rowvec_start`).
 
 Offsets: per-(batch, head) bases and block starts are 64-bit; offsets inside a block are 32-bit.
 A program id enumerates (sequence block, batch * head) with the block index fastest, so the
@@ -140,6 +144,25 @@ def _sequence(CU, b):
     """(first row (64-bit), number of rows) of sequence b of a packed batch."""
     start = tl.load(CU + b)
     return start.to(tl.int64), tl.load(CU + b + 1) - start
+
+
+@triton.jit
+def _rowvec_start(CU, b, ROW_PAD: tl.constexpr):
+    """First position of sequence b's rows in the backward's padded row vectors (lse2, delta) of
+    a packed batch: a multiple of 16 (as a block-multiple dense row is), with room for the
+    sequence's rows rounded up to ROW_PAD before the next sequence's start."""
+    return (tl.load(CU + b) // 16 * 16).to(tl.int64) + b * (ROW_PAD + 16)
+
+
+@triton.jit
+def _load_lse2(ptrs, rows, n_rows, CHECK_ROWS: tl.constexpr, ROWVEC: tl.constexpr):
+    """The LSE of query rows in log2 units: ROWVEC reads the preprocess's padded copy (already
+    in log2 units, +inf past the end: no row check), else the forward's LSE."""
+    if ROWVEC:
+        x = tl.load(ptrs)
+    else:
+        x = _lse_log2(_load_vec(ptrs, rows, n_rows, float("inf"), CHECK_ROWS))
+    return x
 
 
 @triton.jit
@@ -599,26 +622,57 @@ def attn_fwd_combine_kernel(
 def attn_bwd_preprocess_kernel(
     O,
     DO,
+    LSE,
     DLSE,
+    LSE2,
     DELTA,
+    CU_Q,
     stride_ob,
     stride_on,
     stride_oh,
     stride_dob,
     stride_don,
     stride_doh,
+    stride_lb,
+    stride_lh,
+    stride_vb,
+    stride_vh,
     H,
     Nq,
     HAS_DLSE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    ROWVEC: tl.constexpr,
+    ROW_PAD: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
-    """delta = rowsum(o * do) - dlse (dlse: the gradient flowing into the returned LSE)."""
-    pid_m, bh = _program_ids(tl.cdiv(Nq, BLOCK_M), False)
+    """delta = rowsum(o * do) - dlse (dlse: the gradient flowing into the returned LSE), rows
+    of LSE / DLSE read through (batch, head) strides and of LSE2 / DELTA through theirs.
+
+    ROWVEC: the backward's row vectors, padded: lse2 (the LSE in log2 units) and delta of every
+    row up to Nq rounded up to ROW_PAD, +inf and 0 past Nq (so the kernels read them with no
+    row check), each sequence of a packed batch (VARLEN) from a multiple of 16 (`_rowvec_start`;
+    so they read them with 8-byte vectors; from cu_seqlens' own offsets they could not). The grid
+    then covers the padded rows. Else delta only, of the Nq rows."""
+    num_blocks = tl.cdiv(Nq, BLOCK_M)
+    if ROWVEC:
+        num_blocks = tl.cdiv(Nq, ROW_PAD) * (ROW_PAD // BLOCK_M)
+    pid_m, bh = _program_ids(num_blocks, False)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     start_m = pid_m * BLOCK_M
+    if VARLEN:  # (ROWVEC only: otherwise the host passes the packed rows as one sequence)
+        q0, Nq = _sequence(CU_Q, b)
+        if start_m >= tl.cdiv(Nq, ROW_PAD) * ROW_PAD:
+            return
+        O += q0 * stride_on
+        DO += q0 * stride_don
+        LSE += q0
+        DLSE += q0
+        v0 = _rowvec_start(CU_Q, b, ROW_PAD)
+        LSE2 += v0
+        DELTA += v0
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -631,10 +685,15 @@ def attn_bwd_preprocess_kernel(
         do_ptrs + offs_m[:, None] * stride_don + offs_d[None, :], rows, Nq, offs_d, True, HEAD_DIM
     )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    vec = bh.to(tl.int64) * Nq + rows
+    vec = b * stride_lb + h * stride_lh + rows
     if HAS_DLSE:
         delta -= tl.load(DLSE + vec, mask=rows < Nq, other=0.0)
-    tl.store(DELTA + vec, delta, mask=rows < Nq)
+    out = b * stride_vb + h * stride_vh + rows
+    if ROWVEC:  # every padded row (BLOCK_M divides ROW_PAD)
+        tl.store(LSE2 + out, _lse_log2(tl.load(LSE + vec, mask=rows < Nq, other=float("inf"))))
+        tl.store(DELTA + out, delta)
+    else:
+        tl.store(DELTA + out, delta, mask=rows < Nq)
 
 
 @triton.jit
@@ -642,15 +701,17 @@ def _dkdv_step(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qn, str
                start_m, Nq, lo_shift, hi_shift, qk_scale, cap_scale, MASK: tl.constexpr,
                CHECK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
-               SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr):  # fmt: skip
+               SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr,
+               ROWVEC: tl.constexpr):  # fmt: skip
     """dk, dv of one key block plus the query block at start_m, in the transposed (key x query)
     orientation. Query rows past Nq (CHECK_M) load q = do = 0 and LSE = +inf, so their p is 0
-    and they add nothing; MASK applies the window (causal) mask."""
+    and they add nothing (ROWVEC: the padded row vectors hold +inf and 0 there, unchecked);
+    MASK applies the window (causal) mask."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     rows = start_m + offs_m
     q = _load_block(q_src, start_m, stride_qn, offs_m, Nq, offs_d, CHECK_M, HEAD_DIM, TMA)
-    lse2 = _lse_log2(_load_vec(lse_base + rows, rows, Nq, float("inf"), CHECK_M))
+    lse2 = _load_lse2(lse_base + rows, rows, Nq, CHECK_M, ROWVEC)
     qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
     if SOFTCAP:  # qk_t holds tanh(s / softcap) from here on
         qk_t = _tanh(qk_t * cap_scale, SOFTCAP == 2)
@@ -661,7 +722,7 @@ def _dkdv_step(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qn, str
         p_t = tl.where(keep, p_t, 0.0)
     do = _load_block(do_src, start_m, stride_don, offs_m, Nq, offs_d, CHECK_M, HEAD_DIM, TMA)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
-    delta = _load_vec(delta_base + rows, rows, Nq, 0.0, CHECK_M)
+    delta = _load_vec(delta_base + rows, rows, Nq, 0.0, CHECK_M and not ROWVEC)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
     ds_t = p_t * (dp_t - delta[None, :])
     if SOFTCAP:  # d(softcap * tanh(s / softcap)) / ds
@@ -676,7 +737,7 @@ def _dkdv_steps(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qn, st
                 CHECK_M: tl.constexpr, PEEL: tl.constexpr, HEAD_DIM: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
                 TMA: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr,
-                LOCAL: tl.constexpr):  # fmt: skip
+                LOCAL: tl.constexpr, ROWVEC: tl.constexpr):  # fmt: skip
     """Accumulate dk, dv of one key block over the query blocks [lo, hi) (`_dkdv_step`).
     PEEL (with CHECK_M): only the blocks from Nq's last block boundary on take the row checks;
     those before it run the unchecked steps of a block-multiple Nq."""
@@ -687,13 +748,13 @@ def _dkdv_steps(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qn, st
             dk, dv = _dkdv_step(
                 dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qn, stride_don, cols,
                 start_m, Nq, lo_shift, hi_shift, qk_scale, cap_scale, MASK, False, HEAD_DIM,
-                BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
+                BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL, ROWVEC,
             )  # fmt: skip
     for start_m in range(start, hi, BLOCK_M):
         dk, dv = _dkdv_step(
             dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qn, stride_don, cols,
             start_m, Nq, lo_shift, hi_shift, qk_scale, cap_scale, MASK, CHECK_M, HEAD_DIM,
-            BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
+            BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL, ROWVEC,
         )  # fmt: skip
     return dk, dv
 
@@ -753,10 +814,13 @@ def attn_bwd_dkdv_kernel(
     LOCAL: tl.constexpr,
     VARLEN: tl.constexpr,
     PEEL_TAIL: tl.constexpr,
+    ROWVEC: tl.constexpr,
+    ROW_PAD: tl.constexpr,
 ):
     """dk, dv of one key block of one kv head. With GQA the program loops over the GROUP query
     heads that read this kv head, so their contributions add up in a fixed order (deterministic,
-    no atomics). A key block whose sequence has no query rows writes zeros."""
+    no atomics). A key block whose sequence has no query rows writes zeros. LSE is the
+    forward's LSE, or with ROWVEC the preprocess's padded lse2 (then DELTA is padded alike)."""
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
     cap_scale = tl.cast(cap_scale, tl.float32)
@@ -770,12 +834,13 @@ def attn_bwd_dkdv_kernel(
             return
         Q += q0 * stride_qn
         DO += q0 * stride_don
-        LSE += q0
-        DELTA += q0
+        v0 = q0  # where the sequence's rows start in LSE and DELTA
+        if ROWVEC:
+            v0 = _rowvec_start(CU_Q, b, ROW_PAD)
+        LSE += v0
+        DELTA += v0
         K += k0 * stride_kn
         V += k0 * stride_vn
-        DK += k0 * stride_dkn
-        DV += k0 * stride_dvn
     start_n = pid_n * BLOCK_N
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
@@ -801,6 +866,11 @@ def attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
+    # Query rows past Nq need a check only where they are read through pointers: TMA reads q
+    # and do past the sequence as zeros, and the padded row vectors need none. (The checked
+    # LSE / delta loads of the pipelined loops cost the d64 causal tile ~50 registers: 2
+    # programs per SM instead of 3; NOTES.md.)
+    CHECK_M: tl.constexpr = not EVEN_M and not (ROWVEC and TMA)
     lo_shift = Nk - Nq - win_left
     hi_shift = Nk - Nq + win_right
     # Query blocks that see part of this key block (masked: the diagonal / right edge), then
@@ -818,24 +888,28 @@ def attn_bwd_dkdv_kernel(
             dk, dv = _dkdv_steps(
                 dk, dv, k, v, q_src, do_src, LSE + vec_base, DELTA + vec_base, stride_qn,
                 stride_don, cols, m_lo, m_full, Nq, lo_shift, hi_shift, qk_scale, cap_scale,
-                True, not EVEN_M, False, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP,
-                CAUSAL, LOCAL,
+                True, CHECK_M, False, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL,
+                LOCAL, ROWVEC,
             )  # fmt: skip
         dk, dv = _dkdv_steps(
             dk, dv, k, v, q_src, do_src, LSE + vec_base, DELTA + vec_base, stride_qn,
             stride_don, cols, m_full, m_full_hi, Nq, lo_shift, hi_shift, qk_scale, cap_scale,
-            False, not EVEN_M, PEEL_TAIL, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP,
-            CAUSAL, LOCAL,
+            False, CHECK_M, PEEL_TAIL, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP,
+            CAUSAL, LOCAL, ROWVEC,
         )  # fmt: skip
         if LOCAL:
             dk, dv = _dkdv_steps(
                 dk, dv, k, v, q_src, do_src, LSE + vec_base, DELTA + vec_base, stride_qn,
                 stride_don, cols, m_full_hi, m_hi, Nq, lo_shift, hi_shift, qk_scale, cap_scale,
-                True, not EVEN_M, False, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP,
-                CAUSAL, LOCAL,
+                True, CHECK_M, False, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL,
+                LOCAL, ROWVEC,
             )  # fmt: skip
 
     dk *= sm_scale
+    if VARLEN:  # read again here rather than held in registers through the loops
+        k0, Nk = _sequence(CU_K, b)
+        DK += k0 * stride_dkn
+        DV += k0 * stride_dvn
     dk_ptrs = DK + b * stride_dkb + hk.to(tl.int64) * stride_dkh + start_n.to(tl.int64) * stride_dkn
     _store_rows(
         dk_ptrs + offs_n[:, None] * stride_dkn + offs_d[None, :],
@@ -953,8 +1027,11 @@ def attn_bwd_dq_kernel(
     LOCAL: tl.constexpr,
     VARLEN: tl.constexpr,
     PEEL_TAIL: tl.constexpr,
+    ROWVEC: tl.constexpr,
+    ROW_PAD: tl.constexpr,
 ):
-    """dq of one query block: a pass over the key blocks of its own (no atomics)."""
+    """dq of one query block: a pass over the key blocks of its own (no atomics). LSE and DELTA
+    as in the dk/dv kernel."""
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
     cap_scale = tl.cast(cap_scale, tl.float32)
@@ -971,8 +1048,11 @@ def attn_bwd_dq_kernel(
         Q += q0 * stride_qn
         DO += q0 * stride_don
         DQ += q0 * stride_dqn
-        LSE += q0
-        DELTA += q0
+        v0 = q0  # where the sequence's rows start in LSE and DELTA
+        if ROWVEC:
+            v0 = _rowvec_start(CU_Q, b, ROW_PAD)
+        LSE += v0
+        DELTA += v0
         K += k0 * stride_kn
         V += k0 * stride_vn
     start_m = pid_m * BLOCK_M
@@ -998,8 +1078,8 @@ def attn_bwd_dq_kernel(
         HEAD_DIM,
     )
     vec = b * stride_lb + h * stride_lh + rows
-    lse2 = _lse_log2(_load_vec(LSE + vec, rows, Nq, float("inf"), not EVEN_M))
-    delta = _load_vec(DELTA + vec, rows, Nq, 0.0, not EVEN_M)
+    lse2 = _load_lse2(LSE + vec, rows, Nq, not EVEN_M, ROWVEC)
+    delta = _load_vec(DELTA + vec, rows, Nq, 0.0, not (EVEN_M or ROWVEC))
     k_src = _head_source(K + b * stride_kb + hk * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM,
                          BLOCK_D, TMA)  # fmt: skip
     v_src = _head_source(V + b * stride_vb + hk * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM,

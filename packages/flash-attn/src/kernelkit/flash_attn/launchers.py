@@ -70,6 +70,14 @@ FAST_TANH = True
 # the blocks before it run the unchecked code of a block-multiple length. False: every block of
 # a ragged loop is checked, as before (an A/B switch; benchmarks/varlen_ab.py).
 PEEL_RAGGED_TAIL = True
+# The backward's row vectors (the LSE in log2 units and delta) written by its preprocess padded:
+# each length rounded up to ROW_PAD rows (+inf / 0 there) and each sequence of a packed batch
+# starting on a multiple of 16. The dk/dv and dq kernels then read them without row checks and
+# with 8-byte vectors at any length: the ragged and packed d64 dk/dv kernel needed 207-224
+# registers without it (2 programs per SM), 156 at block-multiple lengths (3). False: the
+# forward's LSE and an unpadded delta, checked rows (an A/B switch; benchmarks/varlen_ab.py).
+PAD_ROW_VECTORS = True
+ROW_PAD = 128  # at least every backward tile's BLOCK_M (powers of two)
 
 
 def _score_args(scale: float, softcap: float, q: torch.Tensor) -> tuple[float, float, int]:
@@ -127,7 +135,7 @@ def _varlen_parts(varlen: Varlen | None):
 def _options(*options):
     """A replay key's options: the call's, plus the module switches and rules plans read (tests
     patch them)."""
-    return (*options, FAST_TANH, PEEL_RAGGED_TAIL, interpreting())
+    return (*options, FAST_TANH, PEEL_RAGGED_TAIL, PAD_ROW_VECTORS, interpreting())
 
 
 def forward(
@@ -387,29 +395,54 @@ def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, wind
     prec = dot_precision(q.dtype)
     qk_scale, cap_scale, softcap_mode = _score_args(scale, softcap, q)
     lse = lse.contiguous()
-    # delta like the LSE: (B, H, Nq), or (1, H, total_q) for a packed batch (whose rows the
-    # preprocess walks as one sequence); both read through (batch, head) strides.
-    delta = ops.empty((rows_b, h, rows), torch.float32, q.device)
-    lse_strides = (delta.stride(0) if varlen is None else 0), delta.stride(1)
+    # The LSE is (B, H, Nq), or (H, total_q) for a packed batch; both read through (batch,
+    # head) strides. The row vectors the backward kernels read (`PAD_ROW_VECTORS`): lse2 and
+    # delta, each (B, H, Nq rounded up to ROW_PAD) or (1, H, total_q + (ROW_PAD + 16) * B
+    # rounded up to 16) for a packed batch (kernels._rowvec_start); else the LSE itself and a
+    # delta like it, (1, H, total_q) packed (whose rows the preprocess walks as one sequence).
+    pad = PAD_ROW_VECTORS
     cu_q, cu_k = (None, None) if varlen is None else (varlen.cu_q, varlen.cu_k)
     pre_m = INTERPRETER_FWD.block_m if interpreting() else PREPROCESS_BLOCK_M
+    assert max(plan.dkdv.block_m, plan.dq.block_m, pre_m) <= ROW_PAD
+    if not pad:
+        width = rows
+    elif varlen is None:
+        width = cdiv(nq, ROW_PAD) * ROW_PAD
+    else:
+        width = cdiv(rows + (ROW_PAD + 16) * b, 16) * 16
+    delta = ops.empty((rows_b, h, width), torch.float32, q.device)
+    lse2 = ops.empty((rows_b, h, width), torch.float32, q.device) if pad else lse
+    vec_strides = (delta.stride(0) if varlen is None else 0), delta.stride(1)
+    lse_strides = (lse.stride(0), lse.stride(1)) if varlen is None else (0, lse.stride(0))
+    # Padded: a program per (padded block, sequence, head), packed batches included.
+    pre_rows = nq if pad else rows
+    pre_blocks = cdiv(nq, ROW_PAD) * (ROW_PAD // pre_m) if pad else cdiv(rows, pre_m)
     ops.launch(
         K.attn_bwd_preprocess_kernel,
-        (cdiv(rows, pre_m) * rows_b * h,),
+        (pre_blocks * (b if pad else rows_b) * h,),
         o,
         do,
+        lse,
         delta if dlse is None else dlse.contiguous(),
+        lse2,
         delta,
+        cu_q,
         *_seq_strides(o, varlen),
         *_seq_strides(do, varlen),
+        *lse_strides,
+        *vec_strides,
         h,
-        rows,
+        pre_rows,
         HAS_DLSE=dlse is not None,
         HEAD_DIM=d,
         BLOCK_D=bd,
         BLOCK_M=pre_m,
+        ROWVEC=pad,
+        ROW_PAD=ROW_PAD,
+        VARLEN=pad and varlen is not None,
         num_warps=4,
     )
+    lse, lse_strides = lse2, vec_strides  # what dk/dv and dq read
     t = plan.dkdv
     ops.launch(
         K.attn_bwd_dkdv_kernel,
@@ -454,6 +487,8 @@ def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, wind
         LOCAL=local,
         VARLEN=varlen is not None,
         PEEL_TAIL=PEEL_RAGGED_TAIL,
+        ROWVEC=pad,
+        ROW_PAD=ROW_PAD,
         num_warps=t.warps,
         num_stages=t.stages,
     )
@@ -498,6 +533,8 @@ def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, wind
         LOCAL=local,
         VARLEN=varlen is not None,
         PEEL_TAIL=PEEL_RAGGED_TAIL,
+        ROWVEC=pad,
+        ROW_PAD=ROW_PAD,
         num_warps=t.warps,
         num_stages=t.stages,
     )
