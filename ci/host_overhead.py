@@ -2,7 +2,7 @@
 
     PYTHONPATH=shared/src:packages/act/src:packages/lrpe-core/src:packages/lrpe-rotate/src:\
 packages/lrpe-cosine/src:packages/flash-attn/src python ci/host_overhead.py [--shape small|tiny] [--no-breakdown] [--profile]
-    python ci/host_overhead.py --cpu     # the act breakdown on a machine without a GPU
+    python ci/host_overhead.py --cpu     # the breakdowns on a machine without a GPU
 
 Per op, microseconds of host time per call (the clock runs while Python issues the calls, not
 while the GPU drains them) for ours, eager PyTorch (the reference) and torch.compile of the
@@ -13,7 +13,8 @@ Then (unless --no-breakdown), for the act ops, where the microseconds of our eag
 step by step (launch, plan lookup, allocation, KernelOp checks, autograd wrapper, validation),
 measured by timing nested layers of the path and differencing; Triton's own
 `kernel[grid](...)` for the same launch is printed beside the cached launch it replaces (the
-"before" of that step).
+"before" of that step). Then the same for flash_attn(x, x, x, causal=True): its replayed launch
+sequence, replay key, KernelOp and validation, forward and backward.
 --cpu: the same breakdown on CPU: Triton's launch path runs against kernelkit.shared's fake
 CUDA driver (no compile; the C launcher replaced by a no-op), so every step but the driver
 call itself is measured. Absolute numbers depend on the host CPU.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import math
 import os
 import pstats
 import sys
@@ -275,6 +277,65 @@ def eager_reference_us(shape, device):
     }
 
 
+def flash_breakdown(shape, device):
+    """{step: us} of flash_attn(x, x, x, causal=True)'s eager path, forward and backward: the
+    replayed launch sequence (buffers, launches), + its replay key and lookup (launchers), +
+    the KernelOp, + validation (flash_attn), then the autograd forward and y.backward(dy)."""
+    import torch
+
+    import kernelkit.flash_attn.launchers as L
+    import kernelkit.flash_attn.op as O
+    from kernelkit.flash_attn import flash_attn
+    from kernelkit.shared import replay
+
+    x = torch.randn(*shape, device=device, dtype=torch.bfloat16)
+    xg = x.clone().requires_grad_()
+    scale = 1.0 / math.sqrt(shape[-1])  # flash_attn's default
+    y = flash_attn(xg, xg, xg, causal=True)
+    dy = torch.randn_like(y)
+    y.backward(dy, retain_graph=True)
+    o, lse = L.forward(x, x, x, True, scale, window=(-1, 0))
+    # The recorded sequences of these calls: key (run, options, launch, device, q's shape, ...).
+    seqs = {
+        key[1][0]: seq
+        for key, seq in replay._SEQUENCES._plans.items()
+        if key[0] in (L._forward, L._backward)
+        and key[1][1:5] == (True, scale, 0.0, (-1, 0))
+        and key[3:5] == (x.device, x.shape)
+    }
+    fwd_in, bwd_in = (x, x, x), (dy, x, x, x, o, lse, None)  # the dense inputs launchers key
+    fwd = [
+        ("buffers (empty_like x2)", lambda: (torch.empty_like(x), torch.empty_like(lse))),
+        ("+ launch (replayed sequence)", lambda: seqs["fwd"](fwd_in)),
+        ("+ replay key, lookup", lambda: L.forward(x, x, x, True, scale, window=(-1, 0))),
+        ("+ KernelOp, attn_fwd", lambda: O.attn_fwd(x, x, x, True, scale, 0.0, -1, 0)),
+        ("+ validate: flash_attn(x, x, x)", lambda: flash_attn(x, x, x, causal=True)),
+    ]
+    bwd_args = (dy, x, x, x, o, lse, None, True, scale)
+    bwd = [
+        ("replayed sequence (4 buffers, 3 launches)", lambda: seqs["bwd"](bwd_in)),
+        ("+ replay key, lookup", lambda: L.backward(*bwd_args, window=(-1, 0))),
+        ("+ KernelOp, attn_bwd", lambda: O.attn_bwd(*bwd_args, 0.0, -1, 0)),
+    ]
+    rows = {**_layers("fwd", fwd), **_layers("bwd", bwd)}
+    rows["fwd: flash_attn(x, x, x), x requires grad"] = per_call_us(
+        lambda: flash_attn(xg, xg, xg, causal=True)
+    )
+
+    def backward():
+        xg.grad = None
+        y.backward(dy, retain_graph=True)
+
+    rows["bwd: y.backward(dy) (engine + our backward)"] = per_call_us(backward)
+    return rows
+
+
+def print_flash_breakdown(shape, device):
+    print(f"\nflash_attn(x, x, x, causal=True) eager path, us per call, bf16 {shape} on {device}")
+    for row, us in flash_breakdown(shape, device).items():
+        print(f"{row:46s}{us:12.2f}")
+
+
 def print_breakdown(shape, device):
     cols = act_breakdown(shape, device)
     names = list(cols)
@@ -297,7 +358,7 @@ def main():
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None)
     ap.add_argument("--no-breakdown", action="store_true")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--cpu", action="store_true", help="act breakdown on CPU (fake driver)")
+    ap.add_argument("--cpu", action="store_true", help="breakdowns on CPU (fake driver)")
     args = ap.parse_args()
     if args.cpu:
         return cpu_breakdown(SHAPES[args.shape or "small"])
@@ -311,7 +372,8 @@ def main():
     except ImportError:  # an older checkout: no cached plans (or not in this module)
         print("breakdown: not available for this checkout (no cached launch plans)")
         return None
-    return print_breakdown(SHAPES[args.shape or "small"], "cuda")
+    print_breakdown(SHAPES[args.shape or "small"], "cuda")
+    return print_flash_breakdown(SHAPES[args.shape or "small"], "cuda")
 
 
 def cpu_breakdown(shape):
@@ -325,6 +387,7 @@ def cpu_breakdown(shape):
     runtime.use_triton = lambda t: True  # CPU tensors take the Triton path
     with fake_cuda(record=False):
         print_breakdown(shape, "cpu")
+        print_flash_breakdown(shape, "cpu")
 
 
 if __name__ == "__main__":

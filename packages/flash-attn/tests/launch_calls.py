@@ -1,5 +1,6 @@
 """Forward + backward calls of flash_attn / flash_attn_varlen for kernelkit.shared.launch_check:
-each call twice, so the second replays the launch sequence recorded by the first (dense,
+each call three times: the second replays the launch sequence recorded by the first through its
+prepared launches, the third calls the compiled kernels' launchers that replay kept (dense,
 split-KV decoding, window, softcap, the LSE's gradient, float32, packed batches, one tensor
 passed as q, k and v or one cu_seqlens as both); see
 test_replayed_launches_match_the_full_host_path."""
@@ -27,6 +28,32 @@ def _fwd_bwd(fn, tensors, lse_grad=False, same_qkv=False, **kw):
     loss.backward()
 
 
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` at storage offset 0 whose data pointer is 2 bytes past 16-byte alignment
+    (a foreign buffer's, say): the replay key (storage offset alignment) cannot tell it from an
+    aligned one, the compiled kernel (data pointer alignment) can."""
+    nbytes = t.numel() * t.element_size()
+    buf = torch.empty(nbytes + 32, dtype=torch.uint8)
+    start = (2 - buf.data_ptr()) % 16
+    out = torch.frombuffer(memoryview(buf.numpy()), dtype=t.dtype, offset=start, count=t.numel())
+    out = out.view(t.shape)
+    out._buffer = buf  # keeps the memory alive
+    return out.copy_(t)
+
+
+def _misaligned_fwd_bwd(shape) -> None:
+    """flash_attn forward and backward on misaligned bf16 q, k, v (leaves, not clones)."""
+    from kernelkit.flash_attn import flash_attn
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (
+        _misaligned(torch.randn(shape, generator=g).to(torch.bfloat16)).requires_grad_()
+        for _ in range(3)
+    )
+    o = flash_attn(q, k, v, causal=True)
+    (o.float() * torch.randn(o.shape, generator=g)).sum().backward()
+
+
 def launch_calls():
     import kernelkit.flash_attn.op as op
     from kernelkit.flash_attn import flash_attn, flash_attn_varlen
@@ -47,17 +74,25 @@ def launch_calls():
     ]
     for tensors, kw in dense:
         for lse_grad in (False, True):
-            for _ in range(2):
+            for _ in range(3):
                 yield functools.partial(_fwd_bwd, flash_attn, tensors, lse_grad, **kw)
     # One tensor as q, k and v, then distinct tensors of the same layout: a replay of the first
     # recording would pass the same tensor three times.
     x = r(2, 40, 2, 64)
-    for same in (True, True, False, False):
+    for same in (True,) * 3 + (False,) * 3:
         yield functools.partial(_fwd_bwd, flash_attn, (x, x, x), same_qkv=same, causal=True)
+    # Aligned inputs (recorded, replayed, then the replay's kept launchers), then inputs of the
+    # same layout whose data pointers are not 16-byte aligned: a replay must not take the
+    # launchers kept for aligned ones.
+    shape = (1, 24, 2, 32)
+    for _ in range(3):
+        yield functools.partial(_fwd_bwd, flash_attn, [r(*shape)] * 3, causal=True)
+    for _ in range(2):
+        yield functools.partial(_misaligned_fwd_bwd, shape)
     # Self-attention passes one cu_seqlens twice; then distinct ones of the same shape.
     cu, cu2 = (torch.tensor(c, dtype=torch.int32) for c in ([0, 7, 7, 30, 31], [0, 3, 20, 20, 31]))
     q, k, v = r(31, 4, 64), r(31, 2, 64), r(31, 2, 64)
     for causal in (False, True):
-        for cu_k in (cu, cu, cu2, cu2):
+        for cu_k in (cu,) * 3 + (cu2,) * 3:
             packed = (q, k, v, cu, cu_k, 23, 23)
             yield functools.partial(_fwd_bwd, flash_attn_varlen, packed, causal=causal)

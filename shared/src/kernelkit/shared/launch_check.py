@@ -8,9 +8,11 @@ suites run under it), against kernelkit.shared's fake CUDA driver, on CPU tensor
 forced on). Every launch of the first pass goes through the prepared launches that the ops'
 plans build (and the launch sequences `replay` recorded, for calls that repeat a layout); the
 second pass rebuilds the plans with `prepare` replaying through `launcher[grid]` and runs
-every host path in full (no recorded sequences). Tensors are compared by shape, strides, dtype
-and which tensor of the call they are (numbered by first use: a replay that passed one tensor
-for another fails), everything else by value. Prints OK and the number of launches, or fails.
+every host path in full (no recorded sequences). Each launch's compiled kernel must be the same
+(the fake driver's handle of Triton's specialisation: a data pointer's 16-byte alignment, say);
+tensors are compared by shape, strides, dtype and which tensor of the call they are (numbered by
+first use: a replay that passed one tensor for another fails), everything else by value. Prints
+OK and the number of launches, or fails.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ def _run(log, calls, caches) -> list[tuple]:
         call()
         seen: dict[int, int] = {}  # data pointer -> number of the call's tensor, by first use
         out += [
-            tuple(_ident(p, seen) for p in params)
-            for _grid, _stream, _function, params in log.launches
+            (function, *(_ident(p, seen) for p in params))
+            for _grid, _stream, function, params in log.launches
         ]
     return out
 

@@ -13,7 +13,8 @@ tensor, device) and `options` runs it
 through a `Recorder`, which launches as usual and keeps each launch prepared
 (`runtime.launch(kernel).prepare`) with the places of its tensors (an input or a buffer the
 sequence allocated); later calls with that layout allocate the buffers and call the prepared
-launches with the new tensors, skipping the host path. A sequence that launches on any other
+launches with the new tensors, skipping the host path (and once a replay has found the compiled
+kernels' launchers in the prepared launches' caches, call those directly: `_Sequence`). A sequence that launches on any other
 tensor (a copy made on the way, say) is not replayed: it runs through `DIRECT` every time.
 
 `run` must depend on nothing but the layout and `options` (module constants included: call
@@ -22,6 +23,8 @@ tensor (a copy made on the way, say) is not replayed: it runs through `DIRECT` e
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable, Sequence
 
 import torch
@@ -55,27 +58,108 @@ class _Direct:
 DIRECT = _Direct()
 
 
+def _gather(indices) -> Callable[[tuple], tuple]:
+    """pool -> the tuple of pool[i] for i in `indices` (itemgetter, which returns a bare item for
+    one index)."""
+    indices = tuple(indices)
+    if len(indices) == 1:
+        (i,) = indices
+        return lambda pool: (pool[i],)
+    return operator.itemgetter(*indices) if indices else lambda pool: ()
+
+
+_data_ptr = torch.Tensor.data_ptr
+_pre_run_hooks = operator.attrgetter("pre_run_hooks")
+# How a replay allocates a buffer: torch.empty, or input 0's new_empty (same device) with its
+# dtype or another.
+_EMPTY, _NEW, _NEW_DTYPE = "empty", "new", "new_dtype"
+
+
 class _Sequence:
     """A recorded sequence: allocate the buffers, run the prepared launches on the inputs and
     buffers, return the output buffers. The `before` callables run first (e.g. installing Triton's
-    scratch allocator in the calling thread)."""
+    scratch allocator in the calling thread).
 
-    def __init__(self, buffers, launches, outputs, before):
-        self._buffers = buffers
-        self._launches = launches
-        self._outputs = outputs
+    The inputs and then the buffers form one `pool` that each launch picks its tensors from.
+    Buffers on input 0's device (part of the key) are allocated with its `new_empty` (fewer
+    arguments to parse than torch.empty's).
+    Where every launch is a `runtime._Prepared` one taking its tensors as leading parameters,
+    the launch functions their caches hold for this sequence's tensors (dtypes fixed by the
+    layout, every data pointer 16-byte aligned) are kept per current device (`_direct`) after
+    a replay that found them all; later replays with every tensor aligned and no launch hooks
+    call them directly, as each prepared launch's cache hit would, with one device, stream,
+    hook and alignment check for the whole sequence instead of a key per launch.
+    """
+
+    def __init__(self, n_inputs, buffers, launches, outputs, before):
+        self._buffers = tuple(buffers)  # (shape, dtype, device, how: _EMPTY, _NEW or _NEW_DTYPE)
+        places = [[i if pool == 0 else n_inputs + i for pool, i in where] for _, where in launches]
+        self._launches = tuple((run, _gather(p)) for (run, _), p in zip(launches, places))
+        self._outputs = _gather(n_inputs + i for i in outputs)
         self._before = tuple(before)
+        runs = [run for run, _ in launches]
+        fusable = bool(runs) and all(
+            isinstance(run, runtime._Prepared) and run._leading for run in runs
+        )
+        # the tensors the launches take (what the alignment check covers), their kernels
+        self._used = _gather(sorted({i for p in places for i in p})) if fusable else None
+        kernels = list(dict.fromkeys(run._kernel for run in runs)) if fusable else [None]
+        self._kernel, self._more_kernels = kernels[0], tuple(kernels[1:])
+        self._direct: dict = {}
 
     def __call__(self, inputs):
         for fn in self._before:
             fn()
-        bufs = [
-            torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in self._buffers
-        ]
-        pools = (inputs, bufs)
-        for run, places in self._launches:
-            run(*[pools[pool][i] for pool, i in places])
-        return tuple(bufs[i] for i in self._outputs)
+        first = inputs[0]
+        pool = (
+            *inputs,
+            *[
+                first.new_empty(shape)
+                if how is _NEW
+                else first.new_empty(shape, dtype=dtype)
+                if how is _NEW_DTYPE
+                else torch.empty(shape, dtype=dtype, device=device)
+                for shape, dtype, device, how in self._buffers
+            ],
+        )
+        used = self._used
+        if used is None:
+            for run, gather in self._launches:
+                run(*gather(pool))
+            return self._outputs(pool)
+        try:
+            device = runtime._get_device()
+        except TypeError:  # no CUDA in this torch build: the prepared launches say so too
+            device = None
+        direct = self._direct.get(device)
+        aligned = not functools.reduce(operator.or_, map(_data_ptr, used(pool)), 0) & 15
+        if (
+            direct is not None
+            and aligned
+            and runtime._fast_ok(self._kernel)
+            and not any(map(_pre_run_hooks, self._more_kernels))
+        ):
+            stream = runtime._get_stream(device)
+            for call, grid, head, gather, rest in direct:
+                call(*grid, stream, *head, *gather(pool), *rest)
+            return self._outputs(pool)
+        for run, gather in self._launches:
+            run(*gather(pool))
+        if direct is None and aligned and device is not None:
+            self._keep_direct(device, pool)
+        return self._outputs(pool)
+
+    def _keep_direct(self, device, pool) -> None:
+        """Keep the launch functions of the aligned replay on `device` that just ran (the
+        prepared launches' caches hold them now), where it found all of them."""
+        direct = []
+        for run, gather in self._launches:
+            entry = run.direct(device, gather(pool))
+            if entry is None:  # not cached (a launch hook, say, sent it down Triton's path)
+                return
+            call, grid, head, rest = entry
+            direct.append((call, grid, head, gather, rest))
+        self._direct[device] = tuple(direct)
 
 
 _NOT_REPLAYED = object()
@@ -87,6 +171,8 @@ class Recorder:
     def __init__(self, inputs: Sequence[torch.Tensor | None]):
         self._alive = [t for t in inputs if t is not None]  # their ids stay theirs meanwhile
         self._places = {id(t): (0, i) for i, t in enumerate(inputs) if t is not None}
+        self._n_inputs = len(inputs)
+        self._first = inputs[0].device, inputs[0].dtype
         self._buffers: list = []
         self._launches: list = []
         self._ok = True
@@ -96,7 +182,14 @@ class Recorder:
         t = torch.empty(shape, dtype=dtype, device=device)
         self._alive.append(t)
         self._places[id(t)] = (1, len(self._buffers))
-        self._buffers.append((tuple(shape), dtype, device))
+        # Like input 0 where that is what was asked for (the device and dtype as given: a
+        # device without an index, say, is the current one at each replay, as before).
+        device0, dtype0 = self._first
+        if device != device0 or not isinstance(dtype, torch.dtype):
+            how = _EMPTY
+        else:
+            how = _NEW if dtype == dtype0 else _NEW_DTYPE
+        self._buffers.append((tuple(shape), dtype, device, how))
         return t
 
     def launch(self, kernel, grid, *args, **kwargs):
@@ -123,7 +216,8 @@ class Recorder:
         places = [self._places.get(id(t)) for t in outputs]
         if not self._ok or any(p is None or p[0] != 1 for p in places):
             return _NOT_REPLAYED
-        return _Sequence(self._buffers, self._launches, [i for _, i in places], self._before)
+        outputs = [i for _, i in places]
+        return _Sequence(self._n_inputs, self._buffers, self._launches, outputs, self._before)
 
 
 _SEQUENCES = PlanCache()
@@ -136,20 +230,29 @@ def clear() -> None:
 
 def replayed(run: Callable, inputs: Sequence[torch.Tensor | None], options, *args):
     """`run(ops, *args)` (a tuple of output tensors), replayed per layout of `inputs` (None
-    allowed) and hashable `options`; traced calls (fake, functional tensors) always run."""
-    key = [run, options, runtime.launch]  # a patched launch (tests, tools) records anew
-    first: dict[int, int] = {}  # which inputs are one tensor (flash_attn(x, x, x)) is layout too
+    allowed; inputs[0] a tensor) and hashable `options`; traced calls (fake, functional tensors)
+    always run."""
+    # The key: run, options, the launch function (a patched one, in tests and tools, records
+    # anew), input 0's device, then per input None, or the index of the earlier input that is
+    # the same tensor (flash_attn(x, x, x): which inputs are one tensor is layout too, and the
+    # same tensor has the same layout), or its shape, strides, dtype and storage offset mod 16
+    # (with the dtype, this decides the offset's 16-byte alignment). Each kind of entry starts
+    # with a different type (None, int, torch.Size): the flat key reads back one way only.
+    key = [run, options, runtime.launch, inputs[0].device]
+    seen: dict[int, int] = {}
     for i, t in enumerate(inputs):
         if t is None:
             key.append(None)
+            continue
+        j = seen.setdefault(id(t), i)
+        if j != i:
+            key.append(j)
         elif t.__class__ in PLAIN_TENSORS:
-            key += (t.shape, t.stride(), t.dtype, (t.storage_offset() * t.element_size()) & 15)
-            key.append(first.setdefault(id(t), i))
+            key += (t.shape, t.stride(), t.dtype, t.storage_offset() & 15)
         else:
             return run(DIRECT, *args)
-    key.append(inputs[0].get_device())
     key = tuple(key)
-    seq = _SEQUENCES.lookup(key)
+    seq = _SEQUENCES._plans.get(key)  # PlanCache.lookup, without its call
     if seq is None:
         rec = Recorder(inputs)
         out = run(rec, *args)

@@ -105,8 +105,22 @@ class PlanCache:
         return all(t is None or t.__class__ in PLAIN_TENSORS for t in tensors)
 
 
+# os.environ.get costs most of a microsecond (key and value encoding, two Python frames); the
+# launch paths ask for TRITON_INTERPRET on every call, so read os.environ's own mapping (what
+# os.environ[...] = / del / monkeypatch.setenv update) while os.environ is that object.
+_ENVIRON = os.environ
+try:
+    _ENVIRON_DATA = _ENVIRON._data
+    _INTERPRET_KEY = _ENVIRON.encodekey("TRITON_INTERPRET")
+    _INTERPRET_OFF = (None, _ENVIRON.encodevalue(""), _ENVIRON.encodevalue("0"))
+except AttributeError:  # pragma: no cover - an os.environ without CPython's internals
+    _ENVIRON = None
+
+
 def interpreting() -> bool:
     """True when Triton kernels run in the interpreter (decided before kernels are imported)."""
+    if os.environ is _ENVIRON:
+        return _ENVIRON_DATA.get(_INTERPRET_KEY) not in _INTERPRET_OFF
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -402,12 +416,25 @@ class _Prepared:
             params[i] = t
         return params
 
+    def direct(self, device, tensors):
+        """(launch function, grid, head, rest) of the compiled kernel cached for plain `tensors`
+        on `device`, called as `call(*grid, stream, *head, *tensors, *rest)` (what a cache hit
+        of `__call__` does); None where the tensors are not the leading parameters or no kernel
+        is cached for their key. For callers that key the tensors themselves (`replay`)."""
+        if not self._leading:
+            return None
+        try:
+            entry = self._cache.get((device, *map(_slot_key, tensors)))
+        except (_UnkeyedArgError, TypeError):
+            return None
+        return None if entry is None else (entry[0], self._g, entry[1], self._rest)
+
     def __call__(self, *tensors):
         key = None
         if _fast_ok(self._kernel):
             try:
                 device = _get_device()
-                key = (device, *[_slot_key(t) for t in tensors])
+                key = (device, *map(_slot_key, tensors))
             except (_UnkeyedArgError, TypeError):
                 key = None
             entry = self._cache.get(key)
@@ -487,7 +514,10 @@ class KernelOp:
             return self.op(*args)
         needs_grad = False
         for a in args:
-            if isinstance(a, _T):
+            if a.__class__ is _T:  # the common case first: a plain tensor
+                if a.requires_grad:
+                    needs_grad = True
+            elif isinstance(a, _T):
                 if a.__class__ not in PLAIN_TENSORS:
                     return self.op(*args)
                 if a.requires_grad:

@@ -125,17 +125,12 @@ def _seq_strides(t: torch.Tensor, varlen: Varlen | None):
     return _strides3(t) if varlen is None else (0, t.stride(0), t.stride(1))
 
 
-def _varlen_parts(varlen: Varlen | None):
-    """(tensors, options) of a packed batch for `replay.replayed`'s key."""
-    if varlen is None:
-        return (None, None), None
-    return (varlen.cu_q, varlen.cu_k), (varlen.max_q, varlen.max_k)
-
-
-def _options(*options):
-    """A replay key's options: the call's, plus the module switches and rules plans read (tests
-    patch them)."""
-    return (*options, FAST_TANH, PEEL_RAGGED_TAIL, PAD_ROW_VECTORS, interpreting())
+# `forward` and `backward` key their replayed launch sequences (`replay.replayed`) on the
+# tensors (and a packed batch's cu_seqlens) and options: the call's (direction, causal, scale,
+# softcap, window, a packed batch's max_seqlen or None), then the module switches and the rule
+# that plans read (tests patch them): FAST_TANH, PEEL_RAGGED_TAIL, PAD_ROW_VECTORS,
+# interpreting(). Built
+# inline: this is the host path of every call.
 
 
 def forward(
@@ -160,11 +155,16 @@ def forward(
     alone runs the dense forward with its tile, a `split` the split-KV forward (dense batches
     only)."""
     if plan is None and split is None:
-        cu, sizes = _varlen_parts(varlen)
+        if varlen is None:
+            inputs, sizes = (q, k, v), None
+        else:
+            inputs = (q, k, v, varlen.cu_q, varlen.cu_k)
+            sizes = varlen.max_q, varlen.max_k
+        options = ("fwd", causal, scale, softcap, window, sizes,
+                   FAST_TANH, PEEL_RAGGED_TAIL, PAD_ROW_VECTORS, interpreting())  # fmt: skip
         return replay.replayed(
-            _forward, (q, k, v, *cu), _options("fwd", causal, scale, softcap, window, sizes),
-            q, k, v, causal, scale, None, None, softcap, window, varlen,
-        )  # fmt: skip
+            _forward, inputs, options, q, k, v, causal, scale, None, None, softcap, window, varlen
+        )
     return _forward(replay.DIRECT, q, k, v, causal, scale, plan, split, softcap, window, varlen)
 
 
@@ -358,10 +358,15 @@ def backward(
     Layouts as in `forward` (packed with `varlen`); without a `plan` the launches are replayed
     per layout, as in `forward`."""
     if plan is None:
-        cu, sizes = _varlen_parts(varlen)
+        if varlen is None:
+            inputs, sizes = (do, q, k, v, o, lse, dlse), None
+        else:
+            inputs = (do, q, k, v, o, lse, dlse, varlen.cu_q, varlen.cu_k)
+            sizes = varlen.max_q, varlen.max_k
+        options = ("bwd", causal, scale, softcap, window, sizes,
+                   FAST_TANH, PEEL_RAGGED_TAIL, PAD_ROW_VECTORS, interpreting())  # fmt: skip
         return replay.replayed(
-            _backward, (do, q, k, v, o, lse, dlse, *cu),
-            _options("bwd", causal, scale, softcap, window, sizes),
+            _backward, inputs, options,
             do, q, k, v, o, lse, dlse, causal, scale, None, softcap, window, varlen,
         )  # fmt: skip
     return _backward(replay.DIRECT, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap,

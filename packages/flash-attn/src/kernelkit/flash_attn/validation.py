@@ -53,8 +53,36 @@ def _check_scale(causal, softmax_scale, d: int) -> float:
     return float(softmax_scale)
 
 
+_T = torch.Tensor
+
+
 def validate(q, k, v, causal, softmax_scale) -> float:
     """Check the arguments of `flash_attn`; returns the softmax scale to use."""
+    # The common call first: plain tensors that pass every tensor check below, tested in one
+    # expression. Anything else (tensor subclasses and traced calls too) takes the checks one by
+    # one, which raise the error that names the argument.
+    if q.__class__ is _T and k.__class__ is _T and v.__class__ is _T:
+        qs, ks = q.shape, k.shape
+        n, dtype = len(qs), q.dtype
+        if (
+            (n == 4 or n == 3)
+            and len(ks) == n
+            and v.shape == ks
+            and dtype in FLOAT_DTYPES
+            and k.dtype == dtype
+            and v.dtype == dtype
+            and ks[0] == qs[0]
+            and ks[-1] == qs[-1]
+            and MIN_HEAD_DIM <= qs[-1] <= MAX_HEAD_DIM
+            and qs[1] >= 1
+            and ks[1] >= 1
+            and (n == 3 or (qs[2] >= 1 and ks[2] >= 1 and qs[2] % ks[2] == 0))
+            and k.device == q.device
+            and v.device == q.device
+        ):
+            if softmax_scale is None and causal.__class__ is bool:
+                return 1.0 / math.sqrt(qs[-1])
+            return _check_scale(causal, softmax_scale, qs[-1])
     _check_tensors(q, k, v)
     if q.dim() not in (3, 4):
         raise ValueError(f"q: expected shape (B, Nq, H, D) or (B, Nq, D), got {tuple(q.shape)}")
@@ -124,7 +152,12 @@ def window_for(window_size, causal: bool, nq: int, nk: int) -> tuple[int, int]:
     is right = 0; an explicit right > 0 with it is an error. Bounds that no row of an (Nq, Nk)
     problem can reach (left >= Nk - 1, or an explicit right >= Nq - 1) become -1, so such
     windows run the plain kernels."""
-    if (
+    if (  # the common form first: a tuple of two ints
+        window_size.__class__ is not tuple
+        or len(window_size) != 2
+        or window_size[0].__class__ is not int
+        or window_size[1].__class__ is not int
+    ) and (
         not isinstance(window_size, (tuple, list))
         or len(window_size) != 2
         or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
@@ -151,6 +184,8 @@ def window_for(window_size, causal: bool, nq: int, nk: int) -> tuple[int, int]:
 
 def check_softcap(softcap) -> float:
     """`softcap` as a float: 0 (off) or a positive finite cap."""
+    if softcap.__class__ is float and 0.0 <= softcap < math.inf:
+        return softcap
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise ValueError(f"softcap: expected a float, got {type(softcap).__name__}")
     if not (math.isfinite(softcap) and softcap >= 0):
