@@ -576,6 +576,18 @@ def test_pad_row_vectors_switch(causal, device, monkeypatch):
         assert torch.equal(a, b), name
 
 
+def test_pad_row_vectors_rule(monkeypatch):
+    """Padded row vectors for packed batches, ragged lengths and BLOCK_D <= 64; dense
+    block-multiple d >= 128 keeps the plain ones; the switch turns them off everywhere."""
+    packed_batch = fa_launchers.Varlen(None, None, 256, 256)
+    assert fa_launchers._pad_row_vectors(packed_batch, 256, 128)
+    assert fa_launchers._pad_row_vectors(None, 1000, 128)
+    assert fa_launchers._pad_row_vectors(None, 1024, 64)
+    assert not fa_launchers._pad_row_vectors(None, 1024, 128)
+    monkeypatch.setattr(fa_launchers, "PAD_ROW_VECTORS", False)
+    assert not fa_launchers._pad_row_vectors(packed_batch, 1000, 64)
+
+
 def test_varlen_empty_batches(device):
     """No query rows at all, or no keys at all: outputs of the right shapes, zeros / -inf."""
     q, k, v, kw = packed([0, 0], [3, 4], 2, 1, 16, torch.float32, device)

@@ -80,6 +80,14 @@ PAD_ROW_VECTORS = True
 ROW_PAD = 128  # at least every backward tile's BLOCK_M (powers of two)
 
 
+def _pad_row_vectors(varlen: Varlen | None, nq: int, bd: int) -> bool:
+    """Whether a backward takes the padded row vectors (`PAD_ROW_VECTORS`): packed batches,
+    ragged lengths and BLOCK_D <= 64. H100 A/B (NOTES.md, session 19): packed d64 causal
+    backward 1.26x -> 1.02x the dense one; dense d64 1-5% faster; dense block-multiple d128
+    non-causal 3% slower (causal equal), so d >= 128 keeps the plain vectors there."""
+    return PAD_ROW_VECTORS and (varlen is not None or nq % ROW_PAD != 0 or bd <= 64)
+
+
 def _score_args(scale: float, softcap: float, q: torch.Tensor) -> tuple[float, float, int]:
     """(qk_scale, cap_scale, SOFTCAP) of a launch: scores in log2 units are q.k * qk_scale, or
     with a cap tanh(q.k * cap_scale) * qk_scale (kernels.py); SOFTCAP 0 off, 1 exact tanh,
@@ -405,7 +413,7 @@ def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, wind
     # delta, each (B, H, Nq rounded up to ROW_PAD) or (1, H, total_q + (ROW_PAD + 16) * B
     # rounded up to 16) for a packed batch (kernels._rowvec_start); else the LSE itself and a
     # delta like it, (1, H, total_q) packed (whose rows the preprocess walks as one sequence).
-    pad = PAD_ROW_VECTORS
+    pad = _pad_row_vectors(varlen, nq, bd)
     cu_q, cu_k = (None, None) if varlen is None else (varlen.cu_q, varlen.cu_k)
     pre_m = INTERPRETER_FWD.block_m if interpreting() else PREPROCESS_BLOCK_M
     assert max(plan.dkdv.block_m, plan.dq.block_m, pre_m) <= ROW_PAD
