@@ -553,6 +553,44 @@ def test_cuda_graph_replay(act, dim, where, device):
     assert_graph_replays(fwd_bwd, data(0), [data(10), data(20)])
 
 
+_PACKED_CACHED_PATH = """
+import torch
+from kernelkit.shared import runtime
+from kernelkit.shared.fake_driver import fake_cuda
+import kernelkit.lrpe_rotate.op as op
+from kernelkit.lrpe_rotate import lrpe_rotate
+
+op.use_triton = lambda t: True
+bound = []
+run = runtime._Launcher._run
+runtime._Launcher._run = lambda self, grid, *a, **k: bound.append(grid) or run(self, grid, *a, **k)
+x = torch.randn(1, 20, 2, 16)
+cu = torch.tensor([0, 7, 7, 20], dtype=torch.int32)
+with fake_cuda() as log:
+    for _ in range(3):
+        leaf = x.clone().requires_grad_()
+        theta = torch.rand(2, 8).requires_grad_()
+        lrpe_rotate(leaf, theta, act="silu", cu_seqlens=cu).backward(torch.ones_like(x))
+print(len(log.launches), len(bound))
+"""
+
+
+def test_packed_tokens_launches_take_the_prepared_path():
+    """Packed sequences through the per-token kernels (POSITIONS_TILING "ahead"): their int
+    offset (unused, not in TOKENS_RUNTIME) is fixed in the prepared launch, so no call goes
+    through launcher[grid] (`runtime._Replay`, which binds every argument per call). Runs
+    against the fake CUDA driver, without the interpreter (which replays every launch)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-c", _PACKED_CACHED_PATH]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["6", "0"]  # 3 forward + 3 backward launches, none bound
+
+
 def test_prepared_launches_match_tritons_path():
     """The launches planned once per layout (prepared, with the int offset varying per call)
     pass the same compiled kernels the same arguments as Triton's own launch path."""

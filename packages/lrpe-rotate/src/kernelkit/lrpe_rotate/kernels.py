@@ -441,6 +441,19 @@ def _tokens(starts, table, cu_seqlens, tiling) -> bool:
     return tiling != "old" and (starts is not None or table is not None or cu_seqlens is not None)
 
 
+def _prepare(kernel, grid, vary, **kwargs):
+    """`launch(kernel).prepare(grid, **kwargs, vary=vary)`. The per-token kernels never read an
+    int offset (they take it only with packed sequences, whose cu_seqlens give every position;
+    validate_positions passes 0) and specialise on it (not in TOKENS_RUNTIME): prepared with it
+    varying, every call would go through `launcher[grid]` (`runtime._Replay`: all arguments bound
+    and keyed per call, about twice the host time of a prepared launch). There it is fixed at the
+    prepared value and the per-call value dropped."""
+    if vary and (kernel is rotate_fwd_tokens_kernel or kernel is rotate_bwd_tokens_kernel):
+        run = launch(kernel).prepare(grid, **kwargs)
+        return lambda *values: run(*values[: -len(vary)])
+    return launch(kernel).prepare(grid, **kwargs, vary=vary)
+
+
 def _rotate_fwd_plan(x, y, theta, starts, table, cu_seqlens, kind, plan, tiling="old"):
     """The launch of rotate_fwd_kernel (or, per POSITIONS_TILING, rotate_fwd_tokens_kernel)
     prepared for this layout: a function of (x, y, theta, cu_seqlens if given,
@@ -452,8 +465,10 @@ def _rotate_fwd_plan(x, y, theta, starts, table, cu_seqlens, kind, plan, tiling=
         kernel = rotate_fwd_kernel
         grid, kwargs = _rotate_layout(x, theta, starts, table, cu_seqlens, kind, plan)
     pos_kwargs, vary = prepared_positions(starts, table)
-    return launch(kernel).prepare(
+    return _prepare(
+        kernel,
         grid,
+        vary,
         x=x,
         y=y,
         theta=theta,
@@ -462,7 +477,6 @@ def _rotate_fwd_plan(x, y, theta, starts, table, cu_seqlens, kind, plan, tiling=
         **_strides("y", y),
         **kwargs,
         **pos_kwargs,
-        vary=vary,
     )
 
 
@@ -708,8 +722,10 @@ def _rotate_bwd_plan(
         grid, kwargs = _rotate_layout(dy, theta, starts, table, cu_seqlens, kind, plan)
     pos_kwargs, vary = prepared_positions(starts, table)
     partials = dy.new_empty((0,)) if need_dtheta else None  # a tensor slot, filled per call
-    run = launch(kernel).prepare(
+    run = _prepare(
+        kernel,
         grid,
+        vary,
         x=x,
         dy=dy,
         dx=dx,
@@ -721,7 +737,6 @@ def _rotate_bwd_plan(
         **_strides("d", dx),
         **kwargs,
         **pos_kwargs,
-        vary=vary,
     )
     return grid, run
 
