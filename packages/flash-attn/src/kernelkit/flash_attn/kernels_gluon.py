@@ -24,6 +24,7 @@ applies it (a run-time branch: Gluon has no automatic pass to trip over).
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -256,6 +257,305 @@ def attn_fwd_gluon_kernel(
                          SOFTCAP)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
                          v_ready, k_empty, v_empty, start_m, n_blocks, BLOCK_N, STAGES)),
+        ],
+        [4, 1],
+        [232, 24],
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward: dk, dv (and dq) of one 128-key block per program
+# ---------------------------------------------------------------------------------------------
+#
+# One program = BLOCK_N = 2 x 64 keys of one kv head, three partitions:
+# - a producer warp loads the K and V block once, then for each (query head of the GQA group,
+#   query block) step the BLOCK_M-row tiles of q and do into a STAGES-deep ring (3-D (H, N, D)
+#   descriptors: the group's heads are coordinates, not new descriptors);
+# - two consumer warpgroups own 64 keys each and run, per step, the transposed products
+#   S^T = K q^T and dP^T = V do^T (both asynchronous: the softmax of S^T runs under dP^T),
+#   dV += P^T do and dK += dS^T q with P^T / dS^T as register A operands, and with DQ_MODE > 0
+#   the fifth product dq_part = dS K (dS^T through shared memory) added into a float32 dq
+#   buffer. DQ_MODE 1 adds with plain atomics (the order of the additions varies run to run);
+#   DQ_MODE 2 takes turns: the contribution of (key block n, warpgroup w) to query block m is
+#   added once the 2n + w contributions before it are, counted by a semaphore per query block
+#   (acquire / release), so the sums are bitwise reproducible. The 7-product alternative
+#   (DQ_MODE 0) leaves dq to the portable dq kernel.
+
+BWD_WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma row block)
+SEM_ROWS = gl.constexpr(64)  # query rows per dq semaphore (DQ_MODE 2)
+
+
+@gluon.jit
+def _ld_acquire(ptr):
+    return gl.inline_asm_elementwise(
+        "ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32, is_pure=False,
+        pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _red_release_add(ptr):
+    """Each thread adds 1 (release: its earlier writes are visible before the count is)."""
+    return gl.inline_asm_elementwise(
+        "red.release.gpu.global.add.s32 [$1], 1;\n\tmov.b32 $0, 0;", "=r,l", [ptr],
+        dtype=gl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _red_add(ptrs, x):
+    """Atomic x += at ptrs without a return value (RED: the ATOM that gl.atomic_add emits waits
+    for the old values), two adjacent float32 per instruction (sm_90: red...v2.f32); the pairs
+    are a thread's consecutive accumulator registers, adjacent columns of one row."""
+    return gl.inline_asm_elementwise(
+        "red.relaxed.gpu.global.add.v2.f32 [$2], {$4, $5};\n\tmov.b32 $0, 0;\n\tmov.b32 $1, 0;",
+        "=r,=r,l,l,r,r", [ptrs, x.to(gl.int32, bitcast=True)], dtype=gl.int32, is_pure=False,
+        pack=2,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
+                  ready, empty, start_n, hq0, m_lo, n_m, n_iter, BLOCK_M: gl.constexpr,
+                  BLOCK_D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """TMA loads: K and V of the program's key block once; then q and do of step i (query head
+    hq0 + i // n_m, query block m_lo + i % n_m) into ring slot i % STAGES once both consumers
+    have released its previous tiles."""
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [start_n, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [start_n, 0], kv_bar, v_smem)
+    tile3: gl.constexpr = q_desc.layout
+    for i in range(n_iter):
+        s = i % STAGES
+        g = i // n_m
+        m0 = (m_lo + i - g * n_m) * BLOCK_M
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        q_dst = q_smem.index(s)._reinterpret(q_smem.dtype, [1, BLOCK_M, BLOCK_D], tile3)
+        do_dst = do_smem.index(s)._reinterpret(do_smem.dtype, [1, BLOCK_M, BLOCK_D], tile3)
+        tma.async_copy_global_to_shared(q_desc, [hq0 + g, m0, 0], ready.index(s), q_dst)
+        tma.async_copy_global_to_shared(do_desc, [hq0 + g, m0, 0], ready.index(s), do_dst)
+
+
+@gluon.jit
+def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready, empty, LSE2, DELTA,
+                  DK, DV, DQACC, SEM, stride_dkn, stride_dvn, vec_stride, sem_stride, bhq0,
+                  pid_n, start_n, Nq, Nk, m_lo, n_m, n_iter, qk_scale, sm_scale,
+                  WG: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
+                  DQ_MODE: gl.constexpr):  # fmt: skip
+    """Keys [start_n + WG * 64, +64): the step loop, then dk (scaled) and dv to global memory.
+    Row vectors (LSE2 in log2 units, DELTA) are the preprocess's padded copies: +inf / 0 past
+    Nq, so query rows past the end add nothing and need no check."""
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16]
+    )
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    per_query: gl.constexpr = gl.SliceLayout(0, st_layout)
+    per_key: gl.constexpr = gl.SliceLayout(1, st_layout)
+    dtype: gl.constexpr = q_smem.dtype
+
+    kw0 = start_n + WG * BWD_WG_KEYS
+    k_w = k_smem.slice(WG * BWD_WG_KEYS, BWD_WG_KEYS)
+    v_w = v_smem.slice(WG * BWD_WG_KEYS, BWD_WG_KEYS)
+    keys = kw0 + gl.arange(0, BWD_WG_KEYS, layout=per_key)
+    shift = Nk - Nq
+    ragged = kw0 + BWD_WG_KEYS > Nk
+    zero_st = gl.zeros([BWD_WG_KEYS, BLOCK_M], gl.float32, st_layout)
+    dk = gl.zeros([BWD_WG_KEYS, BLOCK_D], gl.float32, acc_layout)
+    dv = gl.zeros([BWD_WG_KEYS, BLOCK_D], gl.float32, acc_layout)
+    if DQ_MODE > 0:
+        zero_dq = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_layout)
+        dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        dq_cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
+        dq_offs = dq_rows[:, None] * BLOCK_D + dq_cols[None, :]
+    mbarrier.wait(kv_bar, 0)
+    for i in range(n_iter):
+        s = i % STAGES
+        g = i // n_m
+        m0 = (m_lo + i - g * n_m) * BLOCK_M
+        q_s = q_smem.index(s)
+        do_s = do_smem.index(s)
+        bhq = bhq0 + g
+        queries = m0 + gl.arange(0, BLOCK_M, layout=per_query)
+        lse2 = gl.load(LSE2 + bhq.to(gl.int64) * vec_stride + queries)
+        delta = gl.load(DELTA + bhq.to(gl.int64) * vec_stride + queries)
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        st_tok = warpgroup_mma(k_w, q_s.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+        dpt_tok = warpgroup_mma(v_w, do_s.permute((1, 0)), zero_st, use_acc=False,
+                                is_async=True)  # fmt: skip
+        s_t = warpgroup_mma_wait(1, deps=(st_tok,))  # S^T done; dP^T may still run
+        masked = ragged
+        if CAUSAL:  # some key of this warpgroup's block lies right of some row's diagonal
+            masked = masked | (m0 + shift < kw0 + BWD_WG_KEYS - 1)
+        if masked:
+            keep = keys[:, None] < Nk
+            if CAUSAL:
+                keep = keep & (keys[:, None] <= queries[None, :] + shift)
+            p_t = gl.where(keep, gl.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
+        else:
+            p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
+        p_op = gl.convert_layout(p_t.to(dtype), op_layout)
+        dv_tok = warpgroup_mma(p_op, do_s, dv, is_async=True)
+        dp_t = warpgroup_mma_wait(1, deps=(dpt_tok,))  # dP^T done; dV may still run
+        ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
+        ds_op = gl.convert_layout(ds_t, op_layout)
+        dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+        if DQ_MODE > 0:
+            ds_smem.store(ds_t)
+            fence_async_shared()
+            gl.thread_barrier()  # every warp's part of dS^T is in shared memory
+            dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_w, zero_dq, use_acc=False,
+                                   is_async=True)  # fmt: skip
+            dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(
+                0, deps=(dv_tok, dk_tok, dq_tok, p_op, ds_op)
+            )
+            mbarrier.arrive(empty.index(s))
+            dq_ptrs = DQACC + (bhq.to(gl.int64) * vec_stride + m0) * BLOCK_D + dq_offs
+            if DQ_MODE == 2:
+                sem = SEM + bhq.to(gl.int64) * sem_stride + m0 // SEM_ROWS
+                turn = (2 * pid_n + WG) * 128  # each of the 128 threads counts one
+                while _ld_acquire(sem) != turn:
+                    pass
+                _red_add(dq_ptrs, dq * sm_scale)
+                _red_release_add(sem)
+            else:
+                _red_add(dq_ptrs, dq * sm_scale)
+        else:
+            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+            mbarrier.arrive(empty.index(s))
+
+    rows = kw0 + gl.arange(0, BWD_WG_KEYS, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
+    keep = (rows[:, None] < Nk) & (cols[None, :] < HEAD_DIM)
+    gl.store(DK + rows[:, None].to(gl.int64) * stride_dkn + cols[None, :],
+             (dk * sm_scale).to(dtype), mask=keep)  # fmt: skip
+    gl.store(DV + rows[:, None].to(gl.int64) * stride_dvn + cols[None, :], dv.to(dtype),
+             mask=keep)  # fmt: skip
+
+
+@gluon.jit(do_not_specialize=["Nq", "Nk"])
+def attn_bwd_gluon_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE2,
+    DELTA,
+    DK,
+    DV,
+    DQACC,
+    SEM,
+    stride_qb,
+    stride_qn,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_dob,
+    stride_don,
+    stride_doh,
+    stride_dkb,
+    stride_dkn,
+    stride_dkh,
+    stride_dvb,
+    stride_dvn,
+    stride_dvh,
+    vec_stride,
+    sem_stride,
+    H,
+    Hkv,
+    GROUP,
+    Nq,
+    Nk,
+    qk_scale,
+    sm_scale,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_D: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    STAGES: gl.constexpr,
+    DQ_MODE: gl.constexpr,
+):
+    """dk, dv (and with DQ_MODE > 0 the float32 dq sums, scaled, in DQACC: (B * H, vec_stride,
+    BLOCK_D), zeroed before, as is SEM) of one 128-key block of one kv head; launched with
+    num_warps = 4 (the default partition), 9 warps in all. LSE2 / DELTA: (B * H, vec_stride)
+    padded row vectors (kernels.attn_bwd_preprocess_kernel with ROWVEC). The programs run key
+    block by key block over all heads (the heads fastest): with DQ_MODE 2 a program waits for
+    the previous key block's program of its head, which therefore started before it."""
+    gl.static_assert(BLOCK_N == 2 * BWD_WG_KEYS, "two consumer warpgroups of 64 keys")
+    qk_scale = qk_scale.to(gl.float32)
+    sm_scale = sm_scale.to(gl.float32)
+    bhk_count = gl.num_programs(0) // gl.cdiv(Nk, BLOCK_N)
+    pid = gl.program_id(0)
+    bhk = pid % bhk_count
+    pid_n = pid // bhk_count
+    b = (bhk // Hkv).to(gl.int64)
+    hk = bhk % Hkv
+    start_n = pid_n * BLOCK_N
+    shift = Nk - Nq
+    if CAUSAL:  # the first query block with a row that sees a key of this block
+        m_lo = gl.maximum(start_n - shift, 0) // BLOCK_M
+    else:
+        m_lo = 0
+    n_m = gl.cdiv(Nq, BLOCK_M) - m_lo
+    n_iter = GROUP * n_m
+    dtype: gl.constexpr = Q.dtype.element_ty
+    tile3: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, BLOCK_D], dtype)
+    tile2: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BWD_WG_KEYS, BLOCK_M], dtype)
+    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb, [H, Nq, HEAD_DIM],
+                                        [stride_qh, stride_qn, 1], [1, BLOCK_M, BLOCK_D],
+                                        tile3)  # fmt: skip
+    do_desc = tma.make_tensor_descriptor(DO + b * stride_dob, [H, Nq, HEAD_DIM],
+                                         [stride_doh, stride_don, 1], [1, BLOCK_M, BLOCK_D],
+                                         tile3)  # fmt: skip
+    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk.to(gl.int64) * stride_kh,
+                                        [Nk, HEAD_DIM], [stride_kn, 1], [BLOCK_N, BLOCK_D],
+                                        kv_layout)  # fmt: skip
+    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk.to(gl.int64) * stride_vh,
+                                        [Nk, HEAD_DIM], [stride_vn, 1], [BLOCK_N, BLOCK_D],
+                                        kv_layout)  # fmt: skip
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], tile2)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], tile2)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BWD_WG_KEYS, BLOCK_M], ds_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+
+    hq0 = hk * GROUP
+    bhq0 = b * H + hq0
+    dk_base = DK + b * stride_dkb + hk.to(gl.int64) * stride_dkh
+    dv_base = DV + b * stride_dvb + hk.to(gl.int64) * stride_dvh
+    gl.warp_specialize(
+        [
+            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem.index(0), kv_bar, ready,
+                             empty, LSE2, DELTA, dk_base, dv_base, DQACC, SEM, stride_dkn,
+                             stride_dvn, vec_stride, sem_stride, bhq0, pid_n, start_n, Nq, Nk,
+                             m_lo, n_m, n_iter, qk_scale, sm_scale, gl.constexpr(0), CAUSAL,
+                             HEAD_DIM, BLOCK_M, BLOCK_D, STAGES, DQ_MODE)),
+            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem.index(1), kv_bar, ready,
+                             empty, LSE2, DELTA, dk_base, dv_base, DQACC, SEM, stride_dkn,
+                             stride_dvn, vec_stride, sem_stride, bhq0, pid_n, start_n, Nq, Nk,
+                             m_lo, n_m, n_iter, qk_scale, sm_scale, gl.constexpr(1), CAUSAL,
+                             HEAD_DIM, BLOCK_M, BLOCK_D, STAGES, DQ_MODE)),
+            (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
+                             kv_bar, ready, empty, start_n, hq0, m_lo, n_m, n_iter, BLOCK_M,
+                             BLOCK_D, STAGES)),
         ],
         [4, 1],
         [232, 24],

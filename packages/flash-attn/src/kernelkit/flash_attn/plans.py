@@ -61,6 +61,9 @@ GLUON_FWD_TILES = {128: Tile(128, 128, 4, 2, tma=True, gluon=True)}
 # TFLOP/s current / Gluon 128x128 s2 / cuDNN: d128 N16k 432 / 598 / 563, N4k 365 / 474 / 561;
 # d64 N16k 385 / 429 / 445 but N4k 361 / 323 / 422: d64 stays on the portable kernel.
 GLUON_CAUSAL_FWD_TILES = {128: Tile(128, 128, 4, 2, tma=True, gluon=True)}
+# As a plan's dq tile with a Gluon dk/dv tile (`Tile.gluon`: kernels_gluon.attn_bwd_gluon_kernel):
+# dq is summed in that kernel (5 block products per tile pair) instead of by the dq kernel.
+GLUON_FUSED_DQ = Tile(0, 0, 0, 0, gluon=True)
 # dk/dv: BLOCK_N keys held by the program, BLOCK_M query rows per step.
 DKDV_TILES = {
     16: Tile(64, 128, 8, 2),
