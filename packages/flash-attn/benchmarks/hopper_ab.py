@@ -17,9 +17,10 @@ The GPU run (about 3 minutes on an H100; --budget caps the timing part):
    shape (B = 16, H = 1, N = 16k, d = 64, causal), then N = 4k (B = 16384 / N, H = 2048 / d) for
    d64/d128 causal/non-causal; a compact TFLOP/s table and the leaderboard fwd+bwd sums at the end.
 
-Candidates (`CANDIDATES`): G* the Gluon forward (kernels_gluon.py, Tile.gluon) with the current
-backward tiles. (The Triton warp-specialised candidates of the first run were removed: wrong
-results on the H100, NOTES.md.)
+Candidates (`CANDIDATES`): G1 the Gluon forward (kernels_gluon.py, Tile.gluon) with the current
+backward tiles; P the portable dk/dv kernel, B* Gluon dk/dv tiles, with the current forward and
+dq. (The Triton warp-specialised candidates of the first run were removed: wrong results on the
+H100; so were the Gluon backward's fused-dq variants, 1.4-2x slower: NOTES.md.)
 `--screen` compiles each launch of the run in a child process (Triton's Hopper
 warp-specialisation pass aborts the process on loops it cannot handle) and prints registers,
 spill stack, shared memory, warps, whether the kernel was warp-specialised and its setmaxnreg
@@ -59,26 +60,22 @@ def gluon(bm, bn, stages):
     return Tile(bm, bn, 4, stages, tma=True, gluon=True)
 
 
-# name -> {d: (fwd, dk/dv, dq)}, None = the current plan's tile. Screened for sm_90a
-# (--screen; NOTES.md "Hopper warp specialisation"): no spills, shared memory <= 227 KB. The
-# Triton warp-specialised candidates (F*, KV*, Q*) gave wrong results on the H100 and were
-# removed with their kernels (NOTES.md); G1's d = 128 tile is the shipped GLUON_FWD_TILES[128].
 def gluon_bwd(bm, stages):
     """A tile of the Gluon backward (kernels_gluon.py): 2 x 64 keys, `bm` query rows per step,
     a `stages`-deep q/do ring."""
     return Tile(bm, 128, 4, stages, tma=True, gluon=True)
 
 
-FUSED = fa_plans.GLUON_FUSED_DQ  # dq summed in the Gluon backward (5 products per tile pair)
+# name -> {d: (fwd, dk/dv, dq)}, None = the current plan's tile; "portable": the portable dk/dv
+# tile of that case (plans.portable_dkdv). Screened for sm_90a (--screen): shared memory
+# <= 227 KB. G1's tile is the shipped Gluon forward tile, B2 / B4's d = 128 tiles the shipped
+# Gluon dk/dv tiles (causal / not).
 CANDIDATES = {
     "G1": {64: (gluon(128, 128, 2), None, None), 128: (gluon(128, 128, 2), None, None)},
-    "B1": {64: (None, gluon_bwd(64, 2), FUSED), 128: (None, gluon_bwd(64, 2), FUSED)},
-    "B1a": {64: (None, gluon_bwd(64, 2), FUSED), 128: (None, gluon_bwd(64, 2), FUSED)},
+    "P": {64: (None, "portable", None), 128: (None, "portable", None)},
     "B2": {64: (None, gluon_bwd(64, 2), None), 128: (None, gluon_bwd(64, 2), None)},
     "B4": {64: (None, gluon_bwd(128, 2), None), 128: (None, gluon_bwd(64, 3), None)},
 }
-# Candidates run with deterministic=False (dq's parts added with atomics in any order).
-NONDETERMINISTIC = {"B1a"}
 PEERS = ("sdpa flash", "sdpa cudnn")
 
 
@@ -89,13 +86,14 @@ def plans_for(d, causal):
     out = {"current": base}
     for name, by_d in CANDIDATES.items():
         if d in by_d:
-            out[name] = Plan(*(t or b for t, b in zip(by_d[d], tiles)))
+            fwd, dkdv, dq = (t or b for t, b in zip(by_d[d], tiles))
+            if dkdv == "portable":
+                dkdv = fa_plans.portable_dkdv(d, causal)
+            out[name] = Plan(fwd, dkdv, dq)
     return out
 
 
 def tile_str(t):
-    if t == fa_plans.GLUON_FUSED_DQ:
-        return "fused"
     kind = " Gluon" if t.gluon else ""
     return f"{t.block_m}x{t.block_n} w{t.warps} s{t.stages}{' tma' if t.tma else ''}{kind}"
 
@@ -117,7 +115,12 @@ def shapes(d, causal):
 # --screen: compile for sm_90a on CPU
 # ---------------------------------------------------------------------------------------------
 
-KINDS = {"attn_fwd": "fwd", "attn_bwd_dkdv": "dkdv", "attn_bwd_dq": "dq", "attn_bwd": "dkdv"}  # by kernel name stem
+KINDS = {
+    "attn_fwd": "fwd",
+    "attn_bwd_dkdv": "dkdv",
+    "attn_bwd_dq": "dq",
+    "attn_bwd": "dkdv",
+}  # by kernel name stem
 
 
 class _Capture:
@@ -256,11 +259,10 @@ def _rand(*shape, seed):
     return torch.randn(*shape, device=DEVICE, dtype=torch.bfloat16, generator=g)
 
 
-def _run(plan, q, k, v, do, causal, deterministic=True):
+def _run(plan, q, k, v, do, causal):
     scale = 1 / math.sqrt(q.shape[-1])
     o, lse = fa_launchers.forward(q, k, v, causal, scale, plan)
-    return (o, lse, *fa_launchers.backward(do, q, k, v, o, lse, None, causal, scale, plan,
-                                           deterministic=deterministic))  # fmt: skip
+    return (o, lse, *fa_launchers.backward(do, q, k, v, o, lse, None, causal, scale, plan))
 
 
 def _maxdiff(a, b):
@@ -300,13 +302,8 @@ def check(d, causal, name):
         if name == "current":
             lines.append(f"{tag} vs fp32 ref: {_fmt(noise)}")
             continue
-        det = name not in NONDETERMINISTIC
-        diff = _maxdiff(_run(plans[name], q, k, v, do, causal, det), cur)
-        if det and plans[name].dkdv.gluon:  # bitwise reproducible, run to run
-            again = _run(plans[name], q, k, v, do, causal, det)
-            diff.append(("repeat", max(e for _, e, _ in _maxdiff(again, _run(plans[name], q, k, v, do, causal, det))), True))
+        diff = _maxdiff(_run(plans[name], q, k, v, do, causal), cur)
         ok = all(s and e <= 3 * en + 1e-3 for (_, e, s), (_, en, _) in zip(diff, noise))
-        ok = ok and all(e == 0 for n, e, _ in diff if n == "repeat")
         lines.append(f"{tag} vs current: {_fmt(diff)}  {'PASS' if ok else 'FAIL'}")
     return lines
 
@@ -415,8 +412,7 @@ def time_cell(b, h, n, d, causal, rounds, passed=None):
             elif direction == "bwd" and (name == "current" or plan.fwd == cur.fwd):
                 o, lse = fa_launchers.forward(q, k, v, causal, scale, cur)
                 args = (do, q, k, v, o, lse, None, causal, scale, plan)
-                fns[name] = functools.partial(fa_launchers.backward, *args,
-                                              deterministic=name not in NONDETERMINISTIC)  # fmt: skip
+                fns[name] = functools.partial(fa_launchers.backward, *args)
         leaves = []
         for name, (fwd, bwd, ls) in peers.items():
             fns[name] = fwd if direction == "fwd" else bwd
@@ -453,7 +449,7 @@ def table(results):
     print("\nlegend (fwd, dk/dv, dq tiles; '.' = current):")
     for name, by_d in CANDIDATES.items():
         desc = "; ".join(
-            f"d{d}: " + ", ".join(tile_str(t) if t else "." for t in tiles)
+            f"d{d}: " + ", ".join(tile_str(t) if isinstance(t, Tile) else t or "." for t in tiles)
             for d, tiles in by_d.items()
         )
         print(f"  {name:4s} {desc}")

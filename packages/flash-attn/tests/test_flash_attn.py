@@ -424,7 +424,9 @@ def test_small_grid_forward_plan(monkeypatch):
     assert fwd(64, False, 2, 16384) == small  # 256: 1.94
     assert fwd(64, False, 3, 16384) == table  # 384: 2.9
     assert fwd(64, True, 8, 16384) == small  # 1024: 7.8
-    assert fwd(64, True, 9, 16384) == table  # 1152: 8.7
+    assert fwd(64, True, 18, 8192) == table  # 1152: 8.7
+    # From GLUON_CAUSAL_FWD_MIN_N query rows on, a grid that is not small takes the Gluon tile.
+    assert fwd(64, True, 9, 16384) == fa_plans.GLUON_CAUSAL_FWD_TILES[128]
     assert fwd(64, True, 1, 16384, torch.float32) == fa_plans.FP32_TILES[64][0]
     assert fwd(128, False, 1, 1024) == fa_plans.plan_for(128, False, torch.bfloat16).fwd
     # The rule only changes the forward's tile.
@@ -930,6 +932,72 @@ def test_gluon_forward_launches_are_compile_checked(monkeypatch):
         record_launch(kernel, args, kwargs)
 
 
+def test_gluon_backward_launches_are_compile_checked(monkeypatch):
+    """The Gluon dk/dv kernel (kernels_gluon.attn_bwd_gluon_kernel) runs only on an sm_90 GPU:
+    its launches are captured as on one and recorded for the compile check, as the forward's
+    above. GQA with ragged ends and Nq != Nk (causal), a padded head dim, both ring depths."""
+    from kernelkit.shared.compile_check import record_launch
+
+    calls = []
+
+    class Capture:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((self.kernel, args, kwargs))
+
+    monkeypatch.setattr(runtime, "launch", Capture)
+    monkeypatch.setattr(fa_plans, "use_tma", lambda *t: True)
+    monkeypatch.setattr(fa_plans, "_gluon_device", lambda device: True)
+    cases = [(64, True, 2, (300, 260)), (80, False, 3, (300, 300)), (128, True, 2, (260, 300)),
+             (128, False, 3, (256, 256))]  # fmt: skip
+    for d, causal, stages, (nq, nk) in cases:
+        q, k, v = qkv(2, nq, nk, 4, 2, d, torch.bfloat16, "cpu")
+        do = torch.randn_like(q)
+        lse = torch.zeros(2, 4, nq)
+        tile = fa_plans.Tile(64, 128, 4, stages, tma=True, gluon=True)
+        plan = fa_plans.Plan(fa_plans.INTERPRETER_FWD, tile, fa_plans.INTERPRETER_DQ)
+        fa_launchers.backward(do, q, k, v, q, lse, None, causal, 0.125, plan)
+    gluon = [
+        (kernel, a, kw) for kernel, a, kw in calls if kernel.fn.__name__.endswith("gluon_kernel")
+    ]
+    assert [kw["CAUSAL"] for _, _, kw in gluon] == [True, False, True, False]
+    assert [kernel.fn.__name__ for kernel, _, _ in calls].count("attn_bwd_dkdv_kernel") == 0
+    for kernel, args, kwargs in gluon:
+        record_launch(kernel, args, kwargs)
+
+
+def test_gluon_dkdv_tile_falls_back_where_it_cannot_run(device, monkeypatch):
+    """A plan with a Gluon dk/dv tile runs the portable dk/dv kernel (`portable_dkdv`) where
+    Gluon cannot run (the interpreter; here also a GPU taken as not sm_90), correctly."""
+    monkeypatch.setattr(fa_plans, "_gluon_device", lambda device: False)
+    launched = _launched_kernels(monkeypatch)
+    q, k, v = qkv(1, 70, 90, 2, 1, 64, torch.bfloat16, device)
+    tile = fa_plans.Tile(64, 128, 4, 2, tma=True, gluon=True)
+    fallback = fa_plans.portable_dkdv(64, True)
+    assert not fallback.gluon and fallback == fa_plans.CAUSAL_TILES[64][1]
+    _check_plan(fa_plans.Plan(fa_plans.INTERPRETER_FWD, tile, fa_plans.INTERPRETER_DQ), q, k, v,
+                True)  # fmt: skip
+    assert "attn_bwd_dkdv_kernel" in launched and "attn_bwd_gluon_kernel" not in launched
+
+
+def test_default_plans_take_the_gluon_kernels_by_rule(monkeypatch):
+    """Where the Gluon kernels ship (plans.py, H100 A/B): the d128 dk/dv kernel, causal or not,
+    not for a window's left edge or a packed batch; the d64 causal forward from
+    GLUON_CAUSAL_FWD_MIN_N query rows on (for a grid that fills the GPU)."""
+    monkeypatch.setattr(fa_plans, "interpreting", lambda: False)
+    for causal in (False, True):
+        assert fa_plans.plan_for(128, causal, torch.bfloat16).dkdv.gluon
+        assert not fa_plans.plan_for(128, causal, torch.bfloat16, True).dkdv.gluon
+        assert not fa_plans.plan_for(64, causal, torch.bfloat16).dkdv.gluon
+        assert not fa_plans.plan_for(128, causal, torch.float32).dkdv.gluon
+    n = fa_plans.GLUON_CAUSAL_FWD_MIN_N[64]
+    assert fa_plans.plan_for(64, True, torch.bfloat16, grid=(16, n, 132)).fwd.gluon
+    assert not fa_plans.plan_for(64, True, torch.bfloat16, grid=(16, n // 2, 132)).fwd.gluon
+    assert not fa_plans.plan_for(64, False, torch.bfloat16, grid=(16, n, 132)).fwd.gluon
+
+
 # ------------------------------------------------------------------------------------------
 # The course assignment's interface
 # ------------------------------------------------------------------------------------------
@@ -1302,18 +1370,39 @@ def test_gpu_gluon_forward(shape, tile, device, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape", HOPPER_GPU_SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}-hkv{}-d{}".format(*s)
+)
+@pytest.mark.parametrize("stages", [2, 3], ids=["s2", "s3"])
+def test_gpu_gluon_backward(shape, causal, stages, device, monkeypatch):
+    """The Gluon dk/dv kernel (kernels_gluon.attn_bwd_gluon_kernel) with both ring depths, at
+    d64 too (it ships for d128): GQA, Nq != Nk (bottom-right causal), ragged ends, a padded
+    head dim, one key block."""
+    launched = _launched_kernels(monkeypatch)
+    q, k, v = qkv(*shape, torch.bfloat16, device)
+    base = fa_plans.plan_for(shape[-1], causal, q.dtype)
+    gluon = fa_plans.Tile(64, 128, 4, stages, tma=True, gluon=True)
+    _check_plan(fa_plans.Plan(base.fwd, gluon, base.dq), q, k, v, causal)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert "attn_bwd_gluon_kernel" in launched
+        assert "attn_bwd_dkdv_kernel" not in launched
+
+
+@pytest.mark.gpu
 def test_gpu_default_plan_takes_gluon_where_it_ships(device, monkeypatch):
     """d = 128 half precision on an sm_90 GPU, non-causal or causal (also Nq != Nk: the
-    bottom-right diagonal): the default forward is the Gluon one; d = 64 keeps the portable
-    kernel."""
+    bottom-right diagonal): the default forward and dk/dv kernels are the Gluon ones; d = 64
+    keeps the portable kernels at these lengths."""
     launched = _launched_kernels(monkeypatch)
     for d, causal, nk in ((128, False, 300), (128, True, 300), (128, True, 420), (64, False, 300),
                           (64, True, 300)):  # fmt: skip
         launched.clear()
         q, k, v = qkv(2, 300, nk, 4, 2, d, torch.bfloat16, device)
         check(q, k, v, causal=causal)
-        gluon = "attn_fwd_gluon_kernel" in launched
-        assert gluon == (d == 128 and torch.cuda.get_device_capability()[0] == 9)
+        hopper = torch.cuda.get_device_capability()[0] == 9
+        assert ("attn_fwd_gluon_kernel" in launched) == (d == 128 and hopper)
+        assert ("attn_bwd_gluon_kernel" in launched) == (d == 128 and hopper)
 
 
 @pytest.mark.gpu

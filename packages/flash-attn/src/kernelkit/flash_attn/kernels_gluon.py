@@ -24,7 +24,6 @@ applies it (a run-time branch: Gluon has no automatic pass to trip over).
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -264,7 +263,7 @@ def attn_fwd_gluon_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Backward: dk, dv (and dq) of one 128-key block per program
+# Backward: dk, dv of one 128-key block per program (dq: kernels.attn_bwd_dq_kernel)
 # ---------------------------------------------------------------------------------------------
 #
 # One program = BLOCK_N = 2 x 64 keys of one kv head, three partitions:
@@ -273,45 +272,15 @@ def attn_fwd_gluon_kernel(
 #   descriptors: the group's heads are coordinates, not new descriptors);
 # - two consumer warpgroups own 64 keys each and run, per step, the transposed products
 #   S^T = K q^T and dP^T = V do^T (both asynchronous: the softmax of S^T runs under dP^T),
-#   dV += P^T do and dK += dS^T q with P^T / dS^T as register A operands, and with DQ_MODE > 0
-#   the fifth product dq_part = dS K (dS^T through shared memory) added into a float32 dq
-#   buffer. DQ_MODE 1 adds with plain atomics (the order of the additions varies run to run);
-#   DQ_MODE 2 takes turns: the contribution of (key block n, warpgroup w) to query block m is
-#   added once the 2n + w contributions before it are, counted by a semaphore per query block
-#   (acquire / release), so the sums are bitwise reproducible. The 7-product alternative
-#   (DQ_MODE 0) leaves dq to the portable dq kernel.
+#   then dV += P^T do and dK += dS^T q with P^T / dS^T as register A operands (dV runs under
+#   dS^T). K and V stay in shared memory as wgmma operands; the portable dk/dv kernel holds
+#   them in registers, which made its d = 128 tiles spill.
+# The same 4 block products per tile pair as the portable kernel, summed in the same order
+# (dk, dv bitwise equal to it on the H100). Summing dq here too (a fifth product per pair, its
+# parts added into a float32 buffer with atomics, in any or in a fixed order) measured 1.4-2x
+# slower than leaving dq to its own kernel (NOTES.md, session 20).
 
 BWD_WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma row block)
-SEM_ROWS = gl.constexpr(64)  # query rows per dq semaphore (DQ_MODE 2)
-
-
-@gluon.jit
-def _ld_acquire(ptr):
-    return gl.inline_asm_elementwise(
-        "ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32, is_pure=False,
-        pack=1,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _red_release_add(ptr):
-    """Each thread adds 1 (release: its earlier writes are visible before the count is)."""
-    return gl.inline_asm_elementwise(
-        "red.release.gpu.global.add.s32 [$1], 1;\n\tmov.b32 $0, 0;", "=r,l", [ptr],
-        dtype=gl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _red_add(ptrs, x):
-    """Atomic x += at ptrs without a return value (RED: the ATOM that gl.atomic_add emits waits
-    for the old values), two adjacent float32 per instruction (sm_90: red...v2.f32); the pairs
-    are a thread's consecutive accumulator registers, adjacent columns of one row."""
-    return gl.inline_asm_elementwise(
-        "red.relaxed.gpu.global.add.v2.f32 [$2], {$4, $5};\n\tmov.b32 $0, 0;\n\tmov.b32 $1, 0;",
-        "=r,=r,l,l,r,r", [ptrs, x.to(gl.int32, bitcast=True)], dtype=gl.int32, is_pure=False,
-        pack=2,
-    )  # fmt: skip
 
 
 @gluon.jit
@@ -338,12 +307,11 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sm
 
 
 @gluon.jit
-def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready, empty, LSE2, DELTA,
-                  DK, DV, DQACC, SEM, stride_dkn, stride_dvn, vec_stride, sem_stride, bhq0,
-                  pid_n, start_n, Nq, Nk, m_lo, n_m, n_iter, qk_scale, sm_scale,
-                  WG: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
-                  DQ_MODE: gl.constexpr):  # fmt: skip
+def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, LSE2, DELTA, DK, DV,
+                  stride_dkn, stride_dvn, vec_stride, bhq0, start_n, Nq, Nk, m_lo, n_m, n_iter,
+                  qk_scale, sm_scale, WG: gl.constexpr, CAUSAL: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
+                  STAGES: gl.constexpr):  # fmt: skip
     """Keys [start_n + WG * 64, +64): the step loop, then dk (scaled) and dv to global memory.
     Row vectors (LSE2 in log2 units, DELTA) are the preprocess's padded copies: +inf / 0 past
     Nq, so query rows past the end add nothing and need no check."""
@@ -367,11 +335,6 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready, empty
     zero_st = gl.zeros([BWD_WG_KEYS, BLOCK_M], gl.float32, st_layout)
     dk = gl.zeros([BWD_WG_KEYS, BLOCK_D], gl.float32, acc_layout)
     dv = gl.zeros([BWD_WG_KEYS, BLOCK_D], gl.float32, acc_layout)
-    if DQ_MODE > 0:
-        zero_dq = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_layout)
-        dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-        dq_cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
-        dq_offs = dq_rows[:, None] * BLOCK_D + dq_cols[None, :]
     mbarrier.wait(kv_bar, 0)
     for i in range(n_iter):
         s = i % STAGES
@@ -404,29 +367,8 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready, empty
         ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
         ds_op = gl.convert_layout(ds_t, op_layout)
         dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-        if DQ_MODE > 0:
-            ds_smem.store(ds_t)
-            fence_async_shared()
-            gl.thread_barrier()  # every warp's part of dS^T is in shared memory
-            dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_w, zero_dq, use_acc=False,
-                                   is_async=True)  # fmt: skip
-            dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(
-                0, deps=(dv_tok, dk_tok, dq_tok, p_op, ds_op)
-            )
-            mbarrier.arrive(empty.index(s))
-            dq_ptrs = DQACC + (bhq.to(gl.int64) * vec_stride + m0) * BLOCK_D + dq_offs
-            if DQ_MODE == 2:
-                sem = SEM + bhq.to(gl.int64) * sem_stride + m0 // SEM_ROWS
-                turn = (2 * pid_n + WG) * 128  # each of the 128 threads counts one
-                while _ld_acquire(sem) != turn:
-                    pass
-                _red_add(dq_ptrs, dq * sm_scale)
-                _red_release_add(sem)
-            else:
-                _red_add(dq_ptrs, dq * sm_scale)
-        else:
-            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
-            mbarrier.arrive(empty.index(s))
+        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+        mbarrier.arrive(empty.index(s))
 
     rows = kw0 + gl.arange(0, BWD_WG_KEYS, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
@@ -447,8 +389,6 @@ def attn_bwd_gluon_kernel(
     DELTA,
     DK,
     DV,
-    DQACC,
-    SEM,
     stride_qb,
     stride_qn,
     stride_qh,
@@ -468,7 +408,6 @@ def attn_bwd_gluon_kernel(
     stride_dvn,
     stride_dvh,
     vec_stride,
-    sem_stride,
     H,
     Hkv,
     GROUP,
@@ -482,14 +421,12 @@ def attn_bwd_gluon_kernel(
     BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr,
     STAGES: gl.constexpr,
-    DQ_MODE: gl.constexpr,
 ):
-    """dk, dv (and with DQ_MODE > 0 the float32 dq sums, scaled, in DQACC: (B * H, vec_stride,
-    BLOCK_D), zeroed before, as is SEM) of one 128-key block of one kv head; launched with
-    num_warps = 4 (the default partition), 9 warps in all. LSE2 / DELTA: (B * H, vec_stride)
-    padded row vectors (kernels.attn_bwd_preprocess_kernel with ROWVEC). The programs run key
-    block by key block over all heads (the heads fastest): with DQ_MODE 2 a program waits for
-    the previous key block's program of its head, which therefore started before it."""
+    """dk, dv of one 128-key block of one kv head (bottom-right causal mask or none, GQA, any
+    Nq and Nk); launched with num_warps = 4 (the default partition), 9 warps in all. LSE2 /
+    DELTA: (B * H, vec_stride) padded row vectors (kernels.attn_bwd_preprocess_kernel with
+    ROWVEC). Programs of one key block are adjacent across heads: with causal masks the
+    longest (first) key blocks start first."""
     gl.static_assert(BLOCK_N == 2 * BWD_WG_KEYS, "two consumer warpgroups of 64 keys")
     qk_scale = qk_scale.to(gl.float32)
     sm_scale = sm_scale.to(gl.float32)
@@ -501,7 +438,7 @@ def attn_bwd_gluon_kernel(
     hk = bhk % Hkv
     start_n = pid_n * BLOCK_N
     shift = Nk - Nq
-    if CAUSAL:  # the first query block with a row that sees a key of this block
+    if CAUSAL:  # noqa: SIM108 (constexpr branch); the first query block with a row that sees a key of this block
         m_lo = gl.maximum(start_n - shift, 0) // BLOCK_M
     else:
         m_lo = 0
@@ -511,7 +448,6 @@ def attn_bwd_gluon_kernel(
     tile3: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, BLOCK_D], dtype)
     tile2: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BWD_WG_KEYS, BLOCK_M], dtype)
     q_desc = tma.make_tensor_descriptor(Q + b * stride_qb, [H, Nq, HEAD_DIM],
                                         [stride_qh, stride_qn, 1], [1, BLOCK_M, BLOCK_D],
                                         tile3)  # fmt: skip
@@ -528,7 +464,6 @@ def attn_bwd_gluon_kernel(
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], tile2)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, BWD_WG_KEYS, BLOCK_M], ds_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -543,16 +478,14 @@ def attn_bwd_gluon_kernel(
     dv_base = DV + b * stride_dvb + hk.to(gl.int64) * stride_dvh
     gl.warp_specialize(
         [
-            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem.index(0), kv_bar, ready,
-                             empty, LSE2, DELTA, dk_base, dv_base, DQACC, SEM, stride_dkn,
-                             stride_dvn, vec_stride, sem_stride, bhq0, pid_n, start_n, Nq, Nk,
-                             m_lo, n_m, n_iter, qk_scale, sm_scale, gl.constexpr(0), CAUSAL,
-                             HEAD_DIM, BLOCK_M, BLOCK_D, STAGES, DQ_MODE)),
-            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem.index(1), kv_bar, ready,
-                             empty, LSE2, DELTA, dk_base, dv_base, DQACC, SEM, stride_dkn,
-                             stride_dvn, vec_stride, sem_stride, bhq0, pid_n, start_n, Nq, Nk,
-                             m_lo, n_m, n_iter, qk_scale, sm_scale, gl.constexpr(1), CAUSAL,
-                             HEAD_DIM, BLOCK_M, BLOCK_D, STAGES, DQ_MODE)),
+            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, LSE2,
+                             DELTA, dk_base, dv_base, stride_dkn, stride_dvn, vec_stride, bhq0,
+                             start_n, Nq, Nk, m_lo, n_m, n_iter, qk_scale, sm_scale,
+                             gl.constexpr(0), CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_D, STAGES)),
+            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, LSE2,
+                             DELTA, dk_base, dv_base, stride_dkn, stride_dvn, vec_stride, bhq0,
+                             start_n, Nq, Nk, m_lo, n_m, n_iter, qk_scale, sm_scale,
+                             gl.constexpr(1), CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_D, STAGES)),
             (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                              kv_bar, ready, empty, start_n, hq0, m_lo, n_m, n_iter, BLOCK_M,
                              BLOCK_D, STAGES)),

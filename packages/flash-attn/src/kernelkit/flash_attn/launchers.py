@@ -38,6 +38,7 @@ from .plans import (
     block_d_for,
     dot_precision,
     plan_for,
+    portable_dkdv,
     split_plan,
 )
 
@@ -361,45 +362,42 @@ def backward(
     softcap: float = 0.0,
     window: tuple[int, int] = (-1, -1),
     varlen: Varlen | None = None,
-    deterministic: bool = True,
 ):
     """(dq, dk, dv) from the saved q, k, v, o, lse; dlse (or None) is the LSE's gradient.
     Layouts as in `forward` (packed with `varlen`); without a `plan` the launches are replayed
-    per layout, as in `forward`. deterministic=False lets the Hopper backward add dq's parts
-    in any order (`_gluon_backward`); every other path is deterministic either way."""
+    per layout, as in `forward`."""
     if plan is None:
         if varlen is None:
             inputs, sizes = (do, q, k, v, o, lse, dlse), None
         else:
             inputs = (do, q, k, v, o, lse, dlse, varlen.cu_q, varlen.cu_k)
             sizes = varlen.max_q, varlen.max_k
-        options = ("bwd", causal, scale, softcap, window, sizes, deterministic,
+        options = ("bwd", causal, scale, softcap, window, sizes,
                    FAST_TANH, PEEL_RAGGED_TAIL, PAD_ROW_VECTORS, interpreting())  # fmt: skip
         return replay.replayed(
             _backward, inputs, options,
             do, q, k, v, o, lse, dlse, causal, scale, None, softcap, window, varlen,
-            deterministic,
         )  # fmt: skip
     return _backward(replay.DIRECT, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap,
-                     window, varlen, deterministic)  # fmt: skip
+                     window, varlen)  # fmt: skip
 
 
-def _gluon_backward(plan: Plan, q, k, v, do, upper, local, win_right, softcap_mode, varlen,
-                    deterministic) -> int:  # fmt: skip
-    """-1: the portable dk/dv kernel; else the Hopper dk/dv kernel (kernels_gluon.py: dense,
-    no window edge but the causal diagonal, no softcap, the inputs TMA-aligned on sm_90) with
-    its DQ_MODE: 0 dq by the portable dq kernel, 1 summed in it with atomics (any order), 2
-    summed in it in a fixed order (deterministic)."""
-    t = plan.dkdv
-    if not (t.gluon and varlen is None and not local and win_right == 0 and not softcap_mode):
-        return -1
-    if not (_gluon_flag(t, q, k, v) and _tma_flag(t, do)):
-        return -1
-    return (2 if deterministic else 1) if plan.dq.gluon else 0
+def _gluon_dkdv(tile: Tile, q, k, v, do, local, win_right, softcap_mode, varlen) -> bool:
+    """Whether dk/dv take the Hopper kernel (kernels_gluon.attn_bwd_gluon_kernel): the tile asks
+    for it (`Tile.gluon`), a dense batch without a window edge other than the causal diagonal
+    and without softcap, the inputs TMA-aligned on sm_90 (`plans._gluon_flag`)."""
+    return (
+        tile.gluon
+        and varlen is None
+        and not local
+        and win_right == 0
+        and not softcap_mode
+        and _gluon_flag(tile, q, k, v)
+        and _tma_flag(tile, do)
+    )
 
 
-def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, window, varlen,
-              deterministic=True):  # fmt: skip
+def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, window, varlen):
     """`backward` with its allocations and launches through `ops` (`replay`)."""
     _scratch_for_replay(ops, q.device)
     do, q, k, v, o = (_unit_d(t) for t in (do, q, k, v, o))
@@ -431,9 +429,10 @@ def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, wind
     # delta, each (B, H, Nq rounded up to ROW_PAD) or (1, H, total_q + (ROW_PAD + 16) * B
     # rounded up to 16) for a packed batch (kernels._rowvec_start); else the LSE itself and a
     # delta like it, (1, H, total_q) packed (whose rows the preprocess walks as one sequence).
-    dq_mode = _gluon_backward(plan, q, k, v, do, upper, local, win_right, softcap_mode, varlen,
-                              deterministic)  # fmt: skip
-    pad = dq_mode >= 0 or _pad_row_vectors(varlen, nq, bd)
+    gluon_dkdv = _gluon_dkdv(plan.dkdv, q, k, v, do, local, win_right, softcap_mode, varlen)
+    if plan.dkdv.gluon and not gluon_dkdv:  # the portable tile where the Gluon one cannot run
+        plan = Plan(plan.fwd, portable_dkdv(bd, upper), plan.dq)
+    pad = gluon_dkdv or _pad_row_vectors(varlen, nq, bd)
     cu_q, cu_k = (None, None) if varlen is None else (varlen.cu_q, varlen.cu_k)
     pre_m = INTERPRETER_FWD.block_m if interpreting() else PREPROCESS_BLOCK_M
     assert max(plan.dkdv.block_m, plan.dq.block_m, pre_m) <= ROW_PAD
@@ -446,10 +445,6 @@ def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, wind
     delta = ops.empty((rows_b, h, width), torch.float32, q.device)
     lse2 = ops.empty((rows_b, h, width), torch.float32, q.device) if pad else lse
     vec_strides = (delta.stride(0) if varlen is None else 0), delta.stride(1)
-    dq_acc = sem = None
-    if dq_mode > 0:  # the Hopper backward's float32 dq sums and semaphores, zeroed below
-        dq_acc = ops.empty((b * h, width, bd), torch.float32, q.device)
-        sem = ops.empty((b * h, width // K.SEM_ROWS), torch.int32, q.device)
     lse_strides = (lse.stride(0), lse.stride(1)) if varlen is None else (0, lse.stride(0))
     # Padded: a program per (padded block, sequence, head), packed batches included.
     pre_rows = nq if pad else rows
@@ -464,8 +459,6 @@ def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, wind
         lse2,
         delta,
         cu_q,
-        dq_acc,
-        sem,
         *_seq_strides(o, varlen),
         *_seq_strides(do, varlen),
         *lse_strides,
@@ -479,88 +472,67 @@ def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, wind
         ROWVEC=pad,
         ROW_PAD=ROW_PAD,
         VARLEN=pad and varlen is not None,
-        ZERO_DQ=dq_mode > 0,
         num_warps=4,
     )
     lse, lse_strides = lse2, vec_strides  # what dk/dv and dq read
     t = plan.dkdv
-    if dq_mode >= 0:
+    if gluon_dkdv:
         ops.launch(
             KG.attn_bwd_gluon_kernel, (cdiv(nk, t.block_n) * b * hkv,),
-            q, k, v, do, lse2, delta, dk, dv, dq_acc, sem, *_strides3(q), *_strides3(k),
-            *_strides3(v), *_strides3(do), *_strides3(dk), *_strides3(dv), width,
-            width // K.SEM_ROWS, h, hkv, h // hkv, nq, nk, qk_scale, scale, HEAD_DIM=d,
-            BLOCK_D=bd, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CAUSAL=upper, STAGES=t.stages,
-            DQ_MODE=dq_mode, num_warps=t.warps,
+            q, k, v, do, lse2, delta, dk, dv, *_strides3(q), *_strides3(k), *_strides3(v),
+            *_strides3(do), *_strides3(dk), *_strides3(dv), width, h, hkv, h // hkv, nq, nk,
+            qk_scale, scale, HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+            CAUSAL=upper, STAGES=t.stages, num_warps=t.warps,
         )  # fmt: skip
-        if dq_mode > 0:
-            ops.launch(
-                K.attn_bwd_dq_convert_kernel, (cdiv(nq, PREPROCESS_BLOCK_M) * b * h,),
-                dq_acc, dq, *_strides3(dq), h, nq, width, HEAD_DIM=d, BLOCK_D=bd,
-                BLOCK_M=PREPROCESS_BLOCK_M, num_warps=4,
-            )  # fmt: skip
-            return dq, dk, dv
-        return _backward_dq(ops, q, k, v, do, lse, delta, dq, cu_q, cu_k, lse_strides, plan,
-                            varlen, b, h, hkv, nq, nk, d, bd, prec, qk_scale, scale, cap_scale,
-                            win_left, win_right, upper, softcap_mode, local, pad), dk, dv  # fmt: skip
-    ops.launch(
-        K.attn_bwd_dkdv_kernel,
-        (cdiv(nk, t.block_n) * b * hkv,),
-        q,
-        k,
-        v,
-        do,
-        lse,
-        delta,
-        dk,
-        dv,
-        cu_q,
-        cu_k,
-        *_seq_strides(q, varlen),
-        *_seq_strides(k, varlen),
-        *_seq_strides(v, varlen),
-        *_seq_strides(do, varlen),
-        *_seq_strides(dk, varlen),
-        *_seq_strides(dv, varlen),
-        *lse_strides,
-        h,
-        hkv,
-        h // hkv,
-        nq,
-        nk,
-        qk_scale,
-        scale,
-        cap_scale,
-        win_left,
-        win_right,
-        HEAD_DIM=d,
-        BLOCK_D=bd,
-        BLOCK_M=t.block_m,
-        BLOCK_N=t.block_n,
-        CAUSAL=upper,
-        EVEN_M=varlen is None and bool(nq % t.block_m == 0),
-        EVEN_N=varlen is None and bool(nk % t.block_n == 0),
-        DOT_PREC=prec,
-        TMA=_tma_flag(t, q, do),
-        SOFTCAP=softcap_mode,
-        LOCAL=local,
-        VARLEN=varlen is not None,
-        PEEL_TAIL=PEEL_RAGGED_TAIL,
-        ROWVEC=pad,
-        ROW_PAD=ROW_PAD,
-        num_warps=t.warps,
-        num_stages=t.stages,
-    )
-    dq = _backward_dq(ops, q, k, v, do, lse, delta, dq, cu_q, cu_k, lse_strides, plan, varlen,
-                      b, h, hkv, nq, nk, d, bd, prec, qk_scale, scale, cap_scale, win_left,
-                      win_right, upper, softcap_mode, local, pad)  # fmt: skip
-    return dq, dk, dv
-
-
-def _backward_dq(ops, q, k, v, do, lse, delta, dq, cu_q, cu_k, lse_strides, plan, varlen, b, h,
-                 hkv, nq, nk, d, bd, prec, qk_scale, scale, cap_scale, win_left, win_right,
-                 upper, softcap_mode, local, pad):  # fmt: skip
-    """The portable dq kernel's launch (`_backward`'s last step)."""
+    else:
+        ops.launch(
+            K.attn_bwd_dkdv_kernel,
+            (cdiv(nk, t.block_n) * b * hkv,),
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            dk,
+            dv,
+            cu_q,
+            cu_k,
+            *_seq_strides(q, varlen),
+            *_seq_strides(k, varlen),
+            *_seq_strides(v, varlen),
+            *_seq_strides(do, varlen),
+            *_seq_strides(dk, varlen),
+            *_seq_strides(dv, varlen),
+            *lse_strides,
+            h,
+            hkv,
+            h // hkv,
+            nq,
+            nk,
+            qk_scale,
+            scale,
+            cap_scale,
+            win_left,
+            win_right,
+            HEAD_DIM=d,
+            BLOCK_D=bd,
+            BLOCK_M=t.block_m,
+            BLOCK_N=t.block_n,
+            CAUSAL=upper,
+            EVEN_M=varlen is None and bool(nq % t.block_m == 0),
+            EVEN_N=varlen is None and bool(nk % t.block_n == 0),
+            DOT_PREC=prec,
+            TMA=_tma_flag(t, q, do),
+            SOFTCAP=softcap_mode,
+            LOCAL=local,
+            VARLEN=varlen is not None,
+            PEEL_TAIL=PEEL_RAGGED_TAIL,
+            ROWVEC=pad,
+            ROW_PAD=ROW_PAD,
+            num_warps=t.warps,
+            num_stages=t.stages,
+        )
     t = plan.dq
     ops.launch(
         K.attn_bwd_dq_kernel,
@@ -607,4 +579,4 @@ def _backward_dq(ops, q, k, v, do, lse, delta, dq, cu_q, cu_k, lse_strides, plan
         num_warps=t.warps,
         num_stages=t.stages,
     )
-    return dq
+    return dq, dk, dv

@@ -26,8 +26,9 @@ except ImportError:  # pragma: no cover
 class Tile:
     """Tile of one kernel: BLOCK_M query rows x BLOCK_N keys, warps and pipeline stages; tma:
     read the loop's tiles through TMA descriptors where the inputs allow it (`use_tma`), else
-    with pointer loads; gluon (forward only): the Gluon kernel of kernels_gluon.py (BLOCK_M =
-    128, `stages` deep K/V ring) where `_gluon_flag` allows it, else `FWD_TILES`' portable tile."""
+    with pointer loads; gluon: the Gluon kernel of kernels_gluon.py where `_gluon_flag` allows
+    it (forward: BLOCK_M = 128, a `stages`-deep K/V ring, else `FWD_TILES`' portable tile;
+    dk/dv: BLOCK_N = 128, a `stages`-deep q/do ring, else `portable_dkdv`)."""
 
     block_m: int
     block_n: int
@@ -61,9 +62,19 @@ GLUON_FWD_TILES = {128: Tile(128, 128, 4, 2, tma=True, gluon=True)}
 # TFLOP/s current / Gluon 128x128 s2 / cuDNN: d128 N16k 432 / 598 / 563, N4k 365 / 474 / 561;
 # d64 N16k 385 / 429 / 445 but N4k 361 / 323 / 422: d64 stays on the portable kernel.
 GLUON_CAUSAL_FWD_TILES = {128: Tile(128, 128, 4, 2, tma=True, gluon=True)}
-# As a plan's dq tile with a Gluon dk/dv tile (`Tile.gluon`: kernels_gluon.attn_bwd_gluon_kernel):
-# dq is summed in that kernel (5 block products per tile pair) instead of by the dq kernel.
-GLUON_FUSED_DQ = Tile(0, 0, 0, 0, gluon=True)
+# d = 64 causal forwards of at least this many query rows take the same Gluon tile (H100,
+# session 20, hopper_ab.py, TFLOP/s portable / Gluon: N = 16k 384 / 426 and 383 / 427 at the
+# leaderboard's B = 16, H = 1; 8k 388 / 381; 4k 361 / 323). Non-causal d = 64 stays portable
+# (16k 434-446 / 442-449, 8k 434 / 409).
+GLUON_CAUSAL_FWD_MIN_N = {64: 16384}
+# The Gluon dk/dv kernel (kernels_gluon.attn_bwd_gluon_kernel: 2 x 64 keys per program, BLOCK_M
+# query rows per step, a `stages`-deep q/do ring; dq stays with the portable dq kernel) where it
+# measured faster on an H100 (session 20, hopper_ab.py; backward TFLOP/s at N = 16k / 8k / 4k,
+# portable / Gluon): d128 non-causal 400 / 443, 396 / 439, 376 / 386 (3 stages; 2 stages:
+# 428, 393, 414); causal 375 / 419, 330 / 396, 305 / 354 (2 stages). d64 measured 0.86-1.0x
+# the portable kernels (BLOCK_M 128 spills): portable.
+GLUON_DKDV_TILES = {128: Tile(64, 128, 4, 3, tma=True, gluon=True)}
+GLUON_CAUSAL_DKDV_TILES = {128: Tile(64, 128, 4, 2, tma=True, gluon=True)}
 # dk/dv: BLOCK_N keys held by the program, BLOCK_M query rows per step.
 DKDV_TILES = {
     16: Tile(64, 128, 8, 2),
@@ -172,15 +183,25 @@ def plan_for(
     bd = block_d_for(d)
     if dtype == torch.float32:
         return Plan(*FP32_TILES[bd])
-    fwd, dkdv, dq = CAUSAL_TILES.get(bd, (None, None, None)) if causal else (None, None, None)
+    fwd, _, dq = CAUSAL_TILES.get(bd, (None, None, None)) if causal else (None, None, None)
+    dkdv = portable_dkdv(bd, causal)
     if not masked_fwd:
         fwd = (GLUON_CAUSAL_FWD_TILES if causal else GLUON_FWD_TILES).get(bd) or fwd
+        if causal and grid is not None and grid[1] >= GLUON_CAUSAL_FWD_MIN_N.get(bd, 1 << 62):
+            fwd = GLUON_CAUSAL_FWD_TILES[128]
+        dkdv = (GLUON_CAUSAL_DKDV_TILES if causal else GLUON_DKDV_TILES).get(bd) or dkdv
     fwd = fwd or FWD_TILES[bd]
     if grid is not None:
         fwd = small_grid_fwd(fwd, bd, causal, *grid)
     if masked_fwd and bd >= MASKED_FWD_TMA_MIN_D:
         fwd = replace(fwd, tma=True)
-    return Plan(fwd, dkdv or DKDV_TILES[bd], dq or DQ_TILES[bd])
+    return Plan(fwd, dkdv, dq or DQ_TILES[bd])
+
+
+def portable_dkdv(bd: int, causal: bool) -> Tile:
+    """The portable dk/dv tile of a half-precision backward (also where a Gluon tile cannot
+    run: `launchers._gluon_dkdv`)."""
+    return (CAUSAL_TILES.get(bd, (None,) * 3)[1] if causal else None) or DKDV_TILES[bd]
 
 
 def small_grid_fwd(tile: Tile, bd: int, causal: bool, bh: int, nq: int, sms: int) -> Tile:
