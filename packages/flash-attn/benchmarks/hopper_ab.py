@@ -74,8 +74,6 @@ FUSED = fa_plans.GLUON_FUSED_DQ  # dq summed in the Gluon dk/dv kernel
 CANDIDATES = {
     "G1": {64: (gluon(128, 128, 2), None, None), 128: (gluon(128, 128, 2), None, None)},
     "P": {64: (None, "portable", None), 128: (None, "portable", None)},
-    "B2": {64: (None, gluon_bwd(64, 2), None), 128: (None, gluon_bwd(64, 2), None)},
-    "B4": {64: (None, gluon_bwd(128, 2), None), 128: (None, gluon_bwd(64, 3), None)},
     "F1": {64: (None, gluon_bwd(64, 2), FUSED), 128: (None, gluon_bwd(64, 2), FUSED)},
     "F1a": {64: (None, gluon_bwd(64, 2), FUSED), 128: (None, gluon_bwd(64, 2), FUSED)},
 }

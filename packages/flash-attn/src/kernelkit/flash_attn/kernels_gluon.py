@@ -376,6 +376,8 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready, empty
         dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
         dq_cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
         dq_offs = dq_rows[:, None] * BLOCK_D + dq_cols[None, :]
+    pending = SEM  # DQ_MODE 2: the semaphore of the last part added, released one turn later
+    has_pending = 0
     mbarrier.wait(kv_bar, 0)
     for i in range(n_iter):
         s = i % STAGES
@@ -427,11 +429,17 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready, empty
                 mbarrier.arrive(empty.index(s))
                 dq_ptrs = DQACC + (bhq.to(gl.int64) * vec_stride + m0) * BLOCK_D + dq_offs
                 if DQ_MODE == 2:  # after key block pid_n - 1's part, before pid_n + 1's
+                    # The previous part's count is released only now, when its REDs are long
+                    # done: released right after them, the release waited for their round trip
+                    # to L2 on every turn.
+                    if has_pending:
+                        _red_release_add(pending)
                     sem = SEM + bhq.to(gl.int64) * sem_stride + m0 // SEM_ROWS
                     while _ld_acquire(sem) != pid_n * 128:  # each of 128 threads counts one
                         pass
                     _red_add(dq_ptrs, dq * sm_scale)
-                    _red_release_add(sem)
+                    pending = sem
+                    has_pending = 1
                 else:
                     _red_add(dq_ptrs, dq * sm_scale)
             else:
@@ -441,6 +449,9 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready, empty
             dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
             mbarrier.arrive(empty.index(s))
 
+    if DQ_MODE == 2:  # noqa: SIM102 (a constexpr branch, then a run-time one)
+        if has_pending:
+            _red_release_add(pending)
     rows = kw0 + gl.arange(0, BWD_WG_KEYS, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
     keep = (rows[:, None] < Nk) & (cols[None, :] < HEAD_DIM)
