@@ -24,7 +24,6 @@ applies it (a run-time branch: Gluon has no automatic pass to trip over).
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -277,45 +276,12 @@ def attn_fwd_gluon_kernel(
 #   dS^T). K and V stay in shared memory as wgmma operands; the portable dk/dv kernel holds
 #   them in registers, which made its d = 128 tiles spill.
 # The same 4 block products per tile pair as the portable kernel, summed in the same order
-# (dk, dv bitwise equal to it on the H100).
-# DQ_MODE > 0 sums dq here too: a fifth product per step, dq_part = dS K over all 128 keys, by
-# one warpgroup per step (warpgroup i % 2 at step i, so both do the same work): both write
-# their dS^T into a shared buffer (one per step parity), the other waits on its mbarrier. The
-# part is added into a float32 buffer with RED instructions: DQ_MODE 1 in any order; DQ_MODE 2
-# takes turns, key block after key block, counted by a semaphore per query block (acquire /
-# release), so the sums are bitwise reproducible.
+# (dk, dv bitwise equal to it on the H100). Summing dq here too (a fifth product per pair, its
+# parts added into a float32 buffer) was measured and removed (NOTES.md, session 20): in a
+# fixed order (semaphores, deterministic) 0.6-0.7x the speed of leaving dq to its own kernel;
+# in any order (RED atomics) 0.6-1.14x, faster only for d64 causal at 16k rows.
 
 BWD_WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma row block)
-SEM_ROWS = gl.constexpr(64)  # query rows per dq semaphore (DQ_MODE 2; kernels.SEM_ROWS)
-
-
-@gluon.jit
-def _ld_acquire(ptr):
-    return gl.inline_asm_elementwise(
-        "ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32, is_pure=False,
-        pack=1,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _red_release_add(ptr):
-    """Each thread adds 1 (release: its earlier writes are visible before its count is)."""
-    return gl.inline_asm_elementwise(
-        "red.release.gpu.global.add.s32 [$1], 1;\n\tmov.b32 $0, 0;", "=r,l", [ptr],
-        dtype=gl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _red_add(ptrs, x):
-    """Atomic x += at ptrs without a return value (gl.atomic_add emits an ATOM that returns the
-    old values), two adjacent float32 per instruction (sm_90 red...v2.f32): a thread's pairs of
-    consecutive accumulator registers are adjacent columns of one row."""
-    return gl.inline_asm_elementwise(
-        "red.relaxed.gpu.global.add.v2.f32 [$2], {$4, $5};\n\tmov.b32 $0, 0;\n\tmov.b32 $1, 0;",
-        "=r,=r,l,l,r,r", [ptrs, x.to(gl.int32, bitcast=True)], dtype=gl.int32, is_pure=False,
-        pack=2,
-    )  # fmt: skip
 
 
 @gluon.jit
@@ -342,12 +308,11 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sm
 
 
 @gluon.jit
-def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready, empty, ds_ready,
-                  ds_free, LSE2, DELTA, DK, DV, DQACC, SEM, stride_dkn, stride_dvn, vec_stride,
-                  sem_stride, bhq0, pid_n, start_n, Nq, Nk, m_lo, n_m, n_iter, qk_scale,
-                  sm_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
-                  DQ_MODE: gl.constexpr):  # fmt: skip
+def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, LSE2, DELTA, DK, DV,
+                  stride_dkn, stride_dvn, vec_stride, bhq0, start_n, Nq, Nk, m_lo, n_m, n_iter,
+                  qk_scale, sm_scale, WG: gl.constexpr, CAUSAL: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
+                  STAGES: gl.constexpr):  # fmt: skip
     """Keys [start_n + WG * 64, +64): the step loop, then dk (scaled) and dv to global memory.
     Row vectors (LSE2 in log2 units, DELTA) are the preprocess's padded copies: +inf / 0 past
     Nq, so query rows past the end add nothing and need no check."""
@@ -371,13 +336,6 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready, empty
     zero_st = gl.zeros([BWD_WG_KEYS, BLOCK_M], gl.float32, st_layout)
     dk = gl.zeros([BWD_WG_KEYS, BLOCK_D], gl.float32, acc_layout)
     dv = gl.zeros([BWD_WG_KEYS, BLOCK_D], gl.float32, acc_layout)
-    if DQ_MODE > 0:
-        zero_dq = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_layout)
-        dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-        dq_cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
-        dq_offs = dq_rows[:, None] * BLOCK_D + dq_cols[None, :]
-    pending = SEM  # DQ_MODE 2: the semaphore of the last part added, released one turn later
-    has_pending = 0
     mbarrier.wait(kv_bar, 0)
     for i in range(n_iter):
         s = i % STAGES
@@ -410,48 +368,9 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready, empty
         ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
         ds_op = gl.convert_layout(ds_t, op_layout)
         dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-        if DQ_MODE > 0:
-            par = i % 2
-            ds_buf = ds_smem.index(par)
-            mbarrier.wait(ds_free.index(par), ((i // 2) & 1) ^ 1)  # step i - 2's dq read it
-            ds_buf.slice(WG * BWD_WG_KEYS, BWD_WG_KEYS).store(ds_t)
-            fence_async_shared()
-            gl.thread_barrier()  # every warp's rows are written before the arrival
-            mbarrier.arrive(ds_ready.index(par))
-            if par == WG:  # this warpgroup's turn: dq_part = dS (BLOCK_M x 128) K
-                mbarrier.wait(ds_ready.index(par), (i // 2) & 1)
-                dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, zero_dq, use_acc=False,
-                                       is_async=True)  # fmt: skip
-                dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(
-                    0, deps=(dv_tok, dk_tok, dq_tok, p_op, ds_op)
-                )
-                mbarrier.arrive(ds_free.index(par))
-                mbarrier.arrive(empty.index(s))
-                dq_ptrs = DQACC + (bhq.to(gl.int64) * vec_stride + m0) * BLOCK_D + dq_offs
-                if DQ_MODE == 2:  # after key block pid_n - 1's part, before pid_n + 1's
-                    # The previous part's count is released only now, when its REDs are long
-                    # done: released right after them, the release waited for their round trip
-                    # to L2 on every turn.
-                    if has_pending:
-                        _red_release_add(pending)
-                    sem = SEM + bhq.to(gl.int64) * sem_stride + m0 // SEM_ROWS
-                    while _ld_acquire(sem) != pid_n * 128:  # each of 128 threads counts one
-                        pass
-                    _red_add(dq_ptrs, dq * sm_scale)
-                    pending = sem
-                    has_pending = 1
-                else:
-                    _red_add(dq_ptrs, dq * sm_scale)
-            else:
-                dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
-                mbarrier.arrive(empty.index(s))
-        else:
-            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
-            mbarrier.arrive(empty.index(s))
+        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+        mbarrier.arrive(empty.index(s))
 
-    if DQ_MODE == 2:  # noqa: SIM102 (a constexpr branch, then a run-time one)
-        if has_pending:
-            _red_release_add(pending)
     rows = kw0 + gl.arange(0, BWD_WG_KEYS, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
     keep = (rows[:, None] < Nk) & (cols[None, :] < HEAD_DIM)
@@ -471,8 +390,6 @@ def attn_bwd_gluon_kernel(
     DELTA,
     DK,
     DV,
-    DQACC,
-    SEM,
     stride_qb,
     stride_qn,
     stride_qh,
@@ -492,7 +409,6 @@ def attn_bwd_gluon_kernel(
     stride_dvn,
     stride_dvh,
     vec_stride,
-    sem_stride,
     H,
     Hkv,
     GROUP,
@@ -506,15 +422,12 @@ def attn_bwd_gluon_kernel(
     BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr,
     STAGES: gl.constexpr,
-    DQ_MODE: gl.constexpr,
 ):
     """dk, dv of one 128-key block of one kv head (bottom-right causal mask or none, GQA, any
     Nq and Nk); launched with num_warps = 4 (the default partition), 9 warps in all. LSE2 /
     DELTA: (B * H, vec_stride) padded row vectors (kernels.attn_bwd_preprocess_kernel with
-    ROWVEC). DQ_MODE > 0: also dq's float32 sums, scaled, into DQACC ((B * H, vec_stride,
-    BLOCK_D), zeroed before, as is SEM: (B * H, sem_stride)). Programs of one key block are
-    adjacent across heads: with causal masks the longest (first) key blocks start first, and
-    with DQ_MODE 2 a program waits only on programs launched before it."""
+    ROWVEC). Programs of one key block are adjacent across heads: with causal masks the
+    longest (first) key blocks start first."""
     gl.static_assert(BLOCK_N == 2 * BWD_WG_KEYS, "two consumer warpgroups of 64 keys")
     qk_scale = qk_scale.to(gl.float32)
     sm_scale = sm_scale.to(gl.float32)
@@ -536,7 +449,6 @@ def attn_bwd_gluon_kernel(
     tile3: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, BLOCK_D], dtype)
     tile2: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     q_desc = tma.make_tensor_descriptor(Q + b * stride_qb, [H, Nq, HEAD_DIM],
                                         [stride_qh, stride_qn, 1], [1, BLOCK_M, BLOCK_D],
                                         tile3)  # fmt: skip
@@ -553,9 +465,6 @@ def attn_bwd_gluon_kernel(
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], tile2)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2 if DQ_MODE else 1, BLOCK_N, BLOCK_M], ds_layout)
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -563,9 +472,6 @@ def attn_bwd_gluon_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
-    for i in gl.static_range(2):
-        mbarrier.init(ds_ready.index(i), count=2)  # both halves of dS^T written
-        mbarrier.init(ds_free.index(i), count=1)  # the dq product has read them
 
     hq0 = hk * GROUP
     bhq0 = b * H + hq0
@@ -573,18 +479,14 @@ def attn_bwd_gluon_kernel(
     dv_base = DV + b * stride_dvb + hk.to(gl.int64) * stride_dvh
     gl.warp_specialize(
         [
-            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready, empty,
-                             ds_ready, ds_free, LSE2, DELTA, dk_base, dv_base, DQACC, SEM,
-                             stride_dkn, stride_dvn, vec_stride, sem_stride, bhq0, pid_n,
+            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, LSE2,
+                             DELTA, dk_base, dv_base, stride_dkn, stride_dvn, vec_stride, bhq0,
                              start_n, Nq, Nk, m_lo, n_m, n_iter, qk_scale, sm_scale,
-                             gl.constexpr(0), CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_D, STAGES,
-                             DQ_MODE)),
-            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready, empty,
-                             ds_ready, ds_free, LSE2, DELTA, dk_base, dv_base, DQACC, SEM,
-                             stride_dkn, stride_dvn, vec_stride, sem_stride, bhq0, pid_n,
+                             gl.constexpr(0), CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_D, STAGES)),
+            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, LSE2,
+                             DELTA, dk_base, dv_base, stride_dkn, stride_dvn, vec_stride, bhq0,
                              start_n, Nq, Nk, m_lo, n_m, n_iter, qk_scale, sm_scale,
-                             gl.constexpr(1), CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_D, STAGES,
-                             DQ_MODE)),
+                             gl.constexpr(1), CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_D, STAGES)),
             (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                              kv_bar, ready, empty, start_n, hq0, m_lo, n_m, n_iter, BLOCK_M,
                              BLOCK_D, STAGES)),

@@ -75,9 +75,6 @@ GLUON_CAUSAL_FWD_MIN_N = {64: 16384}
 # the portable kernels (BLOCK_M 128 spills): portable.
 GLUON_DKDV_TILES = {128: Tile(64, 128, 4, 3, tma=True, gluon=True)}
 GLUON_CAUSAL_DKDV_TILES = {128: Tile(64, 128, 4, 2, tma=True, gluon=True)}
-# As a plan's dq tile beside a Gluon dk/dv tile: dq summed in the Gluon kernel (5 block products
-# per tile pair instead of 7), in a fixed order unless the backward is not deterministic.
-GLUON_FUSED_DQ = Tile(0, 0, 0, 0, gluon=True)
 # dk/dv: BLOCK_N keys held by the program, BLOCK_M query rows per step.
 DKDV_TILES = {
     16: Tile(64, 128, 8, 2),
