@@ -69,12 +69,43 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    _check_versions(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _check_versions(items) -> None:
+    """Each tested package's `__version__` (and kernelkit-shared's, run from a source tree) is its
+    pyproject.toml's version: stale ones had shipped in five packages. The package is the
+    directory above a test file's `tests/`; kernelkit-foo-bar is the module kernelkit.foo_bar."""
+    import importlib
+    import re
+    from pathlib import Path
+
+    tests = {Path(str(item.path)).parent for item in items}
+    roots = {t.parent for t in tests if t.name == "tests"}
+    roots.add(Path(__file__).resolve().parents[3])  # kernelkit-shared itself, from a source tree
+    for root in sorted(roots):
+        pyproject = root / "pyproject.toml"
+        if not pyproject.is_file():
+            continue
+        # [project]'s name and version lines (tomllib needs Python 3.11)
+        table = pyproject.read_text().partition("[project]")[2].partition("\n[")[0]
+        name, version = (
+            re.search(rf'^{k}\s*=\s*"([^"]*)"', table, re.M) for k in ("name", "version")
+        )
+        if not (name and version and name[1].startswith("kernelkit-")):
+            continue
+        module = importlib.import_module(name[1].replace("-", ".", 1).replace("-", "_"))
+        found = getattr(module, "__version__", None)
+        if found != version[1]:
+            raise pytest.UsageError(
+                f"{name[1]}: __version__ is {found!r}, pyproject.toml says {version[1]!r}"
+            )
 
 
 @pytest.fixture
