@@ -891,14 +891,9 @@ def _check_plan(plan, q, k, v, causal):
         assert_close(g, g64, ref_lowp=gl, name=name)
 
 
-def test_gluon_forward_launches_are_compile_checked(monkeypatch):
-    """The Gluon forward (kernels_gluon.py) runs only on an sm_90 GPU (Gluon has no interpreter):
-    here its launches are captured as on one (CPU tensors taken as TMA-aligned on Hopper) and
-    recorded for the end-of-session compile check, which lowers them to TTGIR for sm_90.
-    GQA, Nq != Nk, ragged ends, a padded head dim, causal and softcap (tanh.approx, as for
-    half precision on a GPU)."""
-    from kernelkit.shared.compile_check import record_launch
-
+def _capture_launches_as_on_hopper(monkeypatch) -> list:
+    """From now on the op's launches are captured as (kernel, args, kwargs) instead of run, with
+    CPU tensors taken as TMA-aligned on an sm_90 GPU (the Gluon kernels allowed)."""
     calls = []
 
     class Capture:  # stands in for launch(kernel)[grid](*args, **kwargs)
@@ -911,6 +906,18 @@ def test_gluon_forward_launches_are_compile_checked(monkeypatch):
     monkeypatch.setattr(runtime, "launch", Capture)
     monkeypatch.setattr(fa_plans, "use_tma", lambda *t: True)
     monkeypatch.setattr(fa_plans, "_gluon_device", lambda device: True)
+    return calls
+
+
+def test_gluon_forward_launches_are_compile_checked(monkeypatch):
+    """The Gluon forward (kernels_gluon.py) runs only on an sm_90 GPU (Gluon has no interpreter):
+    here its launches are captured as on one (CPU tensors taken as TMA-aligned on Hopper) and
+    recorded for the end-of-session compile check, which lowers them to TTGIR for sm_90.
+    GQA, Nq != Nk, ragged ends, a padded head dim, causal and softcap (tanh.approx, as for
+    half precision on a GPU)."""
+    from kernelkit.shared.compile_check import record_launch
+
+    calls = _capture_launches_as_on_hopper(monkeypatch)
     score_args = fa_launchers._score_args
 
     def fast_score_args(scale, softcap, q):  # tanh.approx as on a GPU (CPU: the exact formula)
@@ -938,18 +945,7 @@ def test_gluon_backward_launches_are_compile_checked(monkeypatch):
     above. GQA with ragged ends and Nq != Nk (causal), a padded head dim, both ring depths."""
     from kernelkit.shared.compile_check import record_launch
 
-    calls = []
-
-    class Capture:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: calls.append((self.kernel, args, kwargs))
-
-    monkeypatch.setattr(runtime, "launch", Capture)
-    monkeypatch.setattr(fa_plans, "use_tma", lambda *t: True)
-    monkeypatch.setattr(fa_plans, "_gluon_device", lambda device: True)
+    calls = _capture_launches_as_on_hopper(monkeypatch)
     cases = [(64, True, 2, (300, 260)), (80, False, 3, (300, 300)), (128, True, 2, (260, 300)),
              (128, False, 3, (256, 256))]  # fmt: skip
     for d, causal, stages, (nq, nk) in cases:
