@@ -308,19 +308,24 @@ def check(d, causal, name):
     return lines
 
 
+def _gluon(plan) -> bool:
+    """Whether a plan runs a Gluon kernel (checked last: a hang there stops nothing else)."""
+    return plan.fwd.gluon or plan.dkdv.gluon
+
+
 def warm(shard, nshards):
     """Worker process: the correctness checks of its share of (case, plan), which also fills
     Triton's on-disk cache for the timing process, then the leaderboard layout (H = 1). The
     Gluon candidates come last: a hang there (a barrier protocol bug) stops nothing else."""
     jobs = [(d, c, name) for d, c in CASES for name in plans_for(d, c)]
-    jobs.sort(key=lambda job: plans_for(job[0], job[1])[job[2]].fwd.gluon)
+    jobs.sort(key=lambda job: _gluon(plans_for(job[0], job[1])[job[2]]))
     jobs = ([("leaderboard",)] if shard == nshards - 1 else []) + jobs[shard::nshards]
     for job in jobs:
         if job == ("leaderboard",):  # compiles only (the Gluon plans' are left to the timing)
             b, h, _, d = LEADERBOARD
             q, k, v, do = (_rand(b, CHECK_N, h, d, seed=s) for s in range(4))
             for plan in plans_for(d, True).values():
-                if not plan.fwd.gluon:
+                if not _gluon(plan):
                     _run(plan, q, k, v, do, True)
         else:
             for line in check(*job):

@@ -8,6 +8,7 @@ Tests marked `gpu` use sizes only a GPU gets through quickly.
 """
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -976,6 +977,26 @@ def test_gluon_dkdv_tile_falls_back_where_it_cannot_run(device, monkeypatch):
     _check_plan(fa_plans.Plan(fa_plans.INTERPRETER_FWD, tile, fa_plans.INTERPRETER_DQ), q, k, v,
                 True)  # fmt: skip
     assert "attn_bwd_dkdv_kernel" in launched and "attn_bwd_gluon_kernel" not in launched
+    # float32 inputs get a float32 tile; a Gluon tile asking for pointer loads keeps them.
+    assert fa_plans.portable_dkdv(128, True, torch.float32) == fa_plans.FP32_TILES[128][1]
+
+
+def test_gluon_dkdv_fallback_keeps_dtype_and_pointer_loads(monkeypatch):
+    """Where the Gluon dk/dv tile cannot run, the portable tile replacing it is the float32 one
+    for float32 inputs, and reads through pointers when the tile asked for that (`tune.py`'s
+    pointer-load plans): captured launches, as on an sm_90 GPU."""
+    calls = _capture_launches_as_on_hopper(monkeypatch)
+    gluon = fa_plans.GLUON_CAUSAL_DKDV_TILES[128]
+    for dtype, tile in ((torch.float32, gluon), (torch.bfloat16, replace(gluon, tma=False))):
+        q, k, v = qkv(1, 100, 100, 2, 2, 128, dtype, "cpu")
+        plan = fa_plans.Plan(fa_plans.INTERPRETER_FWD, tile, fa_plans.INTERPRETER_DQ)
+        fa_launchers.backward(torch.randn_like(q), q, k, v, q, torch.zeros(1, 2, 100), None, True,
+                              0.125, plan)  # fmt: skip
+    dkdv = [(a, kw) for kernel, a, kw in calls if kernel.fn.__name__ == "attn_bwd_dkdv_kernel"]
+    assert len(dkdv) == 2
+    f32 = fa_plans.FP32_TILES[128][1]
+    assert (dkdv[0][1]["BLOCK_M"], dkdv[0][1]["BLOCK_N"]) == (f32.block_m, f32.block_n)
+    assert dkdv[1][1]["TMA"] is False
 
 
 def test_default_plans_take_the_gluon_kernels_by_rule(monkeypatch):
@@ -1352,31 +1373,41 @@ GPU_VARLEN = [
     "shape", HOPPER_GPU_SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}-hkv{}-d{}".format(*s)
 )
 @pytest.mark.parametrize("tile", [(128, 128, 2), (128, 64, 3)], ids=["128x128s2", "128x64s3"])
-def test_gpu_gluon_forward(shape, tile, device, monkeypatch):
-    """The Gluon forward (kernels_gluon.py), non-causal as it ships (GLUON_FWD_TILES), with the
-    shipped 128 x 128 x 2-stage tile and a 128 x 64 x 3-stage one (its backward: the current
-    kernels)."""
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_gluon_forward(shape, tile, causal, device, monkeypatch):
+    """The Gluon forward (kernels_gluon.py), non-causal and causal as it ships (d128; d64 causal
+    from GLUON_CAUSAL_FWD_MIN_N rows), with the shipped 128 x 128 x 2-stage tile and a
+    128 x 64 x 3-stage one (its backward: the current kernels)."""
     launched = _launched_kernels(monkeypatch)
     q, k, v = qkv(*shape, torch.bfloat16, device)
-    base = fa_plans.plan_for(shape[-1], False, q.dtype)
+    base = fa_plans.plan_for(shape[-1], causal, q.dtype)
     gluon = fa_plans.Tile(*tile[:2], 4, tile[2], tma=True, gluon=True)
-    _check_plan(fa_plans.Plan(gluon, base.dkdv, base.dq), q, k, v, False)
+    _check_plan(fa_plans.Plan(gluon, base.dkdv, base.dq), q, k, v, causal)
     if torch.cuda.get_device_capability()[0] == 9:
         assert "attn_fwd_gluon_kernel" in launched
+
+
+# The dk/dv kernel's own edges besides HOPPER_GPU_SHAPES: fewer query rows than a step and
+# fewer keys than one warpgroup's 64 (the second warpgroup sees none), a padded head dim with
+# GQA; those run in float16.
+GLUON_BWD_FP16_SHAPES = [(2, 50, 60, 4, 2, 80), (1, 130, 40, 6, 3, 96)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(
-    "shape", HOPPER_GPU_SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}-hkv{}-d{}".format(*s)
+    "shape",
+    HOPPER_GPU_SHAPES + GLUON_BWD_FP16_SHAPES,
+    ids=lambda s: "b{}-q{}-k{}-h{}-hkv{}-d{}".format(*s),
 )
 @pytest.mark.parametrize("stages", [2, 3], ids=["s2", "s3"])
 def test_gpu_gluon_backward(shape, causal, stages, device, monkeypatch):
     """The Gluon dk/dv kernel (kernels_gluon.attn_bwd_gluon_kernel) with both ring depths, at
     d64 too (it ships for d128): GQA, Nq != Nk (bottom-right causal), ragged ends, a padded
-    head dim, one key block."""
+    head dim (with GQA; in float16), one key block, fewer than 64 keys or query rows."""
     launched = _launched_kernels(monkeypatch)
-    q, k, v = qkv(*shape, torch.bfloat16, device)
+    dtype = torch.float16 if shape in GLUON_BWD_FP16_SHAPES else torch.bfloat16
+    q, k, v = qkv(*shape, dtype, device)
     base = fa_plans.plan_for(shape[-1], causal, q.dtype)
     gluon = fa_plans.Tile(64, 128, 4, stages, tma=True, gluon=True)
     _check_plan(fa_plans.Plan(base.fwd, gluon, base.dq), q, k, v, causal)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -431,7 +431,8 @@ def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, wind
     # delta like it, (1, H, total_q) packed (whose rows the preprocess walks as one sequence).
     gluon_dkdv = _gluon_dkdv(plan.dkdv, q, k, v, do, local, win_right, softcap_mode, varlen)
     if plan.dkdv.gluon and not gluon_dkdv:  # the portable tile where the Gluon one cannot run
-        plan = Plan(plan.fwd, portable_dkdv(bd, upper), plan.dq)
+        portable = portable_dkdv(bd, upper, q.dtype)  # (pointer loads if the plan said so)
+        plan = Plan(plan.fwd, replace(portable, tma=portable.tma and plan.dkdv.tma), plan.dq)
     pad = gluon_dkdv or _pad_row_vectors(varlen, nq, bd)
     cu_q, cu_k = (None, None) if varlen is None else (varlen.cu_q, varlen.cu_k)
     pre_m = INTERPRETER_FWD.block_m if interpreting() else PREPROCESS_BLOCK_M

@@ -198,9 +198,11 @@ def plan_for(
     return Plan(fwd, dkdv, dq or DQ_TILES[bd])
 
 
-def portable_dkdv(bd: int, causal: bool) -> Tile:
-    """The portable dk/dv tile of a half-precision backward (also where a Gluon tile cannot
-    run: `launchers._gluon_dkdv`)."""
+def portable_dkdv(bd: int, causal: bool, dtype: torch.dtype = torch.bfloat16) -> Tile:
+    """The portable dk/dv tile of a backward (also where a Gluon tile cannot run:
+    `launchers._gluon_dkdv`)."""
+    if dtype == torch.float32:
+        return FP32_TILES[bd][1]
     return (CAUSAL_TILES.get(bd, (None,) * 3)[1] if causal else None) or DKDV_TILES[bd]
 
 
@@ -346,4 +348,5 @@ def _gluon_flag(tile: Tile, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
 
 
 def _gluon_device(device: torch.device) -> bool:
-    return device.type == "cuda" and _sm90(device.index or 0)
+    """An sm_90 GPU, not under the interpreter (which cannot run Gluon kernels)."""
+    return device.type == "cuda" and not interpreting() and _sm90(device.index or 0)
