@@ -423,10 +423,13 @@ def test_small_grid_forward_plan(monkeypatch):
 
     assert fwd(64, False, 1, 16384) == small  # 128 programs: 0.97 waves
     assert fwd(64, False, 2, 16384) == small  # 256: 1.94
-    assert fwd(64, False, 3, 16384) == table  # 384: 2.9
+    assert fwd(64, False, 12, 4096) == table  # 384: 2.9
+    # From GLUON_FWD_MIN_N / GLUON_CAUSAL_FWD_MIN_N query rows on, a grid that is not small takes
+    # the Gluon tile.
+    assert fwd(64, False, 3, 16384) == fa_plans.GLUON_FWD_TILES[128]
+    assert fwd(64, False, 6, 8192) == fa_plans.GLUON_FWD_TILES[128]
     assert fwd(64, True, 8, 16384) == small  # 1024: 7.8
     assert fwd(64, True, 18, 8192) == table  # 1152: 8.7
-    # From GLUON_CAUSAL_FWD_MIN_N query rows on, a grid that is not small takes the Gluon tile.
     assert fwd(64, True, 9, 16384) == fa_plans.GLUON_CAUSAL_FWD_TILES[128]
     assert fwd(64, True, 1, 16384, torch.float32) == fa_plans.FP32_TILES[64][0]
     assert fwd(128, False, 1, 1024) == fa_plans.plan_for(128, False, torch.bfloat16).fwd
@@ -1001,8 +1004,8 @@ def test_gluon_dkdv_fallback_keeps_dtype_and_pointer_loads(monkeypatch):
 
 def test_default_plans_take_the_gluon_kernels_by_rule(monkeypatch):
     """Where the Gluon kernels ship (plans.py, H100 A/B): the d128 dk/dv kernel, causal or not,
-    not for a window's left edge or a packed batch; the d64 causal forward from
-    GLUON_CAUSAL_FWD_MIN_N query rows on (for a grid that fills the GPU)."""
+    not for a window's left edge or a packed batch; the d64 forward from GLUON_CAUSAL_FWD_MIN_N
+    (causal) or GLUON_FWD_MIN_N query rows on (for a grid that fills the GPU)."""
     monkeypatch.setattr(fa_plans, "interpreting", lambda: False)
     for causal in (False, True):
         assert fa_plans.plan_for(128, causal, torch.bfloat16).dkdv.gluon
@@ -1012,7 +1015,10 @@ def test_default_plans_take_the_gluon_kernels_by_rule(monkeypatch):
     n = fa_plans.GLUON_CAUSAL_FWD_MIN_N[64]
     assert fa_plans.plan_for(64, True, torch.bfloat16, grid=(16, n, 132)).fwd.gluon
     assert not fa_plans.plan_for(64, True, torch.bfloat16, grid=(16, n // 2, 132)).fwd.gluon
-    assert not fa_plans.plan_for(64, False, torch.bfloat16, grid=(16, n, 132)).fwd.gluon
+    n = fa_plans.GLUON_FWD_MIN_N[64]
+    assert fa_plans.plan_for(64, False, torch.bfloat16, grid=(16, n, 132)).fwd.gluon
+    assert not fa_plans.plan_for(64, False, torch.bfloat16, grid=(16, n // 2, 132)).fwd.gluon
+    assert not fa_plans.plan_for(64, False, torch.float32, grid=(16, n, 132)).fwd.gluon
 
 
 # ------------------------------------------------------------------------------------------
@@ -1385,6 +1391,22 @@ def test_gpu_gluon_forward(shape, tile, causal, device, monkeypatch):
     _check_plan(fa_plans.Plan(gluon, base.dkdv, base.dq), q, k, v, causal)
     if torch.cuda.get_device_capability()[0] == 9:
         assert "attn_fwd_gluon_kernel" in launched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_gluon_forward_d64_by_rule(causal, device, monkeypatch):
+    """The d64 Gluon forward where the default plan takes it (its minimum lengths,
+    GLUON_FWD_MIN_N / GLUON_CAUSAL_FWD_MIN_N, lowered to reach it at a test's size), q in
+    registers (launchers.GLUON_FWD_Q_REGS_MAX_D), GQA, Nq != Nk, with and without softcap."""
+    launched = _launched_kernels(monkeypatch)
+    monkeypatch.setattr(fa_plans, "GLUON_FWD_MIN_N", {64: 1})
+    monkeypatch.setattr(fa_plans, "GLUON_CAUSAL_FWD_MIN_N", {64: 1})
+    q, k, v = qkv(16, 1000, 1024, 16, 4, 64, torch.bfloat16, device)  # a grid of 16 waves
+    check(q, k, v, causal=causal)
+    check((q.double() * 3).to(q.dtype), k, v, causal=causal, softcap=30.0)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert "attn_fwd_gluon_kernel" in launched and "attn_fwd_kernel" not in launched
 
 
 # The dk/dv kernel's own edges besides HOPPER_GPU_SHAPES: fewer query rows than a step and

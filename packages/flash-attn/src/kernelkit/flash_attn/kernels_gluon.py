@@ -84,9 +84,11 @@ def _softmax_step(s, m_i, l_i, start_n, last, full_hi, qk_scale, cap_scale,
 def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
               stride_on, start_m, Nq, Nk, n_blocks, qk_scale, cap_scale, WG: gl.constexpr,
               CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              BLOCK_D: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr):  # fmt: skip
+              BLOCK_D: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr,
+              Q_REGS: gl.constexpr):  # fmt: skip
     """Rows [start_m + WG * 64, +64) of the program's query block: the pipelined loop over the
-    n_blocks key blocks, then o and the LSE to global memory."""
+    n_blocks key blocks, then o and the LSE to global memory. Q_REGS: the q tile is the S
+    wgmma's A operand from registers, not shared memory."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -114,6 +116,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
     p = s_zero
     o = gl.zeros([WG_ROWS, BLOCK_D], gl.float32, o_layout)
     mbarrier.wait(q_bar, 0)
+    if Q_REGS:
+        q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
     if n_blocks > 0:  # block 0: its scores and softmax; no P.V product in flight yet
         mbarrier.wait(k_ready.index(0), 0)
         s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
@@ -193,6 +197,7 @@ def attn_fwd_gluon_kernel(
     TMA: gl.constexpr,
     STAGES: gl.constexpr,
     SOFTCAP: gl.constexpr,
+    Q_REGS: gl.constexpr = False,
 ):
     """One BLOCK_M (= 128) query block of one head; launched with num_warps = 4 (the default
     partition), 12 warps in all. The arguments are kernels.attn_fwd_kernel's (EVEN_M, EVEN_N
@@ -249,11 +254,11 @@ def attn_fwd_gluon_kernel(
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                          o_base, lse_base, stride_on, start_m, Nq, Nk, n_blocks, qk_scale,
                          cap_scale, gl.constexpr(0), CAUSAL, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES,
-                         SOFTCAP)),
+                         SOFTCAP, Q_REGS)),
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                          o_base, lse_base, stride_on, start_m, Nq, Nk, n_blocks, qk_scale,
                          cap_scale, gl.constexpr(1), CAUSAL, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES,
-                         SOFTCAP)),
+                         SOFTCAP, Q_REGS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
                          v_ready, k_empty, v_empty, start_m, n_blocks, BLOCK_N, STAGES)),
         ],

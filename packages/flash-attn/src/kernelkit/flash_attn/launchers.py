@@ -58,7 +58,8 @@ def _forward_gluon(ops, q, k, v, o, lse, tile: Tile, causal: bool, qk_scale: flo
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, CAUSAL=causal,
         EVEN_M=bool(nq % tile.block_m == 0), EVEN_N=bool(nk % tile.block_n == 0),
         DOT_PREC=dot_precision(q.dtype), TMA=True, STAGES=tile.stages,
-        SOFTCAP=softcap_mode == 2, num_warps=tile.warps, num_stages=tile.stages,
+        SOFTCAP=softcap_mode == 2, Q_REGS=block_d_for(d) <= GLUON_FWD_Q_REGS_MAX_D,
+        num_warps=tile.warps, num_stages=tile.stages,
     )  # fmt: skip
 
 
@@ -79,6 +80,11 @@ PEEL_RAGGED_TAIL = True
 # forward's LSE and an unpadded delta, checked rows (an A/B switch; benchmarks/varlen_ab.py).
 PAD_ROW_VECTORS = True
 ROW_PAD = 128  # at least every backward tile's BLOCK_M (powers of two)
+# The Gluon forward up to this BLOCK_D holds its q tile in registers as the S = q K^T wgmma's A
+# operand instead of reading it from shared memory (d128 would spill). H100 A/B (NOTES.md,
+# session 21), d64 TFLOP/s shared / registers: non-causal 424 / 443 at 16k, 407 / 430 at 8k;
+# causal 418 / 430 at 16k. 0: never (an A/B switch).
+GLUON_FWD_Q_REGS_MAX_D = 64
 
 
 def _pad_row_vectors(varlen: Varlen | None, nq: int, bd: int) -> bool:
@@ -138,7 +144,7 @@ def _seq_strides(t: torch.Tensor, varlen: Varlen | None):
 # tensors (and a packed batch's cu_seqlens) and options: the call's (direction, causal, scale,
 # softcap, window, a packed batch's max_seqlen or None), then the module switches and the rule
 # that plans read (tests patch them): FAST_TANH, PEEL_RAGGED_TAIL, PAD_ROW_VECTORS,
-# interpreting(). Built
+# GLUON_FWD_Q_REGS_MAX_D (forward), interpreting(). Built
 # inline: this is the host path of every call.
 
 
@@ -169,8 +175,8 @@ def forward(
         else:
             inputs = (q, k, v, varlen.cu_q, varlen.cu_k)
             sizes = varlen.max_q, varlen.max_k
-        options = ("fwd", causal, scale, softcap, window, sizes,
-                   FAST_TANH, PEEL_RAGGED_TAIL, PAD_ROW_VECTORS, interpreting())  # fmt: skip
+        options = ("fwd", causal, scale, softcap, window, sizes, FAST_TANH, PEEL_RAGGED_TAIL,
+                   PAD_ROW_VECTORS, GLUON_FWD_Q_REGS_MAX_D, interpreting())  # fmt: skip
         return replay.replayed(
             _forward, inputs, options, q, k, v, causal, scale, None, None, softcap, window, varlen
         )

@@ -64,9 +64,14 @@ GLUON_FWD_TILES = {128: Tile(128, 128, 4, 2, tma=True, gluon=True)}
 GLUON_CAUSAL_FWD_TILES = {128: Tile(128, 128, 4, 2, tma=True, gluon=True)}
 # d = 64 causal forwards of at least this many query rows take the same Gluon tile (H100,
 # session 20, hopper_ab.py, TFLOP/s portable / Gluon: N = 16k 384 / 426 and 383 / 427 at the
-# leaderboard's B = 16, H = 1; 8k 388 / 381; 4k 361 / 323). Non-causal d = 64 stays portable
-# (16k 434-446 / 442-449, 8k 434 / 409).
+# leaderboard's B = 16, H = 1; 8k 388 / 381; 4k 361 / 323). With the q tile in registers
+# (launchers.GLUON_FWD_Q_REGS_MAX_D, session 21): 16k 418 -> 430, 8k 377 / 384, 4k 366 / 329.
 GLUON_CAUSAL_FWD_MIN_N = {64: 16384}
+# Non-causal d = 64 forwards of at least this many query rows take the non-causal Gluon tile.
+# With q in shared memory it measured equal or slower (session 20: 16k 434-446 / 442-449, 8k
+# 434 / 409); with q in registers (session 21, results/logs/*-gluon-operand-regs.log), portable /
+# Gluon: 16k 423 / 443, 8k 422 / 430, 4k 411 / 404.
+GLUON_FWD_MIN_N = {64: 8192}
 # The Gluon dk/dv kernel (kernels_gluon.attn_bwd_gluon_kernel: 2 x 64 keys per program, BLOCK_M
 # query rows per step, a `stages`-deep q/do ring; dq stays with the portable dq kernel) where it
 # measured faster on an H100 (session 20, hopper_ab.py; backward TFLOP/s at N = 16k / 8k / 4k,
@@ -187,8 +192,9 @@ def plan_for(
     dkdv = portable_dkdv(bd, causal)
     if not masked_fwd:
         fwd = (GLUON_CAUSAL_FWD_TILES if causal else GLUON_FWD_TILES).get(bd) or fwd
-        if causal and grid is not None and grid[1] >= GLUON_CAUSAL_FWD_MIN_N.get(bd, 1 << 62):
-            fwd = GLUON_CAUSAL_FWD_TILES[128]
+        min_n = (GLUON_CAUSAL_FWD_MIN_N if causal else GLUON_FWD_MIN_N).get(bd, 1 << 62)
+        if grid is not None and grid[1] >= min_n:
+            fwd = (GLUON_CAUSAL_FWD_TILES if causal else GLUON_FWD_TILES)[128]
         dkdv = (GLUON_CAUSAL_DKDV_TILES if causal else GLUON_DKDV_TILES).get(bd) or dkdv
     fwd = fwd or FWD_TILES[bd]
     if grid is not None:
