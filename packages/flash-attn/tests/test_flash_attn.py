@@ -964,7 +964,20 @@ def test_gluon_backward_launches_are_compile_checked(monkeypatch):
     ]
     assert [kw["CAUSAL"] for _, _, kw in gluon] == [True, False, True, False]
     assert [kernel.fn.__name__ for kernel, _, _ in calls].count("attn_bwd_dkdv_kernel") == 0
-    for kernel, args, kwargs in gluon:
+    # dq summed in the Gluon kernel (experimental): its launches run only there, the portable
+    # preprocess (ZERO_DQ) and dq conversion included.
+    fused = len(calls)
+    for deterministic in (True, False):
+        q, k, v = qkv(2, 300, 260, 4, 2, 64, torch.bfloat16, "cpu")
+        tile = fa_plans.Tile(64, 128, 4, 2, tma=True, gluon=True)
+        plan = fa_plans.Plan(fa_plans.INTERPRETER_FWD, tile, fa_plans.GLUON_FUSED_DQ)
+        fa_launchers.backward(torch.randn_like(q), q, k, v, q, torch.zeros(2, 4, 300), None, True,
+                              0.125, plan, deterministic=deterministic)  # fmt: skip
+    names = [kernel.fn.__name__ for kernel, _, _ in calls[fused:]]
+    assert names == ["attn_bwd_preprocess_kernel", "attn_bwd_gluon_kernel",
+                     "attn_bwd_dq_convert_kernel"] * 2  # fmt: skip
+    assert [kw.get("DQ_MODE") for _, _, kw in calls[fused:]][1::3] == [2, 1]
+    for kernel, args, kwargs in gluon + calls[fused:]:
         record_launch(kernel, args, kwargs)
 
 
@@ -1436,6 +1449,39 @@ def test_gpu_gluon_backward(shape, causal, stages, device, monkeypatch):
     if torch.cuda.get_device_capability()[0] == 9:
         assert "attn_bwd_gluon_kernel" in launched
         assert "attn_bwd_dkdv_kernel" not in launched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [True, False], ids=["ordered", "any-order"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape", HOPPER_GPU_SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}-hkv{}-d{}".format(*s)
+)
+def test_gpu_gluon_fused_dq(shape, causal, deterministic, device, monkeypatch):
+    """dq summed in the Gluon dk/dv kernel (`plans.GLUON_FUSED_DQ`, experimental): against the
+    reference; in a fixed order the gradients are bitwise the same from run to run."""
+    launched = _launched_kernels(monkeypatch)
+    q, k, v = qkv(*shape, torch.bfloat16, device)
+    base = fa_plans.plan_for(shape[-1], causal, q.dtype)
+    tile = fa_plans.Tile(64, 128, 4, 2, tma=True, gluon=True)
+    plan = fa_plans.Plan(base.fwd, tile, fa_plans.GLUON_FUSED_DQ)
+    do = make(q.shape, q.dtype, q.device, seed=9)
+    scale = 1 / math.sqrt(q.shape[-1])
+    o, lse = fa_launchers.forward(q, k, v, causal, scale, plan)
+    grads = fa_launchers.backward(do, q, k, v, o, lse, None, causal, scale, plan,
+                                  deterministic=deterministic)  # fmt: skip
+    _, _, grads64 = _run(
+        attention_reference, q.double(), k.double(), v.double(), do, None, causal=causal
+    )
+    _, _, grads_l = _run(attention_reference, q, k, v, do, None, causal=causal)
+    for g, g64, gl, name in zip(grads, grads64, grads_l, ("dq", "dk", "dv")):
+        assert_close(g, g64, ref_lowp=gl, name=name)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert "attn_bwd_gluon_kernel" in launched and "attn_bwd_dq_kernel" not in launched
+        if deterministic:
+            again = fa_launchers.backward(do, q, k, v, o, lse, None, causal, scale, plan)
+            for g, h, name in zip(grads, again, ("dq", "dk", "dv")):
+                assert torch.equal(g, h), name
 
 
 @pytest.mark.gpu

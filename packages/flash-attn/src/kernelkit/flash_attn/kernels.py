@@ -618,6 +618,10 @@ def attn_fwd_combine_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
+# Query rows per semaphore of the Hopper backward's ordered dq sums (kernels_gluon.SEM_ROWS).
+SEM_ROWS = tl.constexpr(64)
+
+
 @triton.jit(do_not_specialize=["Nq"])
 def attn_bwd_preprocess_kernel(
     O,
@@ -627,6 +631,8 @@ def attn_bwd_preprocess_kernel(
     LSE2,
     DELTA,
     CU_Q,
+    DQACC,
+    SEM,
     stride_ob,
     stride_on,
     stride_oh,
@@ -646,6 +652,7 @@ def attn_bwd_preprocess_kernel(
     ROWVEC: tl.constexpr,
     ROW_PAD: tl.constexpr,
     VARLEN: tl.constexpr,
+    ZERO_DQ: tl.constexpr,
 ):
     """delta = rowsum(o * do) - dlse (dlse: the gradient flowing into the returned LSE), rows
     of LSE / DLSE read through (batch, head) strides and of LSE2 / DELTA through theirs.
@@ -654,7 +661,10 @@ def attn_bwd_preprocess_kernel(
     row up to Nq rounded up to ROW_PAD, +inf and 0 past Nq (so the kernels read them with no
     row check), each sequence of a packed batch (VARLEN) from a multiple of 16 (`_rowvec_start`;
     so they read them with 8-byte vectors; from cu_seqlens' own offsets they could not). The grid
-    then covers the padded rows. Else delta only, of the Nq rows."""
+    then covers the padded rows. Else delta only, of the Nq rows.
+
+    ZERO_DQ (ROWVEC, dense): also zero the Hopper backward's float32 dq sums (DQACC, (B * H,
+    padded rows, BLOCK_D)) and its semaphores (SEM, one per 64 padded rows) of these rows."""
     num_blocks = tl.cdiv(Nq, BLOCK_M)
     if ROWVEC:
         num_blocks = tl.cdiv(Nq, ROW_PAD) * (ROW_PAD // BLOCK_M)
@@ -692,8 +702,49 @@ def attn_bwd_preprocess_kernel(
     if ROWVEC:  # every padded row (BLOCK_M divides ROW_PAD)
         tl.store(LSE2 + out, _lse_log2(tl.load(LSE + vec, mask=rows < Nq, other=float("inf"))))
         tl.store(DELTA + out, delta)
+        if ZERO_DQ:
+            tl.store(DQACC + out[:, None] * BLOCK_D + offs_d[None, :],
+                     tl.zeros([BLOCK_M, BLOCK_D], tl.float32))  # fmt: skip
+            if start_m % SEM_ROWS == 0:
+                vbase = b * stride_vb + h * stride_vh
+                tl.store(SEM + vbase // SEM_ROWS + start_m // SEM_ROWS, 0)
     else:
         tl.store(DELTA + out, delta, mask=rows < Nq)
+
+
+@triton.jit
+def attn_bwd_dq_convert_kernel(
+    DQACC,
+    DQ,
+    stride_qb,
+    stride_qn,
+    stride_qh,
+    H,
+    Nq,
+    vec_stride,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """dq in the inputs' dtype and (B, N, H, D) layout from the Hopper backward's float32 sums
+    (DQACC: (B * H, vec_stride, BLOCK_D), already scaled)."""
+    pid_m, bh = _program_ids(tl.cdiv(Nq, BLOCK_M), False)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    src = DQACC + (bh.to(tl.int64) * vec_stride + rows[:, None]) * BLOCK_D + offs_d[None, :]
+    dq = tl.load(src)
+    dst = (
+        DQ
+        + b * stride_qb
+        + h * stride_qh
+        + rows[:, None].to(tl.int64) * stride_qn
+        + offs_d[None, :]
+    )
+    tl.store(
+        dst, dq.to(DQ.dtype.element_ty), mask=(rows[:, None] < Nq) & (offs_d[None, :] < HEAD_DIM)
+    )
 
 
 @triton.jit

@@ -21,9 +21,12 @@ Key blocks no mask can touch are walked without one; a block on the causal diago
 applies it (a run-time branch: Gluon has no automatic pass to trip over).
 """
 
+from triton._C.libtriton import ir as _tt_ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin as _builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -281,12 +284,92 @@ def attn_fwd_gluon_kernel(
 #   dS^T). K and V stay in shared memory as wgmma operands; the portable dk/dv kernel holds
 #   them in registers, which made its d = 128 tiles spill.
 # The same 4 block products per tile pair as the portable kernel, summed in the same order
-# (dk, dv bitwise equal to it on the H100). Summing dq here too (a fifth product per pair, its
-# parts added into a float32 buffer) was measured and removed (NOTES.md, session 20): in a
-# fixed order (semaphores, deterministic) 0.6-0.7x the speed of leaving dq to its own kernel;
-# in any order (RED atomics) 0.6-1.14x, faster only for d64 causal at 16k rows.
+# (dk, dv bitwise equal to it on the H100).
+#
+# DQ_MODE > 0 (experimental: no plan takes it by default; NOTES.md, session 20) sums dq here too:
+# a fifth product per step, dq_part = dS K over all 128 keys, by one warpgroup per step
+# (warpgroup i % 2 at step i: both do the same work). Both write their half of dS^T into a
+# shared buffer (one per step parity) and the warpgroup whose turn it is waits for the other's
+# half. It hands the part, scaled, to a fourth partition, a reducer warp, through its own
+# shared-memory buffer; that warp adds it into a float32 dq buffer with a TMA reduce-add
+# (cp.reduce.async.bulk.tensor). DQ_MODE 1 adds in any order; DQ_MODE 2 key block after key
+# block (bitwise reproducible sums): a semaphore per query block counts the parts added, and
+# only the reducer warp waits on it. (Parts added with atomics by the consumers themselves were
+# slower; so were parts of 64 keys: NOTES.md.)
 
 BWD_WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma row block)
+SEM_ROWS = gl.constexpr(64)  # query rows per dq semaphore (DQ_MODE 2; kernels.SEM_ROWS)
+REDUCER_WARP_REGS = gl.constexpr(40)
+
+
+@_builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA bulk reduce-add of a shared-memory tile into global memory. Gluon 3.6's IR builder
+    has the op (cp.reduce.async.bulk.tensor on sm_90); its Hopper Python API does not wrap it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(
+        _tt_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
+    )
+
+
+@gluon.jit
+def _asm_with_effect(asm: gl.constexpr, x):
+    """An instruction kept for its side effect (a fence, a wait); x: any int32 scalar."""
+    return gl.inline_asm_elementwise(asm + "\n\tmov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                                     is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _ld_acquire(ptr):
+    return gl.inline_asm_elementwise(
+        "ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32, is_pure=False,
+        pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _red_release_add(ptr):
+    """Each thread adds 1 (release: what it ordered before is visible before its count is)."""
+    return gl.inline_asm_elementwise(
+        "red.release.gpu.global.add.s32 [$1], 1;\n\tmov.b32 $0, 0;", "=r,l", [ptr],
+        dtype=gl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _bwd_dq_reducer(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_stride, bhq0, pid_n,
+                    m_lo, n_m, n_iter, BLOCK_M: gl.constexpr, ORDERED: gl.constexpr):  # fmt: skip
+    """One warp: adds step i's dq part (in dq_smem[i % 2], from the warpgroup whose turn it was)
+    into the float32 sums with a TMA reduce-add; ORDERED: once key block pid_n - 1's part of
+    that query block is in (the semaphore counts 32 per part: one per thread of this warp).
+    A part is counted one step late, once the next one is issued, so that the warp does not
+    wait for each add's round trip to L2 (memory, when the sums have left L2)."""
+    pending = SEM  # ORDERED: the semaphore of the part issued last, not yet counted
+    for i in range(n_iter):
+        par = i % 2
+        g = i // n_m
+        m0 = (m_lo + i - g * n_m) * BLOCK_M
+        bhq = bhq0 + g
+        mbarrier.wait(dq_ready.index(par), (i // 2) & 1)
+        if ORDERED:
+            sem = SEM + bhq.to(gl.int64) * sem_stride + m0 // SEM_ROWS
+            while _ld_acquire(sem) != pid_n * 32:
+                pass
+            _asm_with_effect("fence.proxy.async.global;", pid_n)  # then the async proxy's add
+        _tma_reduce_add(dq_desc, [(bhq * vec_stride + m0).to(gl.int32), 0], dq_smem.index(par))
+        tma.store_wait(0)  # its source read: the buffer is free
+        mbarrier.arrive(dq_free.index(par))
+        if ORDERED:
+            if i > 0:  # every add but the last one performed: count the previous part
+                _asm_with_effect("cp.async.bulk.wait_group 1;", pid_n)
+                _asm_with_effect("fence.proxy.async.global;", pid_n)
+                _red_release_add(pending)
+            pending = sem
+    if ORDERED:  # noqa: SIM102 (a constexpr branch, then a run-time one)
+        if n_iter > 0:
+            _asm_with_effect("cp.async.bulk.wait_group 0;", pid_n)
+            _asm_with_effect("fence.proxy.async.global;", pid_n)
+            _red_release_add(pending)
 
 
 @gluon.jit
@@ -313,11 +396,12 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sm
 
 
 @gluon.jit
-def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, LSE2, DELTA, DK, DV,
-                  stride_dkn, stride_dvn, vec_stride, bhq0, start_n, Nq, Nk, m_lo, n_m, n_iter,
-                  qk_scale, sm_scale, WG: gl.constexpr, CAUSAL: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-                  STAGES: gl.constexpr):  # fmt: skip
+def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready, empty,
+                  ds_ready, ds_free, dq_ready, dq_free, LSE2, DELTA, DK, DV, stride_dkn,
+                  stride_dvn, vec_stride, bhq0, start_n, Nq, Nk, m_lo, n_m, n_iter, qk_scale,
+                  sm_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
+                  DQ_MODE: gl.constexpr):  # fmt: skip
     """Keys [start_n + WG * 64, +64): the step loop, then dk (scaled) and dv to global memory.
     Row vectors (LSE2 in log2 units, DELTA) are the preprocess's padded copies: +inf / 0 past
     Nq, so query rows past the end add nothing and need no check."""
@@ -341,6 +425,8 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, LSE2, D
     zero_st = gl.zeros([BWD_WG_KEYS, BLOCK_M], gl.float32, st_layout)
     dk = gl.zeros([BWD_WG_KEYS, BLOCK_D], gl.float32, acc_layout)
     dv = gl.zeros([BWD_WG_KEYS, BLOCK_D], gl.float32, acc_layout)
+    if DQ_MODE > 0:
+        zero_dq = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_layout)
     mbarrier.wait(kv_bar, 0)
     for i in range(n_iter):
         s = i % STAGES
@@ -373,8 +459,36 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, LSE2, D
         ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
         ds_op = gl.convert_layout(ds_t, op_layout)
         dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
-        mbarrier.arrive(empty.index(s))
+        if DQ_MODE > 0:
+            par = i % 2
+            ds_buf = ds_smem.index(par)
+            mbarrier.wait(ds_free.index(par), ((i // 2) & 1) ^ 1)  # step i - 2's dq read it
+            ds_buf.slice(WG * BWD_WG_KEYS, BWD_WG_KEYS).store(ds_t)
+            fence_async_shared()
+            gl.thread_barrier()  # every warp's rows are written before the arrival
+            mbarrier.arrive(ds_ready.index(par))
+            if par == WG:  # this warpgroup's turn: dq_part = dS (BLOCK_M x 128) K
+                mbarrier.wait(ds_ready.index(par), (i // 2) & 1)
+                dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, zero_dq, use_acc=False,
+                                       is_async=True)  # fmt: skip
+                dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(
+                    0, deps=(dv_tok, dk_tok, dq_tok, p_op, ds_op)
+                )
+                mbarrier.arrive(ds_free.index(par))
+                mbarrier.arrive(empty.index(s))
+                # to the reducer warp, through this warpgroup's buffer (free once its add of
+                # this warpgroup's previous part has read it)
+                mbarrier.wait(dq_free.index(WG), ((i // 2) & 1) ^ 1)
+                dq_smem.index(WG).store(dq * sm_scale)
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(dq_ready.index(WG))
+            else:
+                dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+                mbarrier.arrive(empty.index(s))
+        else:
+            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+            mbarrier.arrive(empty.index(s))
 
     rows = kw0 + gl.arange(0, BWD_WG_KEYS, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
@@ -395,6 +509,8 @@ def attn_bwd_gluon_kernel(
     DELTA,
     DK,
     DV,
+    DQACC,
+    SEM,
     stride_qb,
     stride_qn,
     stride_qh,
@@ -414,6 +530,8 @@ def attn_bwd_gluon_kernel(
     stride_dvn,
     stride_dvh,
     vec_stride,
+    sem_stride,
+    dq_rows,
     H,
     Hkv,
     GROUP,
@@ -427,12 +545,16 @@ def attn_bwd_gluon_kernel(
     BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr,
     STAGES: gl.constexpr,
+    DQ_MODE: gl.constexpr,
 ):
     """dk, dv of one 128-key block of one kv head (bottom-right causal mask or none, GQA, any
-    Nq and Nk); launched with num_warps = 4 (the default partition), 9 warps in all. LSE2 /
-    DELTA: (B * H, vec_stride) padded row vectors (kernels.attn_bwd_preprocess_kernel with
-    ROWVEC). Programs of one key block are adjacent across heads: with causal masks the
-    longest (first) key blocks start first."""
+    Nq and Nk); launched with num_warps = 4 (the default partition), 9 warps in all (10 with
+    DQ_MODE > 0). LSE2 / DELTA: (B * H, vec_stride) padded row vectors
+    (kernels.attn_bwd_preprocess_kernel with ROWVEC). DQ_MODE > 0: also dq's float32 sums,
+    scaled, into DQACC ((dq_rows = B * H * vec_stride, BLOCK_D), zeroed before, as is SEM:
+    (B * H, sem_stride)). Programs of one key block are adjacent across heads: with causal masks
+    the longest (first) key blocks start first, and with DQ_MODE 2 a program waits only on
+    programs launched before it."""
     gl.static_assert(BLOCK_N == 2 * BWD_WG_KEYS, "two consumer warpgroups of 64 keys")
     qk_scale = qk_scale.to(gl.float32)
     sm_scale = sm_scale.to(gl.float32)
@@ -477,25 +599,70 @@ def attn_bwd_gluon_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], gl.float32)
+    if DQ_MODE > 0:
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, BLOCK_D], dq_layout)
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=2)  # both halves of dS^T written
+            mbarrier.init(ds_free.index(i), count=1)  # the dq product has read them
+            mbarrier.init(dq_ready.index(i), count=1)
+            mbarrier.init(dq_free.index(i), count=1)
+    else:  # unused: stand-ins, so that the dk/dv-only kernel allocates nothing more
+        ds_smem, dq_smem = k_smem, v_smem
+        ds_ready, ds_free, dq_ready, dq_free = kv_bar, kv_bar, kv_bar, kv_bar
 
     hq0 = hk * GROUP
     bhq0 = b * H + hq0
     dk_base = DK + b * stride_dkb + hk.to(gl.int64) * stride_dkh
     dv_base = DV + b * stride_dvb + hk.to(gl.int64) * stride_dvh
-    gl.warp_specialize(
-        [
-            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, LSE2,
-                             DELTA, dk_base, dv_base, stride_dkn, stride_dvn, vec_stride, bhq0,
-                             start_n, Nq, Nk, m_lo, n_m, n_iter, qk_scale, sm_scale,
-                             gl.constexpr(0), CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_D, STAGES)),
-            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, LSE2,
-                             DELTA, dk_base, dv_base, stride_dkn, stride_dvn, vec_stride, bhq0,
-                             start_n, Nq, Nk, m_lo, n_m, n_iter, qk_scale, sm_scale,
-                             gl.constexpr(1), CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_D, STAGES)),
-            (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
-                             kv_bar, ready, empty, start_n, hq0, m_lo, n_m, n_iter, BLOCK_M,
-                             BLOCK_D, STAGES)),
-        ],
-        [4, 1],
-        [232, 24],
-    )  # fmt: skip
+    if DQ_MODE > 0:
+        dq_desc = tma.make_tensor_descriptor(DQACC, [dq_rows, BLOCK_D], [BLOCK_D, 1],
+                                             [BLOCK_M, BLOCK_D], dq_layout)  # fmt: skip
+        gl.warp_specialize(
+            [
+                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready,
+                                 empty, ds_ready, ds_free, dq_ready, dq_free, LSE2, DELTA, dk_base,
+                                 dv_base, stride_dkn, stride_dvn, vec_stride, bhq0, start_n, Nq, Nk,
+                                 m_lo, n_m, n_iter, qk_scale, sm_scale, gl.constexpr(0), CAUSAL,
+                                 HEAD_DIM, BLOCK_M, BLOCK_D, STAGES, DQ_MODE)),
+                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready,
+                                 empty, ds_ready, ds_free, dq_ready, dq_free, LSE2, DELTA, dk_base,
+                                 dv_base, stride_dkn, stride_dvn, vec_stride, bhq0, start_n, Nq, Nk,
+                                 m_lo, n_m, n_iter, qk_scale, sm_scale, gl.constexpr(1), CAUSAL,
+                                 HEAD_DIM, BLOCK_M, BLOCK_D, STAGES, DQ_MODE)),
+                (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
+                                 kv_bar, ready, empty, start_n, hq0, m_lo, n_m, n_iter, BLOCK_M,
+                                 BLOCK_D, STAGES)),
+                (_bwd_dq_reducer, (dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride,
+                                   vec_stride, bhq0, pid_n, m_lo, n_m, n_iter, BLOCK_M,
+                                   gl.constexpr(DQ_MODE == 2))),
+            ],
+            [4, 1, 1],
+            [232, 24, REDUCER_WARP_REGS],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready,
+                                 empty, ds_ready, ds_free, dq_ready, dq_free, LSE2, DELTA, dk_base,
+                                 dv_base, stride_dkn, stride_dvn, vec_stride, bhq0, start_n, Nq, Nk,
+                                 m_lo, n_m, n_iter, qk_scale, sm_scale, gl.constexpr(0), CAUSAL,
+                                 HEAD_DIM, BLOCK_M, BLOCK_D, STAGES, DQ_MODE)),
+                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready,
+                                 empty, ds_ready, ds_free, dq_ready, dq_free, LSE2, DELTA, dk_base,
+                                 dv_base, stride_dkn, stride_dvn, vec_stride, bhq0, start_n, Nq, Nk,
+                                 m_lo, n_m, n_iter, qk_scale, sm_scale, gl.constexpr(1), CAUSAL,
+                                 HEAD_DIM, BLOCK_M, BLOCK_D, STAGES, DQ_MODE)),
+                (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
+                                 kv_bar, ready, empty, start_n, hq0, m_lo, n_m, n_iter, BLOCK_M,
+                                 BLOCK_D, STAGES)),
+            ],
+            [4, 1],
+            [232, 24],
+        )  # fmt: skip

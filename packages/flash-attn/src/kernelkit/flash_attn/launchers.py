@@ -368,24 +368,28 @@ def backward(
     softcap: float = 0.0,
     window: tuple[int, int] = (-1, -1),
     varlen: Varlen | None = None,
+    deterministic: bool = True,
 ):
     """(dq, dk, dv) from the saved q, k, v, o, lse; dlse (or None) is the LSE's gradient.
     Layouts as in `forward` (packed with `varlen`); without a `plan` the launches are replayed
-    per layout, as in `forward`."""
+    per layout, as in `forward`. deterministic=False lets a Hopper backward that sums dq in
+    its dk/dv kernel (`plans.GLUON_FUSED_DQ`) add dq's parts in any order; every other path is
+    deterministic either way."""
     if plan is None:
         if varlen is None:
             inputs, sizes = (do, q, k, v, o, lse, dlse), None
         else:
             inputs = (do, q, k, v, o, lse, dlse, varlen.cu_q, varlen.cu_k)
             sizes = varlen.max_q, varlen.max_k
-        options = ("bwd", causal, scale, softcap, window, sizes,
+        options = ("bwd", causal, scale, softcap, window, sizes, deterministic,
                    FAST_TANH, PEEL_RAGGED_TAIL, PAD_ROW_VECTORS, interpreting())  # fmt: skip
         return replay.replayed(
             _backward, inputs, options,
             do, q, k, v, o, lse, dlse, causal, scale, None, softcap, window, varlen,
+            deterministic,
         )  # fmt: skip
     return _backward(replay.DIRECT, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap,
-                     window, varlen)  # fmt: skip
+                     window, varlen, deterministic)  # fmt: skip
 
 
 def _gluon_dkdv(tile: Tile, q, k, v, do, local, win_right, softcap_mode, varlen) -> bool:
@@ -403,7 +407,8 @@ def _gluon_dkdv(tile: Tile, q, k, v, do, local, win_right, softcap_mode, varlen)
     )
 
 
-def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, window, varlen):
+def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, window, varlen,
+              deterministic=True):  # fmt: skip
     """`backward` with its allocations and launches through `ops` (`replay`)."""
     _scratch_for_replay(ops, q.device)
     do, q, k, v, o = (_unit_d(t) for t in (do, q, k, v, o))
@@ -440,6 +445,9 @@ def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, wind
         portable = portable_dkdv(bd, upper, q.dtype)  # (pointer loads if the plan said so)
         plan = Plan(plan.fwd, replace(portable, tma=portable.tma and plan.dkdv.tma), plan.dq)
     pad = gluon_dkdv or _pad_row_vectors(varlen, nq, bd)
+    # dq summed in the Gluon dk/dv kernel (experimental, `plans.GLUON_FUSED_DQ`): 1 in any
+    # order, 2 in a fixed order.
+    dq_mode = (2 if deterministic else 1) if gluon_dkdv and plan.dq.gluon else 0
     cu_q, cu_k = (None, None) if varlen is None else (varlen.cu_q, varlen.cu_k)
     pre_m = INTERPRETER_FWD.block_m if interpreting() else PREPROCESS_BLOCK_M
     assert max(plan.dkdv.block_m, plan.dq.block_m, pre_m) <= ROW_PAD
@@ -452,6 +460,10 @@ def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, wind
     delta = ops.empty((rows_b, h, width), torch.float32, q.device)
     lse2 = ops.empty((rows_b, h, width), torch.float32, q.device) if pad else lse
     vec_strides = (delta.stride(0) if varlen is None else 0), delta.stride(1)
+    dq_acc = sem = None
+    if dq_mode:  # the float32 dq sums and their semaphores, zeroed by the preprocess
+        dq_acc = ops.empty((b * h, width, bd), torch.float32, q.device)
+        sem = ops.empty((b * h, width // K.SEM_ROWS.value), torch.int32, q.device)
     lse_strides = (lse.stride(0), lse.stride(1)) if varlen is None else (0, lse.stride(0))
     # Padded: a program per (padded block, sequence, head), packed batches included.
     pre_rows = nq if pad else rows
@@ -466,6 +478,8 @@ def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, wind
         lse2,
         delta,
         cu_q,
+        dq_acc,
+        sem,
         *_seq_strides(o, varlen),
         *_seq_strides(do, varlen),
         *lse_strides,
@@ -479,6 +493,7 @@ def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, wind
         ROWVEC=pad,
         ROW_PAD=ROW_PAD,
         VARLEN=pad and varlen is not None,
+        ZERO_DQ=dq_mode > 0,
         num_warps=4,
     )
     lse, lse_strides = lse2, vec_strides  # what dk/dv and dq read
@@ -486,11 +501,19 @@ def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, wind
     if gluon_dkdv:
         ops.launch(
             KG.attn_bwd_gluon_kernel, (cdiv(nk, t.block_n) * b * hkv,),
-            q, k, v, do, lse2, delta, dk, dv, *_strides3(q), *_strides3(k), *_strides3(v),
-            *_strides3(do), *_strides3(dk), *_strides3(dv), width, h, hkv, h // hkv, nq, nk,
-            qk_scale, scale, HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-            CAUSAL=upper, STAGES=t.stages, num_warps=t.warps,
+            q, k, v, do, lse2, delta, dk, dv, dq_acc, sem, *_strides3(q), *_strides3(k),
+            *_strides3(v), *_strides3(do), *_strides3(dk), *_strides3(dv), width,
+            width // K.SEM_ROWS.value, b * h * width, h, hkv, h // hkv, nq, nk, qk_scale, scale, HEAD_DIM=d,
+            BLOCK_D=bd, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CAUSAL=upper, STAGES=t.stages,
+            DQ_MODE=dq_mode, num_warps=t.warps,
         )  # fmt: skip
+        if dq_mode:
+            ops.launch(
+                K.attn_bwd_dq_convert_kernel, (cdiv(nq, PREPROCESS_BLOCK_M) * b * h,),
+                dq_acc, dq, *_strides3(dq), h, nq, width, HEAD_DIM=d, BLOCK_D=bd,
+                BLOCK_M=PREPROCESS_BLOCK_M, num_warps=4,
+            )  # fmt: skip
+            return dq, dk, dv
     else:
         ops.launch(
             K.attn_bwd_dkdv_kernel,

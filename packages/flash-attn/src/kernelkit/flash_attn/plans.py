@@ -80,6 +80,13 @@ GLUON_FWD_MIN_N = {64: 8192}
 # the portable kernels (BLOCK_M 128 spills): portable.
 GLUON_DKDV_TILES = {128: Tile(64, 128, 4, 3, tma=True, gluon=True)}
 GLUON_CAUSAL_DKDV_TILES = {128: Tile(64, 128, 4, 2, tma=True, gluon=True)}
+# As a plan's dq tile beside a Gluon dk/dv tile: dq summed in the Gluon kernel (5 block products
+# per tile pair instead of 7; a reducer warp adds the parts with TMA reduce-adds), in a fixed
+# order unless the backward is not deterministic. Experimental: no default plan takes it yet.
+# H100 (session 20, hopper_ab.py, one run, its GPU tests not yet run), backward TFLOP/s current /
+# fixed order / any order: d64 causal 16k B1 H32 348 / 297 / 384, B16 H1 332 / 357 / 382;
+# 4k 305 / 200 / 228.
+GLUON_FUSED_DQ = Tile(0, 0, 0, 0, gluon=True)
 # dk/dv: BLOCK_N keys held by the program, BLOCK_M query rows per step.
 DKDV_TILES = {
     16: Tile(64, 128, 8, 2),
