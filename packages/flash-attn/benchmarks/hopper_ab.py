@@ -496,9 +496,8 @@ def run_gpu(args):
         print(
             f"\n== compile + correctness (max abs differences; {args.workers} workers)", flush=True
         )
-        lines, passed = warm_all(
-            args.workers, args.warm_timeout, ["--dry-run"] if args.dry_run else []
-        )
+        extra = (["--dry-run"] if args.dry_run else []) + (["--plans", args.plans] if args.plans else [])
+        lines, passed = warm_all(args.workers, args.warm_timeout, extra)
         for line in lines:
             print(line)
         every = {(d, c, n) for d, c in args.cases for n in plans_for(d, c)}
@@ -557,7 +556,7 @@ def _dry_run_sizes():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--screen", action="store_true", help="compile for sm_90a on CPU only")
-    ap.add_argument("--plans", help="--screen: only the candidates whose name matches (regex)")
+    ap.add_argument("--plans", help="only the candidates whose name matches (regex)")
     ap.add_argument("--cases", default=",".join(f"{d}:{int(c)}" for d, c in CASES))
     ap.add_argument("--n", default=",".join(map(str, NS)), help="sequence lengths to time")
     ap.add_argument("--rounds", type=int, default=5, help="round-robin passes per cell")
@@ -575,6 +574,9 @@ def main():
         _dry_run_sizes()
     args.cases = [(int(c.split(":")[0]), c.split(":")[1] == "1") for c in args.cases.split(",")]
     args.n = [int(x) for x in args.n.split(",")] if not args.dry_run else [64]
+    if args.plans:  # (the --warm children get the same flag)
+        for name in [n for n in CANDIDATES if not re.fullmatch(args.plans, n)]:
+            del CANDIDATES[name]
     if args.screen:
         sys.exit(1 if screen(args.cases, args.plans) else 0)
     elif args.warm:
