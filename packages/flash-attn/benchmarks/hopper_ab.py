@@ -496,7 +496,9 @@ def run_gpu(args):
         print(
             f"\n== compile + correctness (max abs differences; {args.workers} workers)", flush=True
         )
-        extra = (["--dry-run"] if args.dry_run else []) + (["--plans", args.plans] if args.plans else [])
+        extra = (["--dry-run"] if args.dry_run else []) + (
+            ["--plans", args.plans] if args.plans else []
+        )
         lines, passed = warm_all(args.workers, args.warm_timeout, extra)
         for line in lines:
             print(line)

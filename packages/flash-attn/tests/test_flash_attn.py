@@ -7,6 +7,7 @@ walks several blocks, the causal diagonal and the ragged sequence ends of every 
 Tests marked `gpu` use sizes only a GPU gets through quickly.
 """
 
+import functools
 import math
 from dataclasses import replace
 
@@ -19,7 +20,7 @@ from kernelkit.flash_attn import op as fa_op
 from kernelkit.flash_attn import plans as fa_plans
 from kernelkit.flash_attn import validation as fa_validation
 from kernelkit.flash_attn.reference import attention_reference, attention_varlen_reference
-from kernelkit.shared import runtime
+from kernelkit.shared import replay, runtime
 from kernelkit.shared.runtime import interpreting
 from kernelkit.shared.testing import assert_close, assert_graph_replays
 
@@ -427,9 +428,9 @@ def test_small_grid_forward_plan(monkeypatch):
     # From GLUON_FWD_MIN_N / GLUON_CAUSAL_FWD_MIN_N query rows on, a grid that is not small takes
     # the Gluon tile.
     assert fwd(64, False, 3, 16384) == fa_plans.GLUON_FWD_TILES[128]
-    assert fwd(64, False, 6, 8192) == fa_plans.GLUON_FWD_TILES[128]
+    assert fwd(64, True, 18, 8192) == fa_plans.GLUON_CAUSAL_FWD_TILES[128]
     assert fwd(64, True, 8, 16384) == small  # 1024: 7.8
-    assert fwd(64, True, 18, 8192) == table  # 1152: 8.7
+    assert fwd(64, True, 36, 4096) == table  # 1152: 8.7
     assert fwd(64, True, 9, 16384) == fa_plans.GLUON_CAUSAL_FWD_TILES[128]
     assert fwd(64, True, 1, 16384, torch.float32) == fa_plans.FP32_TILES[64][0]
     assert fwd(128, False, 1, 1024) == fa_plans.plan_for(128, False, torch.bfloat16).fwd
@@ -964,8 +965,8 @@ def test_gluon_backward_launches_are_compile_checked(monkeypatch):
     ]
     assert [kw["CAUSAL"] for _, _, kw in gluon] == [True, False, True, False]
     assert [kernel.fn.__name__ for kernel, _, _ in calls].count("attn_bwd_dkdv_kernel") == 0
-    # dq summed in the Gluon kernel (experimental): its launches run only there, the portable
-    # preprocess (ZERO_DQ) and dq conversion included.
+    # dq summed in the Gluon kernel: its launches run only there, the portable preprocess
+    # (ZERO_DQ) and dq conversion included.
     fused = len(calls)
     for deterministic in (True, False):
         q, k, v = qkv(2, 300, 260, 4, 2, 64, torch.bfloat16, "cpu")
@@ -1026,12 +1027,104 @@ def test_default_plans_take_the_gluon_kernels_by_rule(monkeypatch):
         assert not fa_plans.plan_for(64, causal, torch.bfloat16).dkdv.gluon
         assert not fa_plans.plan_for(128, causal, torch.float32).dkdv.gluon
     n = fa_plans.GLUON_CAUSAL_FWD_MIN_N[64]
-    assert fa_plans.plan_for(64, True, torch.bfloat16, grid=(16, n, 132)).fwd.gluon
-    assert not fa_plans.plan_for(64, True, torch.bfloat16, grid=(16, n // 2, 132)).fwd.gluon
+    assert fa_plans.plan_for(64, True, torch.bfloat16, grid=(64, n, 132)).fwd.gluon
+    assert not fa_plans.plan_for(64, True, torch.bfloat16, grid=(64, n // 2, 132)).fwd.gluon
     n = fa_plans.GLUON_FWD_MIN_N[64]
-    assert fa_plans.plan_for(64, False, torch.bfloat16, grid=(16, n, 132)).fwd.gluon
-    assert not fa_plans.plan_for(64, False, torch.bfloat16, grid=(16, n // 2, 132)).fwd.gluon
-    assert not fa_plans.plan_for(64, False, torch.float32, grid=(16, n, 132)).fwd.gluon
+    assert fa_plans.plan_for(64, False, torch.bfloat16, grid=(64, n, 132)).fwd.gluon
+    assert not fa_plans.plan_for(64, False, torch.bfloat16, grid=(64, n // 2, 132)).fwd.gluon
+    assert not fa_plans.plan_for(64, False, torch.float32, grid=(64, n, 132)).fwd.gluon
+
+
+def test_fused_dq_plan_rule(monkeypatch):
+    """Half-precision d64 backwards from FUSED_DQ_MIN_N query rows on (causal only) sum dq in the
+    Gluon kernel in a fixed order; with deterministic=False from ANY_ORDER_DQ_MIN_N rows on (fewer,
+    and non-causal too); shorter ones and d128 keep their plan."""
+    monkeypatch.setattr(fa_plans, "interpreting", lambda: False)
+    fused = (fa_plans.FUSED_DQ_DKDV, fa_plans.GLUON_FUSED_DQ)
+    assert fa_plans.FUSED_DQ_MIN_N[64][0] is None
+    for deterministic, table in ((True, fa_plans.FUSED_DQ_MIN_N),
+                                 (False, fa_plans.ANY_ORDER_DQ_MIN_N)):  # fmt: skip
+        for causal in (False, True):
+            base = fa_plans.plan_for(64, causal, torch.bfloat16)
+            n = table[64][causal]
+            if n is None:
+                plan = fa_plans.fused_dq_plan(base, 64, causal, 1 << 20, deterministic)
+                assert plan == base
+                continue
+            plan = fa_plans.fused_dq_plan(base, 64, causal, n, deterministic)
+            assert plan.fwd == base.fwd and (plan.dkdv, plan.dq) == fused
+            assert fa_plans.fused_dq_plan(base, 64, causal, n - 1, deterministic) == base
+            base128 = fa_plans.plan_for(128, causal, torch.bfloat16)
+            assert fa_plans.fused_dq_plan(base128, 128, causal, 1 << 20, deterministic) == base128
+    assert fa_plans.ANY_ORDER_DQ_MIN_N[64][1] < fa_plans.FUSED_DQ_MIN_N[64][1]
+
+
+def test_deterministic_option_launches(monkeypatch):
+    """As on an H100: a d64 causal backward of ANY_ORDER_DQ_MIN_N rows runs the Gluon kernel
+    summing dq in any order (DQ_MODE 1, K/V in registers) and no dq kernel with
+    deterministic=False, the dq kernel by default; from FUSED_DQ_MIN_N rows on the default sums
+    dq in the Gluon kernel in a fixed order (DQ_MODE 2). A window's left edge keeps the dq
+    kernel."""
+    calls = _capture_launches_as_on_hopper(monkeypatch)
+    monkeypatch.setattr(fa_plans, "interpreting", lambda: False)
+    monkeypatch.setattr(fa_launchers, "interpreting", lambda: False)
+
+    def backward(n, window, deterministic):  # with the default plan, not replayed
+        q, k, v = qkv(1, n, n, 2, 1, 64, torch.bfloat16, "cpu")
+        calls.clear()
+        fa_launchers._backward(replay.DIRECT, torch.randn_like(q), q, k, v, q, torch.zeros(1, 2, n),
+                               None, True, 0.125, None, 0.0, window, None, deterministic)  # fmt: skip
+        names = [kernel.fn.__name__ for kernel, _, _ in calls]
+        gluon = [kw for kernel, _, kw in calls if kernel.fn.__name__ == "attn_bwd_gluon_kernel"]
+        return names, [(kw["DQ_MODE"], kw["KV_REGS"]) for kw in gluon]
+
+    n = fa_plans.ANY_ORDER_DQ_MIN_N[64][1]
+    names, modes = backward(n, (-1, -1), False)
+    assert "attn_bwd_dq_kernel" not in names and "attn_bwd_dq_convert_kernel" in names
+    assert modes == [(1, True)]
+    names, modes = backward(n, (-1, -1), True)
+    assert "attn_bwd_dq_kernel" in names and modes == []  # (d64 dk/dv: the portable kernel)
+    names, modes = backward(fa_plans.FUSED_DQ_MIN_N[64][1], (-1, -1), True)
+    assert "attn_bwd_dq_kernel" not in names and modes == [(2, True)]
+    names, modes = backward(n, (100, 0), False)
+    assert "attn_bwd_dq_kernel" in names and modes == []
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_option(causal, device):
+    """The public option: deterministic=False gives the same gradients within rounding (on CPU
+    and under the interpreter it runs the same kernels); a non-bool is an error naming it."""
+    q, k, v = (t.requires_grad_() for t in qkv(2, 70, 90, 4, 2, 64, torch.float32, device))
+    grads = []
+    for deterministic in (True, False):
+        o = flash_attn(q, k, v, causal=causal, deterministic=deterministic)
+        grads.append(torch.autograd.grad(o.square().sum(), (q, k, v)))
+    for a, b, name in zip(*grads, ("dq", "dk", "dv")):
+        assert_close(b, a, bound=1e-5, name=name)
+    with pytest.raises(ValueError, match="deterministic"):
+        flash_attn(q, k, v, deterministic=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [True, False], ids=["ordered", "any-order"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_fused_dq_by_rule(causal, deterministic, device, monkeypatch):
+    """flash_attn through autograd where the default plan sums dq in the Gluon kernel (its
+    minimum lengths lowered to reach it at a test's size; K/V in registers), GQA and
+    Nq != Nk; deterministic: bitwise the same gradients on a second run."""
+    launched = _launched_kernels(monkeypatch)
+    monkeypatch.setattr(fa_plans, "FUSED_DQ_MIN_N", {64: (1, 1)})
+    monkeypatch.setattr(fa_plans, "ANY_ORDER_DQ_MIN_N", {64: (1, 1)})
+    q, k, v = qkv(2, 1000, 1100, 8, 2, 64, torch.bfloat16, device)
+    fn = functools.partial(flash_attn, deterministic=deterministic)
+    _, _, grads = _check(fn, attention_reference, q, k, v, (2, 8, 1000), True, causal=causal)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert "attn_bwd_gluon_kernel" in launched and "attn_bwd_dq_kernel" not in launched
+        if deterministic:
+            _, _, again = _check(fn, attention_reference, q, k, v, (2, 8, 1000), True,
+                                 causal=causal)  # fmt: skip
+            for g, h, name in zip(grads, again, ("dq", "dk", "dv")):
+                assert torch.equal(g, h), name
 
 
 # ------------------------------------------------------------------------------------------
@@ -1458,8 +1551,8 @@ def test_gpu_gluon_backward(shape, causal, stages, device, monkeypatch):
     "shape", HOPPER_GPU_SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}-hkv{}-d{}".format(*s)
 )
 def test_gpu_gluon_fused_dq(shape, causal, deterministic, device, monkeypatch):
-    """dq summed in the Gluon dk/dv kernel (`plans.GLUON_FUSED_DQ`, experimental): against the
-    reference; in a fixed order the gradients are bitwise the same from run to run."""
+    """dq summed in the Gluon dk/dv kernel (`plans.GLUON_FUSED_DQ`): against the reference; in a
+    fixed order the gradients are bitwise the same from run to run."""
     launched = _launched_kernels(monkeypatch)
     q, k, v = qkv(*shape, torch.bfloat16, device)
     base = fa_plans.plan_for(shape[-1], causal, q.dtype)

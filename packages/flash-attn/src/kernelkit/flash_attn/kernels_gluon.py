@@ -271,7 +271,7 @@ def attn_fwd_gluon_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Backward: dk, dv of one 128-key block per program (dq: kernels.attn_bwd_dq_kernel)
+# Backward: dk, dv of one 128-key block per program (dq: kernels.attn_bwd_dq_kernel, or here)
 # ---------------------------------------------------------------------------------------------
 #
 # One program = BLOCK_N = 2 x 64 keys of one kv head, three partitions:
@@ -286,7 +286,7 @@ def attn_fwd_gluon_kernel(
 # The same 4 block products per tile pair as the portable kernel, summed in the same order
 # (dk, dv bitwise equal to it on the H100).
 #
-# DQ_MODE > 0 (experimental: no plan takes it by default; NOTES.md, session 20) sums dq here too:
+# DQ_MODE > 0 (plans.fused_dq_plan: d64 from 16k rows causal; NOTES.md) sums dq here too:
 # a fifth product per step, dq_part = dS K over all 128 keys, by one warpgroup per step
 # (warpgroup i % 2 at step i: both do the same work). Both write their half of dS^T into a
 # shared buffer (one per step parity) and the warpgroup whose turn it is waits for the other's
@@ -397,14 +397,19 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sm
 
 @gluon.jit
 def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready, empty,
-                  ds_ready, ds_free, dq_ready, dq_free, LSE2, DELTA, DK, DV, stride_dkn,
-                  stride_dvn, vec_stride, bhq0, start_n, Nq, Nk, m_lo, n_m, n_iter, qk_scale,
-                  sm_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
-                  DQ_MODE: gl.constexpr):  # fmt: skip
+                  ds_ready, ds_free, dq_ready, dq_free, LSE2, DELTA, DK, DV, K, V, stride_dkn,
+                  stride_dvn, stride_kn, stride_vn, vec_stride, bhq0, start_n, Nq, Nk, m_lo, n_m,
+                  n_iter, qk_scale, sm_scale, WG: gl.constexpr, CAUSAL: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
+                  STAGES: gl.constexpr, DQ_MODE: gl.constexpr,
+                  KV_REGS: gl.constexpr):  # fmt: skip
     """Keys [start_n + WG * 64, +64): the step loop, then dk (scaled) and dv to global memory.
     Row vectors (LSE2 in log2 units, DELTA) are the preprocess's padded copies: +inf / 0 past
-    Nq, so query rows past the end add nothing and need no check."""
+    Nq, so query rows past the end add nothing and need no check. KV_REGS: the warpgroup's K
+    and V rows are the S^T / dP^T wgmmas' A operands in registers (loaded from global memory),
+    which halves those products' shared-memory reads; used with DQ_MODE > 0 only (the
+    dk/dv-only variant gave wrong dk / dv with them on the H100, loaded from global or from the
+    shared tile: launchers.GLUON_BWD_KV_REGS_MAX_D)."""
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
     )
@@ -427,6 +432,16 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, rea
     dv = gl.zeros([BWD_WG_KEYS, BLOCK_D], gl.float32, acc_layout)
     if DQ_MODE > 0:
         zero_dq = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_layout)
+    if KV_REGS:
+        kv_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2)
+        rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        kv_r = kw0 + gl.arange(0, BWD_WG_KEYS, layout=gl.SliceLayout(1, rows_l))
+        kv_c = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, rows_l))
+        kv_in = (kv_r[:, None] < Nk) & (kv_c[None, :] < HEAD_DIM)
+        kv_off = kv_r[:, None].to(gl.int64) * stride_kn + kv_c[None, :]
+        k_w = gl.convert_layout(gl.load(K + kv_off, mask=kv_in, other=0.0), kv_op)
+        kv_off = kv_r[:, None].to(gl.int64) * stride_vn + kv_c[None, :]
+        v_w = gl.convert_layout(gl.load(V + kv_off, mask=kv_in, other=0.0), kv_op)
     mbarrier.wait(kv_bar, 0)
     for i in range(n_iter):
         s = i % STAGES
@@ -546,6 +561,7 @@ def attn_bwd_gluon_kernel(
     CAUSAL: gl.constexpr,
     STAGES: gl.constexpr,
     DQ_MODE: gl.constexpr,
+    KV_REGS: gl.constexpr = False,
 ):
     """dk, dv of one 128-key block of one kv head (bottom-right causal mask or none, GQA, any
     Nq and Nk); launched with num_warps = 4 (the default partition), 9 warps in all (10 with
@@ -621,6 +637,8 @@ def attn_bwd_gluon_kernel(
     bhq0 = b * H + hq0
     dk_base = DK + b * stride_dkb + hk.to(gl.int64) * stride_dkh
     dv_base = DV + b * stride_dvb + hk.to(gl.int64) * stride_dvh
+    k_base = K + b * stride_kb + hk.to(gl.int64) * stride_kh
+    v_base = V + b * stride_vb + hk.to(gl.int64) * stride_vh
     if DQ_MODE > 0:
         dq_desc = tma.make_tensor_descriptor(DQACC, [dq_rows, BLOCK_D], [BLOCK_D, 1],
                                              [BLOCK_M, BLOCK_D], dq_layout)  # fmt: skip
@@ -628,14 +646,16 @@ def attn_bwd_gluon_kernel(
             [
                 (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready,
                                  empty, ds_ready, ds_free, dq_ready, dq_free, LSE2, DELTA, dk_base,
-                                 dv_base, stride_dkn, stride_dvn, vec_stride, bhq0, start_n, Nq, Nk,
-                                 m_lo, n_m, n_iter, qk_scale, sm_scale, gl.constexpr(0), CAUSAL,
-                                 HEAD_DIM, BLOCK_M, BLOCK_D, STAGES, DQ_MODE)),
+                                 dv_base, k_base, v_base, stride_dkn, stride_dvn, stride_kn,
+                                 stride_vn, vec_stride, bhq0, start_n, Nq, Nk, m_lo, n_m, n_iter,
+                                 qk_scale, sm_scale, gl.constexpr(0), CAUSAL, HEAD_DIM, BLOCK_M,
+                                 BLOCK_D, STAGES, DQ_MODE, KV_REGS)),
                 (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready,
                                  empty, ds_ready, ds_free, dq_ready, dq_free, LSE2, DELTA, dk_base,
-                                 dv_base, stride_dkn, stride_dvn, vec_stride, bhq0, start_n, Nq, Nk,
-                                 m_lo, n_m, n_iter, qk_scale, sm_scale, gl.constexpr(1), CAUSAL,
-                                 HEAD_DIM, BLOCK_M, BLOCK_D, STAGES, DQ_MODE)),
+                                 dv_base, k_base, v_base, stride_dkn, stride_dvn, stride_kn,
+                                 stride_vn, vec_stride, bhq0, start_n, Nq, Nk, m_lo, n_m, n_iter,
+                                 qk_scale, sm_scale, gl.constexpr(1), CAUSAL, HEAD_DIM, BLOCK_M,
+                                 BLOCK_D, STAGES, DQ_MODE, KV_REGS)),
                 (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                                  kv_bar, ready, empty, start_n, hq0, m_lo, n_m, n_iter, BLOCK_M,
                                  BLOCK_D, STAGES)),
@@ -651,14 +671,16 @@ def attn_bwd_gluon_kernel(
             [
                 (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready,
                                  empty, ds_ready, ds_free, dq_ready, dq_free, LSE2, DELTA, dk_base,
-                                 dv_base, stride_dkn, stride_dvn, vec_stride, bhq0, start_n, Nq, Nk,
-                                 m_lo, n_m, n_iter, qk_scale, sm_scale, gl.constexpr(0), CAUSAL,
-                                 HEAD_DIM, BLOCK_M, BLOCK_D, STAGES, DQ_MODE)),
+                                 dv_base, k_base, v_base, stride_dkn, stride_dvn, stride_kn,
+                                 stride_vn, vec_stride, bhq0, start_n, Nq, Nk, m_lo, n_m, n_iter,
+                                 qk_scale, sm_scale, gl.constexpr(0), CAUSAL, HEAD_DIM, BLOCK_M,
+                                 BLOCK_D, STAGES, DQ_MODE, KV_REGS)),
                 (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready,
                                  empty, ds_ready, ds_free, dq_ready, dq_free, LSE2, DELTA, dk_base,
-                                 dv_base, stride_dkn, stride_dvn, vec_stride, bhq0, start_n, Nq, Nk,
-                                 m_lo, n_m, n_iter, qk_scale, sm_scale, gl.constexpr(1), CAUSAL,
-                                 HEAD_DIM, BLOCK_M, BLOCK_D, STAGES, DQ_MODE)),
+                                 dv_base, k_base, v_base, stride_dkn, stride_dvn, stride_kn,
+                                 stride_vn, vec_stride, bhq0, start_n, Nq, Nk, m_lo, n_m, n_iter,
+                                 qk_scale, sm_scale, gl.constexpr(1), CAUSAL, HEAD_DIM, BLOCK_M,
+                                 BLOCK_D, STAGES, DQ_MODE, KV_REGS)),
                 (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                                  kv_bar, ready, empty, start_n, hq0, m_lo, n_m, n_iter, BLOCK_M,
                                  BLOCK_D, STAGES)),

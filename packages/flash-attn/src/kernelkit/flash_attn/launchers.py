@@ -37,6 +37,7 @@ from .plans import (
     _tma_scratch,
     block_d_for,
     dot_precision,
+    fused_dq_plan,
     plan_for,
     portable_dkdv,
     split_plan,
@@ -82,9 +83,14 @@ PAD_ROW_VECTORS = True
 ROW_PAD = 128  # at least every backward tile's BLOCK_M (powers of two)
 # The Gluon forward up to this BLOCK_D holds its q tile in registers as the S = q K^T wgmma's A
 # operand instead of reading it from shared memory (d128 would spill). H100 A/B (NOTES.md,
-# session 21), d64 TFLOP/s shared / registers: non-causal 424 / 443 at 16k, 407 / 430 at 8k;
-# causal 418 / 430 at 16k. 0: never (an A/B switch).
+# session 21), d64 TFLOP/s shared / registers: non-causal 424 / 443 at 16k, 407 / 430 at 8k,
+# 373 / 404 at 4k; causal 418 / 430 at 16k. 0: never (an A/B switch).
 GLUON_FWD_Q_REGS_MAX_D = 64
+# The same for the K and V of the Gluon dk/dv kernel that sums dq (the S^T and dP^T products'
+# A operands): d64 fused backward 1.02-1.06x (H100, session 21). The dk/dv-only variant
+# (dq kernel beside it) computed wrong dk / dv with them on the H100 (the fused variants were
+# bitwise right; a miscompile not understood), so it keeps them in shared memory.
+GLUON_BWD_KV_REGS_MAX_D = 64
 
 
 def _pad_row_vectors(varlen: Varlen | None, nq: int, bd: int) -> bool:
@@ -372,17 +378,19 @@ def backward(
 ):
     """(dq, dk, dv) from the saved q, k, v, o, lse; dlse (or None) is the LSE's gradient.
     Layouts as in `forward` (packed with `varlen`); without a `plan` the launches are replayed
-    per layout, as in `forward`. deterministic=False lets a Hopper backward that sums dq in
-    its dk/dv kernel (`plans.GLUON_FUSED_DQ`) add dq's parts in any order; every other path is
-    deterministic either way."""
+    per layout, as in `forward`. Where it measured faster, the replayed plan sums dq in the
+    Hopper dk/dv kernel (`plans.fused_dq_plan`), in a fixed order, or in any order with
+    deterministic=False (so from fewer rows on); a plan with `plans.GLUON_FUSED_DQ` follows
+    `deterministic` too. Every other path is deterministic either way."""
     if plan is None:
         if varlen is None:
             inputs, sizes = (do, q, k, v, o, lse, dlse), None
         else:
             inputs = (do, q, k, v, o, lse, dlse, varlen.cu_q, varlen.cu_k)
             sizes = varlen.max_q, varlen.max_k
-        options = ("bwd", causal, scale, softcap, window, sizes, deterministic,
-                   FAST_TANH, PEEL_RAGGED_TAIL, PAD_ROW_VECTORS, interpreting())  # fmt: skip
+        options = ("bwd", causal, scale, softcap, window, sizes, deterministic, FAST_TANH,
+                   PEEL_RAGGED_TAIL, PAD_ROW_VECTORS, GLUON_BWD_KV_REGS_MAX_D,
+                   interpreting())  # fmt: skip
         return replay.replayed(
             _backward, inputs, options,
             do, q, k, v, o, lse, dlse, causal, scale, None, softcap, window, varlen,
@@ -430,8 +438,11 @@ def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, wind
             ops.unplannable()
             return dq.zero_(), dk.zero_(), dv.zero_()
     upper, local, win_left, win_right = _window_args(causal, window)
-    plan = plan or plan_for(d, upper, q.dtype, local or varlen is not None)
     bd = block_d_for(d)
+    if plan is None:
+        plan = plan_for(d, upper, q.dtype, local or varlen is not None)
+        if varlen is None and not local:
+            plan = fused_dq_plan(plan, bd, upper, nq, deterministic)
     prec = dot_precision(q.dtype)
     qk_scale, cap_scale, softcap_mode = _score_args(scale, softcap, q)
     lse = lse.contiguous()
@@ -441,12 +452,13 @@ def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, wind
     # rounded up to 16) for a packed batch (kernels._rowvec_start); else the LSE itself and a
     # delta like it, (1, H, total_q) packed (whose rows the preprocess walks as one sequence).
     gluon_dkdv = _gluon_dkdv(plan.dkdv, q, k, v, do, local, win_right, softcap_mode, varlen)
-    if plan.dkdv.gluon and not gluon_dkdv:  # the portable tile where the Gluon one cannot run
+    if plan.dkdv.gluon and not gluon_dkdv:  # the portable tiles where the Gluon one cannot run
         portable = portable_dkdv(bd, upper, q.dtype)  # (pointer loads if the plan said so)
-        plan = Plan(plan.fwd, replace(portable, tma=portable.tma and plan.dkdv.tma), plan.dq)
+        dq_tile = plan_for(d, upper, q.dtype).dq if plan.dq.gluon else plan.dq  # (fused dq)
+        plan = Plan(plan.fwd, replace(portable, tma=portable.tma and plan.dkdv.tma), dq_tile)
     pad = gluon_dkdv or _pad_row_vectors(varlen, nq, bd)
-    # dq summed in the Gluon dk/dv kernel (experimental, `plans.GLUON_FUSED_DQ`): 1 in any
-    # order, 2 in a fixed order.
+    # dq summed in the Gluon dk/dv kernel (`plans.GLUON_FUSED_DQ`): 1 in any order, 2 in a
+    # fixed order.
     dq_mode = (2 if deterministic else 1) if gluon_dkdv and plan.dq.gluon else 0
     cu_q, cu_k = (None, None) if varlen is None else (varlen.cu_q, varlen.cu_k)
     pre_m = INTERPRETER_FWD.block_m if interpreting() else PREPROCESS_BLOCK_M
@@ -499,13 +511,14 @@ def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, wind
     lse, lse_strides = lse2, vec_strides  # what dk/dv and dq read
     t = plan.dkdv
     if gluon_dkdv:
+        kv_regs = dq_mode > 0 and bd <= GLUON_BWD_KV_REGS_MAX_D
         ops.launch(
             KG.attn_bwd_gluon_kernel, (cdiv(nk, t.block_n) * b * hkv,),
             q, k, v, do, lse2, delta, dk, dv, dq_acc, sem, *_strides3(q), *_strides3(k),
             *_strides3(v), *_strides3(do), *_strides3(dk), *_strides3(dv), width,
-            width // K.SEM_ROWS.value, b * h * width, h, hkv, h // hkv, nq, nk, qk_scale, scale, HEAD_DIM=d,
-            BLOCK_D=bd, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CAUSAL=upper, STAGES=t.stages,
-            DQ_MODE=dq_mode, num_warps=t.warps,
+            width // K.SEM_ROWS.value, b * h * width, h, hkv, h // hkv, nq, nk, qk_scale, scale,
+            HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CAUSAL=upper,
+            STAGES=t.stages, DQ_MODE=dq_mode, KV_REGS=kv_regs, num_warps=t.warps,
         )  # fmt: skip
         if dq_mode:
             ops.launch(

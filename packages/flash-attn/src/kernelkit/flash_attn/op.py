@@ -29,6 +29,7 @@ def attn_fwd(
     softcap: float = 0.0,
     window_left: int = -1,
     window_right: int = -1,
+    deterministic: bool = True,  # (the backward's: passed on to attn_bwd)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window = (window_left, window_right)
     if not use_triton(q):
@@ -66,12 +67,14 @@ def attn_bwd(
     softcap: float = 0.0,
     window_left: int = -1,
     window_right: int = -1,
+    deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     window = (window_left, window_right)
     if not use_triton(q):
         return _reference_grads(attention_reference, do, dlse, q, k, v, causal, scale,
                                 window_size=window, softcap=softcap)  # fmt: skip
-    return backward(do, q, k, v, o, lse, dlse, causal, scale, softcap=softcap, window=window)
+    return backward(do, q, k, v, o, lse, dlse, causal, scale, softcap=softcap, window=window,
+                    deterministic=deterministic)  # fmt: skip
 
 
 def _autograd(bwd_op, n_tensors: int):
@@ -169,6 +172,7 @@ def flash_attn(
     *,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    deterministic: bool = True,
 ):
     """Exact softmax attention, FlashAttention-2 style (the N x N scores never reach memory).
 
@@ -182,6 +186,10 @@ def flash_attn(
     (a conflicting right > 0 is a ValueError). Key blocks outside the window are skipped.
     softcap > 0: the scores (q.k * scale) become softcap * tanh(scores / softcap) before the
     softmax (Gemma 2); 0 = off.
+    deterministic=True (default): the gradients are bitwise the same from run to run. False:
+    where it measured faster (on Hopper, d <= 64 from 16k query rows, 8k causal: 1.02-1.15x
+    the backward; `plans.fused_dq_plan`) dq is summed in any order, so its last bits may vary
+    between runs; elsewhere it changes nothing.
     Decoding shapes (few query rows, long key sequences) run a split-KV forward (`split_plan`).
     """
     scale = validate(q, k, v, causal, softmax_scale)
@@ -192,7 +200,9 @@ def flash_attn(
         q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
     if scale < 0:  # the kernels assume scale >= 0 (max of the raw scores); negate q instead
         q, scale = -q, -scale
-    o, lse = attn_fwd(q, k, v, causal, scale, softcap, left, right)
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+    o, lse = attn_fwd(q, k, v, causal, scale, softcap, left, right, deterministic)
     if three_d:
         o, lse = o.squeeze(2), lse.squeeze(1)
     return (o, lse) if return_lse else o

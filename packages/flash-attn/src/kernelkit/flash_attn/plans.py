@@ -62,16 +62,16 @@ GLUON_FWD_TILES = {128: Tile(128, 128, 4, 2, tma=True, gluon=True)}
 # TFLOP/s current / Gluon 128x128 s2 / cuDNN: d128 N16k 432 / 598 / 563, N4k 365 / 474 / 561;
 # d64 N16k 385 / 429 / 445 but N4k 361 / 323 / 422: d64 stays on the portable kernel.
 GLUON_CAUSAL_FWD_TILES = {128: Tile(128, 128, 4, 2, tma=True, gluon=True)}
-# d = 64 causal forwards of at least this many query rows take the same Gluon tile (H100,
-# session 20, hopper_ab.py, TFLOP/s portable / Gluon: N = 16k 384 / 426 and 383 / 427 at the
-# leaderboard's B = 16, H = 1; 8k 388 / 381; 4k 361 / 323). With the q tile in registers
-# (launchers.GLUON_FWD_Q_REGS_MAX_D, session 21): 16k 418 -> 430, 8k 377 / 384, 4k 366 / 329.
-GLUON_CAUSAL_FWD_MIN_N = {64: 16384}
-# Non-causal d = 64 forwards of at least this many query rows take the non-causal Gluon tile.
-# With q in shared memory it measured equal or slower (session 20: 16k 434-446 / 442-449, 8k
-# 434 / 409); with q in registers (session 21, results/logs/*-gluon-operand-regs.log), portable /
-# Gluon: 16k 423 / 443, 8k 422 / 430, 4k 411 / 404.
-GLUON_FWD_MIN_N = {64: 8192}
+# d = 64 forwards of at least this many query rows take the same Gluon tiles, causal and not,
+# the q tile in registers (launchers.GLUON_FWD_Q_REGS_MAX_D). H100, TFLOP/s portable / Gluon:
+# causal (session 20, q in shared memory) 16k 384 / 426, 383 / 427 at the leaderboard's B 16
+# H 1, 8k 388 / 381, 4k 361 / 323; (session 21, q in registers, two runs) 16k 390-400 / 427-430,
+# leaderboard 376-385 / 421-425, 8k 373-377 / 383-384, 4k 360-366 / 324-329. Non-causal
+# (session 21) 16k 423-441 / 443-452, 8k 422-425 / 420-430, 4k 411-422 / 387-404 (with q in
+# shared memory, session 20: 16k 434-446 / 442-449, 8k 434 / 409). Logs:
+# results/logs/NVIDIA-H100-80GB-HBM3-hopper_ab-session21-*.log.
+GLUON_CAUSAL_FWD_MIN_N = {64: 8192}
+GLUON_FWD_MIN_N = {64: 16384}
 # The Gluon dk/dv kernel (kernels_gluon.attn_bwd_gluon_kernel: 2 x 64 keys per program, BLOCK_M
 # query rows per step, a `stages`-deep q/do ring; dq stays with the portable dq kernel) where it
 # measured faster on an H100 (session 20, hopper_ab.py; backward TFLOP/s at N = 16k / 8k / 4k,
@@ -82,11 +82,23 @@ GLUON_DKDV_TILES = {128: Tile(64, 128, 4, 3, tma=True, gluon=True)}
 GLUON_CAUSAL_DKDV_TILES = {128: Tile(64, 128, 4, 2, tma=True, gluon=True)}
 # As a plan's dq tile beside a Gluon dk/dv tile: dq summed in the Gluon kernel (5 block products
 # per tile pair instead of 7; a reducer warp adds the parts with TMA reduce-adds), in a fixed
-# order unless the backward is not deterministic. Experimental: no default plan takes it yet.
-# H100 (session 20, hopper_ab.py, one run, its GPU tests not yet run), backward TFLOP/s current /
-# fixed order / any order: d64 causal 16k B1 H32 348 / 297 / 384, B16 H1 332 / 357 / 382;
-# 4k 305 / 200 / 228.
+# order unless the backward may add them in any order (`flash_attn(deterministic=False)`).
 GLUON_FUSED_DQ = Tile(0, 0, 0, 0, gluon=True)
+# Half-precision backwards of at least this many query rows, by BLOCK_D (non-causal, causal;
+# None: never), sum dq in the Gluon dk/dv kernel (`fused_dq_plan`, its K and V in registers:
+# launchers.GLUON_BWD_KV_REGS_MAX_D): in a fixed order by default (FUSED_DQ_MIN_N), in any
+# order with deterministic=False (ANY_ORDER_DQ_MIN_N). H100, session 21, backward TFLOP/s of
+# the dq-kernel backward / fused in a fixed order / in any order (hopper_ab.py and the K/V
+# A/B; results/logs/NVIDIA-H100-80GB-HBM3-*-session21*.log):
+#   d64 causal 16k B1 H32   337-343 / 345 / 383      (K/V in shared memory: 329-334 / 365-382)
+#   d64 causal 16k B16 H1   325-349 / 372 / 390      (349-356 / 381-389)
+#   d64 causal 8k           321-328 / 297 / 330      4k 301-315 / 211 / 225
+#   d64 non-causal 16k      362-369 / 331 / 378      8k 348-363 / 307 / 340
+# d128 loses everywhere (16k causal 419 / 355 / 362, K/V in shared memory; in registers it
+# spills).
+FUSED_DQ_MIN_N = {64: (None, 16384)}
+ANY_ORDER_DQ_MIN_N = {64: (16384, 8192)}
+FUSED_DQ_DKDV = Tile(64, 128, 4, 2, tma=True, gluon=True)
 # dk/dv: BLOCK_N keys held by the program, BLOCK_M query rows per step.
 DKDV_TILES = {
     16: Tile(64, 128, 8, 2),
@@ -217,6 +229,17 @@ def portable_dkdv(bd: int, causal: bool, dtype: torch.dtype = torch.bfloat16) ->
     if dtype == torch.float32:
         return FP32_TILES[bd][1]
     return (CAUSAL_TILES.get(bd, (None,) * 3)[1] if causal else None) or DKDV_TILES[bd]
+
+
+def fused_dq_plan(plan: Plan, bd: int, causal: bool, nq: int, deterministic: bool) -> Plan:
+    """The backward's plan for nq query rows: the Gluon dk/dv kernel summing dq
+    (`GLUON_FUSED_DQ`) from FUSED_DQ_MIN_N query rows on, or from ANY_ORDER_DQ_MIN_N where dq's
+    parts may be added in any order; else `plan` (the Gluon kernel's own conditions still apply
+    at launch)."""
+    min_n = (FUSED_DQ_MIN_N if deterministic else ANY_ORDER_DQ_MIN_N).get(bd, (None, None))[causal]
+    if interpreting() or min_n is None or nq < min_n:
+        return plan
+    return Plan(plan.fwd, FUSED_DQ_DKDV, GLUON_FUSED_DQ)
 
 
 def small_grid_fwd(tile: Tile, bd: int, causal: bool, bh: int, nq: int, sms: int) -> Tile:
