@@ -639,6 +639,8 @@ def attn_bwd_gluon_kernel(
     dv_base = DV + b * stride_dvb + hk.to(gl.int64) * stride_dvh
     k_base = K + b * stride_kb + hk.to(gl.int64) * stride_kh
     v_base = V + b * stride_vb + hk.to(gl.int64) * stride_vh
+    # The two warp_specialize calls spell their partitions out: Gluon takes (function, args)
+    # pairs only as literals, and a constexpr packed into a shared args tuple loses its constness.
     if DQ_MODE > 0:
         dq_desc = tma.make_tensor_descriptor(DQACC, [dq_rows, BLOCK_D], [BLOCK_D, 1],
                                              [BLOCK_M, BLOCK_D], dq_layout)  # fmt: skip
