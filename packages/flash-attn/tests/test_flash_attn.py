@@ -19,10 +19,15 @@ from kernelkit.flash_attn import launchers as fa_launchers
 from kernelkit.flash_attn import op as fa_op
 from kernelkit.flash_attn import plans as fa_plans
 from kernelkit.flash_attn import validation as fa_validation
-from kernelkit.flash_attn.reference import attention_reference, attention_varlen_reference
+from kernelkit.flash_attn.reference import (
+    attention_reference,
+    attention_reference_grads,
+    attention_varlen_reference,
+    attention_varlen_reference_grads,
+)
 from kernelkit.shared import replay, runtime
 from kernelkit.shared.runtime import interpreting
-from kernelkit.shared.testing import assert_close, assert_graph_replays
+from kernelkit.shared.testing import assert_close, assert_graph_replays, run_without_interpreter
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -430,7 +435,8 @@ def test_small_grid_forward_plan(monkeypatch):
     assert fwd(64, False, 3, 16384) == fa_plans.GLUON_FWD_TILES[128]
     assert fwd(64, True, 18, 8192) == fa_plans.GLUON_CAUSAL_FWD_TILES[128]
     assert fwd(64, True, 8, 16384) == small  # 1024: 7.8
-    assert fwd(64, True, 36, 4096) == table  # 1152: 8.7
+    assert fwd(64, True, 36, 4096) == fa_plans.GLUON_CAUSAL_FWD_TILES[128]  # 1152: 8.7
+    assert fwd(64, True, 256, 1024) == table  # 2048: 15.5, below GLUON_CAUSAL_FWD_MIN_N
     assert fwd(64, True, 9, 16384) == fa_plans.GLUON_CAUSAL_FWD_TILES[128]
     assert fwd(64, True, 1, 16384, torch.float32) == fa_plans.FP32_TILES[64][0]
     assert fwd(128, False, 1, 1024) == fa_plans.plan_for(128, False, torch.bfloat16).fwd
@@ -699,10 +705,11 @@ def test_varlen_cpu_tensors_without_interpreter_use_the_reference(monkeypatch):
     o.sum().backward()
     ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     o_r, lse_r = attention_varlen_reference(*ref, causal=True, return_lse=True, **kw)
-    o_r.sum().backward()
     assert torch.equal(o, o_r) and torch.equal(lse, lse_r.float())
-    for a, r in zip((q, k, v), ref):
-        assert torch.equal(a.grad, r.grad)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    attention_varlen_reference(*ref, causal=True, **kw).sum().backward()
+    for a, r, name in zip((q, k, v), ref, ("dq", "dk", "dv")):
+        assert_close(a.grad, r.grad, name=name)
 
 
 # ------------------------------------------------------------------------------------------
@@ -1027,8 +1034,8 @@ def test_default_plans_take_the_gluon_kernels_by_rule(monkeypatch):
         assert not fa_plans.plan_for(64, causal, torch.bfloat16).dkdv.gluon
         assert not fa_plans.plan_for(128, causal, torch.float32).dkdv.gluon
     n = fa_plans.GLUON_CAUSAL_FWD_MIN_N[64]
-    assert fa_plans.plan_for(64, True, torch.bfloat16, grid=(64, n, 132)).fwd.gluon
-    assert not fa_plans.plan_for(64, True, torch.bfloat16, grid=(64, n // 2, 132)).fwd.gluon
+    assert fa_plans.plan_for(64, True, torch.bfloat16, grid=(256, n, 132)).fwd.gluon
+    assert not fa_plans.plan_for(64, True, torch.bfloat16, grid=(256, n // 2, 132)).fwd.gluon
     n = fa_plans.GLUON_FWD_MIN_N[64]
     assert fa_plans.plan_for(64, False, torch.bfloat16, grid=(64, n, 132)).fwd.gluon
     assert not fa_plans.plan_for(64, False, torch.bfloat16, grid=(64, n // 2, 132)).fwd.gluon
@@ -1227,10 +1234,81 @@ def test_cpu_tensors_without_interpreter_use_the_reference(monkeypatch):
     o.sum().backward()
     ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     o_r, lse_r = attention_reference(*ref, causal=True, return_lse=True)
-    o_r.sum().backward()
     assert torch.equal(o, o_r) and torch.equal(lse, lse_r)
-    for a, r in zip((q, k, v), ref):
-        assert torch.equal(a.grad, r.grad)
+    # The backward is the closed form (attention_reference_grads), checked against float64.
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    attention_reference(*ref, causal=True).sum().backward()
+    for a, r, name in zip((q, k, v), ref, ("dq", "dk", "dv")):
+        assert_close(a.grad, r.grad, name=name)
+
+
+# The CPU fallback's backward in closed form (reference.attention_reference_grads) against
+# autograd through the reference, in float64: GQA, softcap, windows, rows that see no key and
+# an LSE gradient. (B, Nq, Nk, H, Hkv, D), causal, window_size, softcap.
+REFERENCE_GRAD_CASES = [
+    ((2, 9, 12, 4, 2, 16), True, (-1, -1), 0.0),
+    ((1, 14, 6, 2, 1, 24), True, (-1, -1), 2.5),  # Nq > Nk: rows that see no key
+    ((1, 11, 11, 3, 1, 16), False, (3, 2), 0.0),
+    ((2, 7, 13, 2, 2, 8), False, (-1, -1), 1.5),
+]
+
+
+@pytest.mark.parametrize("case", REFERENCE_GRAD_CASES, ids=lambda c: str(c[0]))
+def test_reference_grads_closed_form(case):
+    (b, nq, nk, h, hkv, d), causal, window, softcap = case
+    q, k, v = qkv(b, nq, nk, h, hkv, d, torch.float64, "cpu")
+    do = make((b, nq, h, d), torch.float64, "cpu", seed=5)
+    dlse = make((b, h, nq), torch.float64, "cpu", seed=6)
+    kw = dict(causal=causal, softmax_scale=0.3, softcap=softcap, window_size=window)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, lse = attention_reference(*leaves, return_lse=True, **kw)
+    expected = torch.autograd.grad([o, _finite(lse)], leaves, [do, dlse])
+    got = attention_reference_grads(do, q, k, v, dlse=dlse, **kw)
+    for g, e, name in zip(got, expected, ("dq", "dk", "dv")):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12, msg=name)
+    # float32 inputs: computed in float32, returned as float32.
+    got32 = attention_reference_grads(do.float(), q.float(), k.float(), v.float(), dlse=dlse, **kw)
+    for g, e, name in zip(got32, expected, ("dq", "dk", "dv")):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g.double(), e, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_varlen_reference_grads_closed_form():
+    q, k, v, kw = packed([4, 0, 9, 5], [6, 2, 9, 0], 4, 2, 16, torch.float64, "cpu")
+    do = make(q.shape, torch.float64, "cpu", seed=5)
+    dlse = make((q.shape[1], q.shape[0]), torch.float64, "cpu", seed=6)
+    opts = dict(causal=True, softcap=2.0)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, lse = attention_varlen_reference(*leaves, return_lse=True, **opts, **kw)
+    expected = torch.autograd.grad([o, _finite(lse)], leaves, [do, dlse])
+    cu = (kw["cu_seqlens_q"], kw["cu_seqlens_k"])
+    got = attention_varlen_reference_grads(do, q, k, v, *cu, dlse=dlse, **opts)
+    for g, e, name in zip(got, expected, ("dq", "dk", "dv")):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12, msg=name)
+
+
+_COMPILE_WITHOUT_INTERPRETER = """
+import torch
+from kernelkit.flash_attn import flash_attn
+from kernelkit.flash_attn.reference import attention_reference
+q, k, v = (torch.randn(2, 9, h, 16) for h in (4, 2, 2))
+leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+f = torch.compile(lambda *a: flash_attn(*a, causal=True, softcap=3.0), fullgraph=True,
+                  backend="aot_eager")
+f(*leaves).sum().backward()
+ref = [t.double().requires_grad_() for t in (q, k, v)]
+attention_reference(*ref, causal=True, softcap=3.0).sum().backward()
+for a, r in zip(leaves, ref):
+    torch.testing.assert_close(a.grad.double(), r.grad, rtol=1e-4, atol=1e-5)
+print("ok")
+"""
+
+
+def test_torch_compile_backward_on_cpu_without_interpreter():
+    """On CPU without the interpreter the ops run the PyTorch reference, and torch.compile
+    traces their bodies (torch.library.triton_op): the backward must trace too. A fresh process,
+    since the interpreter setting is read when the ops are registered."""
+    assert run_without_interpreter(_COMPILE_WITHOUT_INTERPRETER).strip().endswith("ok")
 
 
 def _errors(device):
@@ -1513,6 +1591,31 @@ def test_gpu_gluon_forward_d64_by_rule(causal, device, monkeypatch):
     check((q.double() * 3).to(q.dtype), k, v, causal=causal, softcap=30.0)
     if torch.cuda.get_device_capability()[0] == 9:
         assert "attn_fwd_gluon_kernel" in launched and "attn_fwd_kernel" not in launched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nq", [1000, 1100], ids=["even-blocks", "odd-blocks"])
+def test_gpu_gluon_forward_schedules_agree(nq, causal, device, monkeypatch):
+    """The persistent Gluon forward (one program per SM walking tiles, causal ones in pairs of a
+    long and a short query block where their number is even) computes each tile as one program
+    per tile does: bitwise the same o and LSE, and right against the reference (`check`)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon forward runs on sm_90 only")
+    q, k, v = qkv(8, nq, 1024, 16, 4, 128, torch.bfloat16, device)  # 8 or 9 blocks, 8+ waves
+    tile = fa_plans.GLUON_FWD_TILES[128]
+    scale = 1 / math.sqrt(128)
+    runs = []
+    for persistent, pairs in ((False, False), (True, False), (True, True), (False, True)):
+        monkeypatch.setattr(fa_launchers, "GLUON_FWD_PERSISTENT", persistent)
+        monkeypatch.setattr(fa_launchers, "GLUON_FWD_CAUSAL_PAIRS", pairs)
+        base = fa_plans.plan_for(128, causal, q.dtype)
+        runs.append(
+            fa_launchers.forward(q, k, v, causal, scale, fa_plans.Plan(tile, base.dkdv, base.dq))
+        )
+    for o, lse in runs[1:]:
+        assert torch.equal(o, runs[0][0]) and torch.equal(lse, runs[0][1])
+    check(q, k, v, causal=causal)  # the shipped switches (persistent, pairs)
 
 
 # The dk/dv kernel's own edges besides HOPPER_GPU_SHAPES: fewer query rows than a step and

@@ -205,3 +205,18 @@ def assert_launch_paths_agree(calls_file, function: str = "launch_calls") -> Non
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if out.returncode != 0 or not out.stdout.startswith("OK"):
         raise AssertionError(f"launch paths differ:\n{out.stdout[-2000:]}{out.stderr[-3000:]}")
+
+
+def run_without_interpreter(code: str, timeout: float = 600) -> str:
+    """Run `code` in a fresh Python process without TRITON_INTERPRET (the ops, registered at
+    import, then take the CPU fallback path that torch.compile traces as a triton_op); returns
+    its stdout, and fails with its stderr's tail if it exits non-zero."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=timeout)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout

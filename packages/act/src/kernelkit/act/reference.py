@@ -28,6 +28,27 @@ def act_reference(
     raise ValueError(f"act: unknown activation {act!r}")
 
 
+def act_grad_reference(x: torch.Tensor, dy: torch.Tensor, act: str) -> torch.Tensor:
+    """dx of act_reference(x, act) for the elementwise activations, in closed form (no autograd:
+    torch.compile traces it inside an op, as the CPU fallback's backward), computed in float32
+    (float64 inputs: float64) and returned in x's dtype."""
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf, g = x.to(ct), dy.to(ct)
+    if act == "none":
+        dx = g
+    elif act == "relu":
+        dx = torch.where(xf > 0, g, torch.zeros_like(g))
+    elif act == "sigmoid":
+        s = torch.sigmoid(xf)
+        dx = g * s * (1 - s)
+    elif act == "silu":  # d/dx x s(x) = s (1 + x (1 - s))
+        s = torch.sigmoid(xf)
+        dx = g * s * (1 + xf * (1 - s))
+    else:
+        raise ValueError(f"act: no elementwise gradient for {act!r}")
+    return dx.to(x.dtype)
+
+
 def _segments(t: torch.Tensor, dim: int, cu_seqlens: torch.Tensor):
     """The slices of t along `dim` of the sequences packed there (reads cu_seqlens' values)."""
     bounds = cu_seqlens.tolist()

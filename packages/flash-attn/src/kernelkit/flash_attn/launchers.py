@@ -52,15 +52,19 @@ def _forward_gluon(ops, q, k, v, o, lse, tile: Tile, causal: bool, qk_scale: flo
     tanh.approx (`_score_args`' mode 2) or none; no window or packing)."""
     b, nq, h, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
+    num_m = cdiv(nq, tile.block_m)
+    pairs = causal and GLUON_FWD_CAUSAL_PAIRS and num_m % 2 == 0
+    units = num_m * b * h // (2 if pairs else 1)
+    programs = min(units, num_sms(q.device)) if GLUON_FWD_PERSISTENT else units
     ops.launch(
-        KG.attn_fwd_gluon_kernel, (cdiv(nq, tile.block_m) * b * h,),
-        q, k, v, o, lse, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(o), h,
+        KG.attn_fwd_gluon_kernel, (programs,),
+        q, k, v, o, lse, *_tma_strides3(q), *_tma_strides3(k), *_tma_strides3(v), *_strides3(o), b, h,
         h // hkv, nq, nk, qk_scale, cap_scale, HEAD_DIM=d, BLOCK_D=block_d_for(d),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, CAUSAL=causal,
         EVEN_M=bool(nq % tile.block_m == 0), EVEN_N=bool(nk % tile.block_n == 0),
         DOT_PREC=dot_precision(q.dtype), TMA=True, STAGES=tile.stages,
         SOFTCAP=softcap_mode == 2, Q_REGS=block_d_for(d) <= GLUON_FWD_Q_REGS_MAX_D,
-        num_warps=tile.warps, num_stages=tile.stages,
+        PAIRS=pairs, num_warps=tile.warps, num_stages=tile.stages,
     )  # fmt: skip
 
 
@@ -86,6 +90,19 @@ ROW_PAD = 128  # at least every backward tile's BLOCK_M (powers of two)
 # session 21), d64 TFLOP/s shared / registers: non-causal 424 / 443 at 16k, 407 / 430 at 8k,
 # 373 / 404 at 4k; causal 418 / 430 at 16k. 0: never (an A/B switch).
 GLUON_FWD_Q_REGS_MAX_D = 64
+# The Gluon forward launches one program per SM, each walking its share of the tiles (the next
+# tile's q and K/V load while the current one finishes; the descriptors are built once);
+# False: one program per tile (an A/B switch). Causal forwards with an even number of query
+# blocks walk them in pairs of a long and a short one (kernels_gluon._fwd_tile, PAIRS), so that
+# the programs stay in step on the same heads (with single tiles the persistent causal forward
+# lost 30% at 16k: the programs drift apart over the heads, whose K/V then leave L2). H100
+# (session 22, interleaved, TFLOP/s one program per tile / persistent / persistent in pairs;
+# results/logs/*-gluon-fwd-persistent-pairs-session22.log): d128 causal 16k 591 / 420 / 602,
+# 8k 528 / 537 / 570, 4k 468 / 511 / 534; non-causal 16k 610 / 626, 4k 549 / 600, 1k (B16)
+# 392 / 502; d64 causal leaderboard 431 / 298 / 439, 16k 424 / 407 / 432, 8k 387 / 404 / 419,
+# 4k 326 / 373 / 394, 2k 253 / 311 / 346; non-causal 16k 434 / 432, 8k 400 / 446, 4k 379 / 430.
+GLUON_FWD_PERSISTENT = True
+GLUON_FWD_CAUSAL_PAIRS = True
 # The same for the K and V of the Gluon dk/dv kernel that sums dq (the S^T and dP^T products'
 # A operands): d64 fused backward 1.02-1.06x (H100, session 21). The dk/dv-only variant
 # (dq kernel beside it) computed wrong dk / dv with them on the H100 (the fused variants were
@@ -128,6 +145,13 @@ def _strides3(t: torch.Tensor):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def _tma_strides3(t: torch.Tensor):
+    """`_strides3` for a TMA descriptor over the whole tensor: a dim of size 1 is never stepped
+    (its coordinate is 0) and `use_tma` does not check its stride, which may then be anything
+    (a slice, an unsqueeze): a 16-byte stand-in, as the copy engine requires."""
+    return tuple(st if n > 1 else 16 // t.element_size() for st, n in zip(t.stride()[:3], t.shape))
+
+
 @dataclass(frozen=True)
 class Varlen:
     """A packed batch (`flash_attn_varlen`): q (total_q, H, D), k/v (total_k, Hkv, D), sequence
@@ -150,7 +174,7 @@ def _seq_strides(t: torch.Tensor, varlen: Varlen | None):
 # tensors (and a packed batch's cu_seqlens) and options: the call's (direction, causal, scale,
 # softcap, window, a packed batch's max_seqlen or None), then the module switches and the rule
 # that plans read (tests patch them): FAST_TANH, PEEL_RAGGED_TAIL, PAD_ROW_VECTORS,
-# GLUON_FWD_Q_REGS_MAX_D (forward), interpreting(). Built
+# GLUON_FWD_Q_REGS_MAX_D, GLUON_FWD_CAUSAL_PAIRS, GLUON_FWD_PERSISTENT (forward), interpreting(). Built
 # inline: this is the host path of every call.
 
 
@@ -182,7 +206,8 @@ def forward(
             inputs = (q, k, v, varlen.cu_q, varlen.cu_k)
             sizes = varlen.max_q, varlen.max_k
         options = ("fwd", causal, scale, softcap, window, sizes, FAST_TANH, PEEL_RAGGED_TAIL,
-                   PAD_ROW_VECTORS, GLUON_FWD_Q_REGS_MAX_D, interpreting())  # fmt: skip
+                   PAD_ROW_VECTORS, GLUON_FWD_Q_REGS_MAX_D, GLUON_FWD_CAUSAL_PAIRS,
+                   GLUON_FWD_PERSISTENT, interpreting())  # fmt: skip
         return replay.replayed(
             _forward, inputs, options, q, k, v, causal, scale, None, None, softcap, window, varlen
         )

@@ -11,7 +11,12 @@ from kernelkit.shared.runtime import (
 )
 
 from .launchers import Varlen, backward, forward
-from .reference import attention_reference, attention_varlen_reference
+from .reference import (
+    attention_reference,
+    attention_reference_grads,
+    attention_varlen_reference,
+    attention_varlen_reference_grads,
+)
 from .validation import check_softcap, validate, validate_varlen, window_for
 
 # ---------------------------------------------------------------------------------------------
@@ -40,19 +45,6 @@ def attn_fwd(
     return forward(q, k, v, causal, scale, softcap=softcap, window=window)
 
 
-def _reference_grads(reference, do, dlse, q, k, v, *args, **kwargs):
-    """(dq, dk, dv) through `reference(q, k, v, *args, **kwargs)`: the CPU fallback's backward."""
-    with torch.enable_grad():
-        qkv = [t.detach().requires_grad_() for t in (q, k, v)]
-        o, lse = reference(*qkv, *args, return_lse=True, **kwargs)
-        outs, grads = [o], [do]
-        if dlse is not None:
-            outs.append(lse)
-            grads.append(dlse.to(lse.dtype))
-        dqkv = torch.autograd.grad(outs, qkv, grads, allow_unused=True)
-    return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(dqkv, qkv))
-
-
 @define_op("kernelkit_flash_attn::attn_bwd")
 def attn_bwd(
     do: torch.Tensor,
@@ -71,8 +63,8 @@ def attn_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     window = (window_left, window_right)
     if not use_triton(q):
-        return _reference_grads(attention_reference, do, dlse, q, k, v, causal, scale,
-                                window_size=window, softcap=softcap)  # fmt: skip
+        # The closed form, not autograd inside the op: torch.compile traces this body.
+        return attention_reference_grads(do, q, k, v, causal, scale, dlse, softcap, window)
     return backward(do, q, k, v, o, lse, dlse, causal, scale, softcap=softcap, window=window,
                     deterministic=deterministic)  # fmt: skip
 
@@ -150,9 +142,8 @@ def attn_varlen_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     window = (window_left, window_right)
     if not use_triton(q):
-        return _reference_grads(attention_varlen_reference, do, dlse, q, k, v, cu_seqlens_q,
-                                cu_seqlens_k, causal=causal, softmax_scale=scale,
-                                window_size=window, softcap=softcap)  # fmt: skip
+        return attention_varlen_reference_grads(do, q, k, v, cu_seqlens_q, cu_seqlens_k, causal,
+                                                scale, dlse, softcap, window)  # fmt: skip
     varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return backward(do, q, k, v, o, lse, dlse, causal, scale, softcap=softcap, window=window,
                     varlen=varlen)  # fmt: skip

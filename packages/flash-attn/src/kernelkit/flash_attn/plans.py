@@ -70,8 +70,10 @@ GLUON_CAUSAL_FWD_TILES = {128: Tile(128, 128, 4, 2, tma=True, gluon=True)}
 # (session 21) 16k 423-441 / 443-452, 8k 422-425 / 420-430, 4k 411-422 / 387-404 (with q in
 # shared memory, session 20: 16k 434-446 / 442-449, 8k 434 / 409). Logs:
 # results/logs/NVIDIA-H100-80GB-HBM3-hopper_ab-session21-*.log.
-GLUON_CAUSAL_FWD_MIN_N = {64: 8192}
-GLUON_FWD_MIN_N = {64: 16384}
+# Persistent (session 22, launchers.GLUON_FWD_PERSISTENT), portable / Gluon: causal 8k 385 /
+# 419, 4k 359 / 394, 2k (B8 H32) 331 / 346; non-causal 8k 419 / 446, 4k 429 / 430.
+GLUON_CAUSAL_FWD_MIN_N = {64: 2048}
+GLUON_FWD_MIN_N = {64: 8192}
 # The Gluon dk/dv kernel (kernels_gluon.attn_bwd_gluon_kernel: 2 x 64 keys per program, BLOCK_M
 # query rows per step, a `stages`-deep q/do ring; dq stays with the portable dq kernel) where it
 # measured faster on an H100 (session 20, hopper_ab.py; backward TFLOP/s at N = 16k / 8k / 4k,

@@ -52,24 +52,8 @@ def attention_reference(
     if three_d:
         q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
-    group = q.shape[2] // k.shape[2]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=2)
-        v = v.repeat_interleave(group, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    nq, nk = q.shape[1], k.shape[1]
-    left, right = window_size
-    if causal:
-        right = 0
-    empty = None
-    if left >= 0 or right >= 0:
-        visible = window_visible(nq, nk, left, right, q.device)
-        s = s.masked_fill(~visible, -math.inf)
-        if right >= 0 and nk - nq + right < 0:  # the first rows see no key: softmax them
-            empty = ~visible.any(-1, keepdim=True)  # over zeros, then zero them
-            s = s.masked_fill(empty, 0.0)
+    k, v = _repeat_kv(k, q.shape[2]), _repeat_kv(v, q.shape[2])
+    s, empty = _masked(_scores(q, k, scale, softcap), causal, window_size)
     p = torch.softmax(s, dim=-1)
     if empty is not None:
         p = p.masked_fill(empty, 0.0)
@@ -84,6 +68,84 @@ def attention_reference(
     if three_d:
         lse = lse.squeeze(1)
     return o, lse
+
+
+def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """k or v (B, Nk, Hkv, D) with each kv head repeated for the H / Hkv query heads it serves."""
+    group = heads // t.shape[2]
+    return t.repeat_interleave(group, dim=2) if group > 1 else t
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """(B, H, Nq, Nk) scores q k^T * scale, softcapped, before any mask (k has H heads)."""
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    return softcap * torch.tanh(s / softcap) if softcap else s
+
+
+def _masked(s: torch.Tensor, causal: bool, window_size: tuple[int, int]):
+    """(scores with the keys a query does not see at -inf, rows that see no key (B, H, Nq, 1)
+    bool or None); those rows' scores are 0 so that their softmax stays finite (and is zeroed
+    by the caller)."""
+    nq, nk = s.shape[-2:]
+    left, right = window_size
+    if causal:
+        right = 0
+    empty = None
+    if left >= 0 or right >= 0:
+        visible = window_visible(nq, nk, left, right, s.device)
+        s = s.masked_fill(~visible, -math.inf)
+        if right >= 0 and nk - nq + right < 0:  # the first rows see no key
+            empty = ~visible.any(-1, keepdim=True)
+            s = s.masked_fill(empty, 0.0)
+    return s, empty
+
+
+def attention_reference_grads(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    dlse: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    window_size: tuple[int, int] = (-1, -1),
+):
+    """(dq, dk, dv) of `attention_reference`'s (o, lse) for 4-D inputs, given the gradients do
+    (like o) and dlse ((B, H, Nq), or None for zero), in closed form: without autograd, so that
+    torch.compile can trace it inside an op (the CPU fallback's backward). Computed in float32
+    (float64 inputs: float64), returned in the inputs' dtypes.
+
+    With P the probabilities and S the capped scores: dV = P^T dO, dP = dO V^T,
+    dS = P * (dP - rowsum(P * dP) + dLSE) (d LSE / d S = P), times 1 - (S / softcap)^2 under a
+    softcap, then dQ = scale * dS K and dK = scale * dS^T Q, summed over each kv head's group.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    b, nk, hkv, d = k.shape
+    heads = q.shape[2]
+    q_, do_ = q.to(ct), do.to(ct)
+    k_, v_ = _repeat_kv(k.to(ct), heads), _repeat_kv(v.to(ct), heads)
+    s = _scores(q_, k_, scale, softcap)
+    masked, empty = _masked(s, causal, window_size)
+    p = torch.softmax(masked, dim=-1)
+    if empty is not None:
+        p = p.masked_fill(empty, 0.0)
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, do_)
+    dp = torch.einsum("bqhd,bkhd->bhqk", do_, v_)
+    ds = dp - (p * dp).sum(-1, keepdim=True)
+    if dlse is not None:
+        ds = ds + dlse.to(ct)[..., None]
+    ds = p * ds
+    if softcap:  # S = c tanh(x / c): dS/dx = 1 - tanh^2 (masked entries: P = 0 there)
+        ds = ds * (1.0 - (s / softcap) ** 2)
+    ds = ds * scale
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, k_)
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q_)
+    group = heads // hkv
+    dk = dk.view(b, nk, hkv, group, d).sum(3)
+    dv = dv.view(b, nk, hkv, group, dv.shape[-1]).sum(3)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def attention_varlen_reference(
@@ -114,3 +176,33 @@ def attention_varlen_reference(
         lses.append(lse[0])
     o = torch.cat(outs)
     return (o, torch.cat(lses, dim=1)) if return_lse else o
+
+
+def attention_varlen_reference_grads(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    dlse: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    window_size: tuple[int, int] = (-1, -1),
+):
+    """`attention_reference_grads` of `attention_varlen_reference`, sequence by sequence:
+    do like q (total_q, H, D), dlse (H, total_q) or None. Reads cu_seqlens on the host."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for q0, q1, k0, k1 in zip(cq, cq[1:], ck, ck[1:]):
+        if q1 == q0 or k1 == k0:  # no rows, or rows that see no key: zero gradients
+            continue
+        seq_dlse = None if dlse is None else dlse[None, :, q0:q1]
+        grads = attention_reference_grads(
+            do[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal,
+            softmax_scale, seq_dlse, softcap, window_size,
+        )  # fmt: skip
+        for out, g, lo, hi in zip((dq, dk, dv), grads, (q0, k0, k0), (q1, k1, k1)):
+            out[lo:hi] = g[0]
+    return dq, dk, dv
