@@ -417,8 +417,8 @@ def test_masked_forward_plan(monkeypatch):
 
 def test_small_grid_forward_plan(monkeypatch):
     """d = 64 half-precision forwards take the 64-row tile where the table's 128-row tile would
-    launch fewer than 2 waves of programs (8 when causal); other head dims, float32 and large
-    grids keep the table's tile."""
+    launch fewer than 2 waves of programs (8 when causal; a causal Gluon tile only under one
+    wave); other head dims, float32 and large grids keep the table's tile."""
     _as_on_gpu(monkeypatch)
     small = fa_plans.SMALL_GRID_FWD[64][0]
     table = fa_plans.FWD_TILES[64]
@@ -434,7 +434,10 @@ def test_small_grid_forward_plan(monkeypatch):
     # the Gluon tile.
     assert fwd(64, False, 3, 16384) == fa_plans.GLUON_FWD_TILES[128]
     assert fwd(64, True, 18, 8192) == fa_plans.GLUON_CAUSAL_FWD_TILES[128]
-    assert fwd(64, True, 8, 16384) == small  # 1024: 7.8
+    # A causal Gluon tile that fills a wave stays (the persistent kernel balances its tiles).
+    assert fwd(64, True, 8, 16384) == fa_plans.GLUON_CAUSAL_FWD_TILES[128]  # 1024: 7.8
+    assert fwd(64, True, 1, 16384) == small  # 128 Gluon tiles: under a wave
+    assert fwd(64, True, 1, 4096) == small  # 32 Gluon tiles
     assert fwd(64, True, 36, 4096) == fa_plans.GLUON_CAUSAL_FWD_TILES[128]  # 1152: 8.7
     assert fwd(64, True, 256, 1024) == table  # 2048: 15.5, below GLUON_CAUSAL_FWD_MIN_N
     assert fwd(64, True, 9, 16384) == fa_plans.GLUON_CAUSAL_FWD_TILES[128]

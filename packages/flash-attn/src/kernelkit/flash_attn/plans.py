@@ -142,7 +142,8 @@ PREPROCESS_BLOCK_M = 64
 # "Small-grid forward"), d64 64 x 128 w4 s3 against 128 x 64 w8 s3: non-causal 1.19-1.61x up to
 # 1 wave, 0.96-0.97x at 3.9; causal (uneven programs: smaller ones balance the tail) 1.27-1.52x
 # up to 1 wave, 1.16-1.33x at 3.9, 0.97-1.01x at 15.5. d128: the 64-row tiles lost to the
-# Gluon kernel wherever the forward was not host-bound (0.5-0.92x): none.
+# Gluon kernel wherever the forward was not host-bound (0.5-0.92x): none. Causal Gluon tiles
+# that fill one wave are kept (`small_grid_fwd`).
 SMALL_GRID_FWD = {64: (Tile(64, 128, 4, 3), 2.0, 8.0)}
 # A window's left edge adds a third (masked) loop to the forward, and packed batches always run
 # the ragged-length masks; with pointer loads the d = 128 128 x 128 forward tile then needs
@@ -252,6 +253,11 @@ def small_grid_fwd(tile: Tile, bd: int, causal: bool, bh: int, nq: int, sms: int
     if small is None or tile.block_m <= small.block_m:
         return tile
     programs = bh * cdiv(nq, tile.block_m)
+    if tile.gluon and causal and programs >= sms:
+        # The persistent Gluon forward balances causal tiles itself (pairs of a long and a
+        # short one): H100, d64, TFLOP/s small tile / Gluon at B1 H8 8k 318 / 402, 16k 402 /
+        # 434, B2 H8 4k 280 / 357, B1 H16 8k 352 / 418 (session 22).
+        return tile
     return small if programs < (causal_waves if causal else waves) * sms else tile
 
 
