@@ -1626,6 +1626,29 @@ def test_gpu_gluon_forward_schedules_agree(nq, causal, device, monkeypatch):
     assert_close(_finite(runs[0][1][:1]), _finite(lse64), bound=2e-5, name="lse")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_gluon_backward_schedules_agree(causal, device, monkeypatch):
+    """The d128 Gluon dk/dv kernel persistent (one program per SM walking tiles, up to
+    launchers.GLUON_BWD_PERSISTENT_MAX_N query rows) and with one program per tile give bitwise
+    the same gradients (each tile's arithmetic is the same), right against the reference."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels run on sm_90 only")
+    launched = _launched_kernels(monkeypatch)
+    q, k, v = qkv(4, 1000, 1100, 16, 4, 128, torch.bfloat16, device)  # 9 key blocks x 16 units
+    do = make(q.shape, q.dtype, device, seed=7)
+    scale = 1 / math.sqrt(128)
+    o, lse = fa_launchers.forward(q, k, v, causal, scale)
+    grads = []
+    for max_n in (0, 1 << 30):
+        monkeypatch.setattr(fa_launchers, "GLUON_BWD_PERSISTENT_MAX_N", max_n)
+        grads.append(fa_launchers.backward(do, q, k, v, o, lse, None, causal, scale))
+    assert "attn_bwd_gluon_kernel" in launched
+    for a, b, name in zip(*grads, ("dq", "dk", "dv")):
+        assert torch.equal(a, b), name
+    check(q[:1], k[:1], v[:1], causal=causal)  # the default (persistent at this length)
+
+
 # The dk/dv kernel's own edges besides HOPPER_GPU_SHAPES: fewer query rows than a step and
 # fewer keys than one warpgroup's 64 (the second warpgroup sees none), a padded head dim with
 # GQA; those run in float16.

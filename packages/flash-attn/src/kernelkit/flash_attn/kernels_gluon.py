@@ -423,18 +423,37 @@ def _red_release_add(ptr):
 
 
 @gluon.jit
-def _bwd_dq_reducer(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_stride, bhq0, pid_n,
-                    m_lo, n_m, n_iter, BLOCK_M: gl.constexpr, ORDERED: gl.constexpr):  # fmt: skip
-    """One warp: adds step i's dq part (in dq_smem[i % 2], from the warpgroup whose turn it was)
-    into the float32 sums with a TMA reduce-add; ORDERED: once key block pid_n - 1's part of
-    that query block is in (the semaphore counts 32 per part: one per thread of this warp).
-    A part is counted one step late, once the next one is issued, so that the warp does not
-    wait for each add's round trip to L2 (memory, when the sums have left L2)."""
-    pending = SEM  # ORDERED: the semaphore of the part issued last, not yet counted
-    for i in range(n_iter):
+def _bwd_tile(u, bhk_count, Hkv, GROUP, Nq, Nk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr):  # fmt: skip
+    """Tile u: (b, kv head, key block, its first key, first query block, query blocks, steps =
+    GROUP x query blocks). Tiles of one key block are adjacent across heads: the programs then
+    walk the same query blocks in step; causal: the longest (first) key blocks first."""
+    pid_n = u // bhk_count
+    bhk = u % bhk_count
+    start_n = pid_n * BLOCK_N
+    if CAUSAL:  # noqa: SIM108 (constexpr branch); the first query block with a row that sees a key of this block
+        m_lo = gl.maximum(start_n - (Nk - Nq), 0) // BLOCK_M
+    else:
+        m_lo = 0
+    n_m = gl.cdiv(Nq, BLOCK_M) - m_lo
+    return bhk // Hkv, bhk % Hkv, pid_n, start_n, m_lo, n_m, GROUP * n_m
+
+
+@gluon.jit
+def _bwd_reduce_tile(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_stride, bhq0,
+                     pid_n, m_lo, n_m, n_iter, i0, pending, BLOCK_M: gl.constexpr,
+                     ORDERED: gl.constexpr):  # fmt: skip
+    """The reducer warp's steps of one tile (i0: the program's steps before it): adds step i's
+    dq part (in dq_smem[i % 2], from the warpgroup whose turn it was) into the float32 sums with
+    a TMA reduce-add; ORDERED: once key block pid_n - 1's part of that query block is in (the
+    semaphore counts 32 per part: one per thread of this warp). A part is counted one step
+    late, once the next one is issued, so that the warp does not wait for each add's round
+    trip to L2 (memory, when the sums have left L2). Returns the semaphore still to count."""
+    for it in range(n_iter):
+        i = i0 + it
         par = i % 2
-        g = i // n_m
-        m0 = (m_lo + i - g * n_m) * BLOCK_M
+        g = it // n_m
+        m0 = (m_lo + it - g * n_m) * BLOCK_M
         bhq = bhq0 + g
         mbarrier.wait(dq_ready.index(par), (i // 2) & 1)
         if ORDERED:
@@ -451,51 +470,118 @@ def _bwd_dq_reducer(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_st
                 _asm_with_effect("fence.proxy.async.global;", pid_n)
                 _red_release_add(pending)
             pending = sem
+    return pending
+
+
+@gluon.jit
+def _bwd_dq_reducer(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_stride, H, Hkv,
+                    GROUP, Nq, Nk, n_tiles, bhk_count, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, ORDERED: gl.constexpr,
+                    PERSISTENT: gl.constexpr):  # fmt: skip
+    """One warp: `_bwd_reduce_tile` for the program's tile, or with PERSISTENT tile after tile
+    of its share; the last part counted at the end."""
+    if PERSISTENT:
+        i = 0
+        pending = SEM  # ORDERED: the semaphore of the part issued last, not yet counted
+        for u in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            b, hk, pid_n, _, m_lo, n_m, n_iter = _bwd_tile(u, bhk_count, Hkv, GROUP, Nq, Nk,
+                                                           CAUSAL, BLOCK_M, BLOCK_N)  # fmt: skip
+            pending = _bwd_reduce_tile(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride,
+                                       vec_stride, b * H + hk * GROUP, pid_n, m_lo, n_m, n_iter,
+                                       i, pending, BLOCK_M, ORDERED)  # fmt: skip
+            i += n_iter
+    else:
+        b, hk, pid_n, _, m_lo, n_m, i = _bwd_tile(gl.program_id(0), bhk_count, Hkv, GROUP, Nq,
+                                                  Nk, CAUSAL, BLOCK_M, BLOCK_N)  # fmt: skip
+        pending = _bwd_reduce_tile(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride,
+                                   vec_stride, b * H + hk * GROUP, pid_n, m_lo, n_m, i, 0, SEM,
+                                   BLOCK_M, ORDERED)  # fmt: skip
     if ORDERED:  # noqa: SIM102 (a constexpr branch, then a run-time one)
-        if n_iter > 0:
-            _asm_with_effect("cp.async.bulk.wait_group 0;", pid_n)
-            _asm_with_effect("fence.proxy.async.global;", pid_n)
+        if i > 0:
+            _asm_with_effect("cp.async.bulk.wait_group 0;", i)
+            _asm_with_effect("fence.proxy.async.global;", i)
             _red_release_add(pending)
 
 
 @gluon.jit
-def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
-                  ready, empty, start_n, hq0, m_lo, n_m, n_iter, BLOCK_M: gl.constexpr,
-                  BLOCK_D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """TMA loads: K and V of the program's key block once; then q and do of step i (query head
-    hq0 + i // n_m, query block m_lo + i % n_m) into ring slot i % STAGES once both consumers
-    have released its previous tiles."""
+def _bwd_load_tile(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
+                   kv_empty, kv_phase, ready, empty, b, hk, GROUP, start_n, m_lo, n_m, n_iter,
+                   i0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                   STAGES: gl.constexpr):  # fmt: skip
+    """The producer's loads of one tile: K and V of its key block once both consumers are done
+    with the previous tile's (kv_phase: the program's tiles before it, mod 2); then q and do of
+    each step (query head hq0 + it // n_m, query block m_lo + it % n_m) into ring slot
+    i % STAGES (i = i0 + it: the program's steps) once both consumers have released its
+    previous tiles (a fresh barrier passes the first wait)."""
+    tile4: gl.constexpr = q_desc.layout
+    kv4: gl.constexpr = k_desc.layout
+    dtype: gl.constexpr = q_smem.dtype
+    mbarrier.wait(kv_empty, kv_phase ^ 1)
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [start_n, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [start_n, 0], kv_bar, v_smem)
-    tile3: gl.constexpr = q_desc.layout
-    for i in range(n_iter):
+    k_dst = k_smem._reinterpret(dtype, [1, BLOCK_N, 1, BLOCK_D], kv4)
+    v_dst = v_smem._reinterpret(dtype, [1, BLOCK_N, 1, BLOCK_D], kv4)
+    tma.async_copy_global_to_shared(k_desc, [b, start_n, hk, 0], kv_bar, k_dst)
+    tma.async_copy_global_to_shared(v_desc, [b, start_n, hk, 0], kv_bar, v_dst)
+    hq0 = hk * GROUP
+    for it in range(n_iter):
+        i = i0 + it
         s = i % STAGES
-        g = i // n_m
-        m0 = (m_lo + i - g * n_m) * BLOCK_M
+        g = it // n_m
+        m0 = (m_lo + it - g * n_m) * BLOCK_M
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        q_dst = q_smem.index(s)._reinterpret(q_smem.dtype, [1, BLOCK_M, BLOCK_D], tile3)
-        do_dst = do_smem.index(s)._reinterpret(do_smem.dtype, [1, BLOCK_M, BLOCK_D], tile3)
-        tma.async_copy_global_to_shared(q_desc, [hq0 + g, m0, 0], ready.index(s), q_dst)
-        tma.async_copy_global_to_shared(do_desc, [hq0 + g, m0, 0], ready.index(s), do_dst)
+        q_dst = q_smem.index(s)._reinterpret(dtype, [1, BLOCK_M, 1, BLOCK_D], tile4)
+        do_dst = do_smem.index(s)._reinterpret(dtype, [1, BLOCK_M, 1, BLOCK_D], tile4)
+        tma.async_copy_global_to_shared(q_desc, [b, m0, hq0 + g, 0], ready.index(s), q_dst)
+        tma.async_copy_global_to_shared(do_desc, [b, m0, hq0 + g, 0], ready.index(s), do_dst)
 
 
 @gluon.jit
-def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready, empty,
-                  ds_ready, ds_free, dq_ready, dq_free, LSE2, DELTA, DK, DV, K, V, stride_dkn,
-                  stride_dvn, stride_kn, stride_vn, vec_stride, bhq0, start_n, Nq, Nk, m_lo, n_m,
-                  n_iter, qk_scale, sm_scale, WG: gl.constexpr, CAUSAL: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-                  STAGES: gl.constexpr, DQ_MODE: gl.constexpr,
-                  KV_REGS: gl.constexpr):  # fmt: skip
-    """Keys [start_n + WG * 64, +64): the step loop, then dk (scaled) and dv to global memory.
-    Row vectors (LSE2 in log2 units, DELTA) are the preprocess's padded copies: +inf / 0 past
-    Nq, so query rows past the end add nothing and need no check. KV_REGS: the warpgroup's K
-    and V rows are the S^T / dP^T wgmmas' A operands in registers (loaded from global memory),
-    which halves those products' shared-memory reads; used with DQ_MODE > 0 only (the
-    dk/dv-only variant gave wrong dk / dv with them on the H100, loaded from global or from the
-    shared tile: launchers.GLUON_BWD_KV_REGS_MAX_D)."""
+def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
+                  kv_empty, ready, empty, Hkv, GROUP, Nq, Nk, n_tiles, bhk_count,
+                  CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
+                  PERSISTENT: gl.constexpr):  # fmt: skip
+    """TMA loads (`_bwd_load_tile`) of the program's tile, or with PERSISTENT tile after tile of
+    its share: the next tile's K/V and first q / do tiles then load while the consumers finish
+    the current one."""
+    if PERSISTENT:
+        i = 0
+        c = 0
+        for u in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            b, hk, _, start_n, m_lo, n_m, n_iter = _bwd_tile(u, bhk_count, Hkv, GROUP, Nq, Nk,
+                                                             CAUSAL, BLOCK_M,
+                                                             BLOCK_N)  # fmt: skip
+            _bwd_load_tile(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
+                           kv_bar, kv_empty, c & 1, ready, empty, b, hk, GROUP, start_n, m_lo,
+                           n_m, n_iter, i, BLOCK_M, BLOCK_N, BLOCK_D, STAGES)  # fmt: skip
+            i += n_iter
+            c += 1  # noqa: SIM113 (Gluon loops have no enumerate)
+    else:
+        b, hk, _, start_n, m_lo, n_m, n_iter = _bwd_tile(gl.program_id(0), bhk_count, Hkv, GROUP,
+                                                         Nq, Nk, CAUSAL, BLOCK_M,
+                                                         BLOCK_N)  # fmt: skip
+        _bwd_load_tile(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
+                       kv_empty, 0, ready, empty, b, hk, GROUP, start_n, m_lo, n_m, n_iter, 0,
+                       BLOCK_M, BLOCK_N, BLOCK_D, STAGES)  # fmt: skip
+
+
+@gluon.jit
+def _bwd_tile_steps(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, kv_phase,
+                    kv_empty, ready, empty, ds_ready, ds_free, dq_ready, dq_free, LSE2, DELTA,
+                    DK, DV, K, V, stride_dkn, stride_dvn, stride_kn, stride_vn, vec_stride, bhq0,
+                    i0, start_n, Nq, Nk, m_lo, n_m, n_iter, qk_scale, sm_scale, WG: gl.constexpr,
+                    CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_D: gl.constexpr, STAGES: gl.constexpr, DQ_MODE: gl.constexpr,
+                    KV_REGS: gl.constexpr):  # fmt: skip
+    """Keys [start_n + WG * 64, +64) of one tile: the step loop (the ring and dq buffers at the
+    program's step i0), then dk (scaled) and dv to global memory (DK, DV, K, V: the kv head's
+    bases). Row vectors (LSE2 in log2 units, DELTA) are the preprocess's padded copies: +inf / 0
+    past Nq, so query rows past the end add nothing and need no check. KV_REGS: the
+    warpgroup's K and V rows are the S^T / dP^T wgmmas' A operands in registers (loaded from
+    global memory), which halves those products' shared-memory reads; used with DQ_MODE > 0
+    only (the dk/dv-only variant gave wrong dk / dv with them on the H100, loaded from global
+    or from the shared tile: launchers.GLUON_BWD_KV_REGS_MAX_D)."""
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
     )
@@ -528,11 +614,12 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, rea
         k_w = gl.convert_layout(gl.load(K + kv_off, mask=kv_in, other=0.0), kv_op)
         kv_off = kv_r[:, None].to(gl.int64) * stride_vn + kv_c[None, :]
         v_w = gl.convert_layout(gl.load(V + kv_off, mask=kv_in, other=0.0), kv_op)
-    mbarrier.wait(kv_bar, 0)
-    for i in range(n_iter):
+    mbarrier.wait(kv_bar, kv_phase)
+    for it in range(n_iter):
+        i = i0 + it
         s = i % STAGES
-        g = i // n_m
-        m0 = (m_lo + i - g * n_m) * BLOCK_M
+        g = it // n_m
+        m0 = (m_lo + it - g * n_m) * BLOCK_M
         q_s = q_smem.index(s)
         do_s = do_smem.index(s)
         bhq = bhq0 + g
@@ -590,6 +677,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, rea
         else:
             dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
             mbarrier.arrive(empty.index(s))
+    mbarrier.arrive(kv_empty)  # every product of the tile has read K and V
 
     rows = kw0 + gl.arange(0, BWD_WG_KEYS, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
@@ -598,6 +686,56 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, rea
              (dk * sm_scale).to(dtype), mask=keep)  # fmt: skip
     gl.store(DV + rows[:, None].to(gl.int64) * stride_dvn + cols[None, :], dv.to(dtype),
              mask=keep)  # fmt: skip
+
+
+@gluon.jit
+def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, kv_empty, ready,
+                  empty, ds_ready, ds_free, dq_ready, dq_free, LSE2, DELTA, DK, DV, K, V,
+                  stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                  stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H,
+                  Hkv, GROUP, Nq, Nk, n_tiles, bhk_count, qk_scale, sm_scale, WG: gl.constexpr,
+                  CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
+                  DQ_MODE: gl.constexpr, KV_REGS: gl.constexpr,
+                  PERSISTENT: gl.constexpr):  # fmt: skip
+    """Keys [start_n + WG * 64, +64) of the program's tile (`_bwd_tile_steps`), or with
+    PERSISTENT of each tile of its share in the producer's order (i: the program's steps so
+    far; c: its tiles so far, the K/V barrier's phase)."""
+    if PERSISTENT:
+        i = 0
+        c = 0
+        for u in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            b, hk, _, start_n, m_lo, n_m, n_iter = _bwd_tile(u, bhk_count, Hkv, GROUP, Nq, Nk,
+                                                             CAUSAL, BLOCK_M,
+                                                             BLOCK_N)  # fmt: skip
+            b64 = b.to(gl.int64)
+            hk64 = hk.to(gl.int64)
+            _bwd_tile_steps(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, c & 1,
+                            kv_empty, ready, empty, ds_ready, ds_free, dq_ready, dq_free, LSE2,
+                            DELTA, DK + b64 * stride_dkb + hk64 * stride_dkh,
+                            DV + b64 * stride_dvb + hk64 * stride_dvh,
+                            K + b64 * stride_kb + hk64 * stride_kh,
+                            V + b64 * stride_vb + hk64 * stride_vh, stride_dkn, stride_dvn,
+                            stride_kn, stride_vn, vec_stride, b * H + hk * GROUP, i, start_n, Nq,
+                            Nk, m_lo, n_m, n_iter, qk_scale, sm_scale, WG, CAUSAL, HEAD_DIM,
+                            BLOCK_M, BLOCK_D, STAGES, DQ_MODE, KV_REGS)  # fmt: skip
+            i += n_iter
+            c += 1  # noqa: SIM113 (Gluon loops have no enumerate)
+    else:
+        b, hk, _, start_n, m_lo, n_m, n_iter = _bwd_tile(gl.program_id(0), bhk_count, Hkv, GROUP,
+                                                         Nq, Nk, CAUSAL, BLOCK_M,
+                                                         BLOCK_N)  # fmt: skip
+        b64 = b.to(gl.int64)
+        hk64 = hk.to(gl.int64)
+        _bwd_tile_steps(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, 0, kv_empty,
+                        ready, empty, ds_ready, ds_free, dq_ready, dq_free, LSE2, DELTA,
+                        DK + b64 * stride_dkb + hk64 * stride_dkh,
+                        DV + b64 * stride_dvb + hk64 * stride_dvh,
+                        K + b64 * stride_kb + hk64 * stride_kh,
+                        V + b64 * stride_vb + hk64 * stride_vh, stride_dkn, stride_dvn,
+                        stride_kn, stride_vn, vec_stride, b * H + hk * GROUP, 0, start_n, Nq, Nk,
+                        m_lo, n_m, n_iter, qk_scale, sm_scale, WG, CAUSAL, HEAD_DIM, BLOCK_M,
+                        BLOCK_D, STAGES, DQ_MODE, KV_REGS)  # fmt: skip
 
 
 @gluon.jit(do_not_specialize=["Nq", "Nk"])
@@ -633,6 +771,7 @@ def attn_bwd_gluon_kernel(
     vec_stride,
     sem_stride,
     dq_rows,
+    B,
     H,
     Hkv,
     GROUP,
@@ -648,59 +787,53 @@ def attn_bwd_gluon_kernel(
     STAGES: gl.constexpr,
     DQ_MODE: gl.constexpr,
     KV_REGS: gl.constexpr = False,
+    PERSISTENT: gl.constexpr = False,
 ):
-    """dk, dv of one 128-key block of one kv head (bottom-right causal mask or none, GQA, any
-    Nq and Nk); launched with num_warps = 4 (the default partition), 9 warps in all (10 with
-    DQ_MODE > 0). LSE2 / DELTA: (B * H, vec_stride) padded row vectors
-    (kernels.attn_bwd_preprocess_kernel with ROWVEC). DQ_MODE > 0: also dq's float32 sums,
-    scaled, into DQACC ((dq_rows = B * H * vec_stride, BLOCK_D), zeroed before, as is SEM:
-    (B * H, sem_stride)). Programs of one key block are adjacent across heads: with causal masks
-    the longest (first) key blocks start first, and with DQ_MODE 2 a program waits only on
-    programs launched before it."""
+    """dk, dv of the B * Hkv * cdiv(Nk, BLOCK_N) tiles of 128 keys of one kv head (bottom-right
+    causal mask or none, GQA, any Nq and Nk): tile program_id, or with PERSISTENT tiles
+    program_id, + num_programs, ... (one program per SM; `_bwd_tile` orders them); launched
+    with num_warps = 4 (the default partition), 9 warps in all (10 with DQ_MODE > 0). LSE2 /
+    DELTA: (B * H, vec_stride) padded row vectors (kernels.attn_bwd_preprocess_kernel with
+    ROWVEC). DQ_MODE > 0: also dq's float32 sums, scaled, into DQACC ((dq_rows = B * H *
+    vec_stride, BLOCK_D), zeroed before, as is SEM: (B * H, sem_stride)), one program per tile
+    (DQ_MODE 2 waits on the tiles of the key block before: with causal masks the longest (first)
+    key blocks start first, and a program waits only on programs launched before it). The TMA
+    descriptors span the whole (B, N, H, D) tensors: built once per program."""
     gl.static_assert(BLOCK_N == 2 * BWD_WG_KEYS, "two consumer warpgroups of 64 keys")
     qk_scale = qk_scale.to(gl.float32)
     sm_scale = sm_scale.to(gl.float32)
-    bhk_count = gl.num_programs(0) // gl.cdiv(Nk, BLOCK_N)
-    pid = gl.program_id(0)
-    bhk = pid % bhk_count
-    pid_n = pid // bhk_count
-    b = (bhk // Hkv).to(gl.int64)
-    hk = bhk % Hkv
-    start_n = pid_n * BLOCK_N
-    shift = Nk - Nq
-    if CAUSAL:  # noqa: SIM108 (constexpr branch); the first query block with a row that sees a key of this block
-        m_lo = gl.maximum(start_n - shift, 0) // BLOCK_M
-    else:
-        m_lo = 0
-    n_m = gl.cdiv(Nq, BLOCK_M) - m_lo
-    n_iter = GROUP * n_m
+    bhk_count = B * Hkv
+    n_tiles = bhk_count * gl.cdiv(Nk, BLOCK_N)
     dtype: gl.constexpr = Q.dtype.element_ty
-    tile3: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, BLOCK_D], dtype)
+    tile4: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, 1, BLOCK_D], dtype)
     tile2: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], dtype)
+    kv4: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, 1, BLOCK_D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
-    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb, [H, Nq, HEAD_DIM],
-                                        [stride_qh, stride_qn, 1], [1, BLOCK_M, BLOCK_D],
-                                        tile3)  # fmt: skip
-    do_desc = tma.make_tensor_descriptor(DO + b * stride_dob, [H, Nq, HEAD_DIM],
-                                         [stride_doh, stride_don, 1], [1, BLOCK_M, BLOCK_D],
-                                         tile3)  # fmt: skip
-    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk.to(gl.int64) * stride_kh,
-                                        [Nk, HEAD_DIM], [stride_kn, 1], [BLOCK_N, BLOCK_D],
-                                        kv_layout)  # fmt: skip
-    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk.to(gl.int64) * stride_vh,
-                                        [Nk, HEAD_DIM], [stride_vn, 1], [BLOCK_N, BLOCK_D],
-                                        kv_layout)  # fmt: skip
+    q_desc = tma.make_tensor_descriptor(Q, [B, Nq, H, HEAD_DIM],
+                                        [stride_qb, stride_qn, stride_qh, 1],
+                                        [1, BLOCK_M, 1, BLOCK_D], tile4)  # fmt: skip
+    do_desc = tma.make_tensor_descriptor(DO, [B, Nq, H, HEAD_DIM],
+                                         [stride_dob, stride_don, stride_doh, 1],
+                                         [1, BLOCK_M, 1, BLOCK_D], tile4)  # fmt: skip
+    k_desc = tma.make_tensor_descriptor(K, [B, Nk, Hkv, HEAD_DIM],
+                                        [stride_kb, stride_kn, stride_kh, 1],
+                                        [1, BLOCK_N, 1, BLOCK_D], kv4)  # fmt: skip
+    v_desc = tma.make_tensor_descriptor(V, [B, Nk, Hkv, HEAD_DIM],
+                                        [stride_vb, stride_vn, stride_vh, 1],
+                                        [1, BLOCK_N, 1, BLOCK_D], kv4)  # fmt: skip
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], tile2)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], tile2)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
+    mbarrier.init(kv_empty, count=2)  # one arrival per consumer warpgroup
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(empty.index(i), count=2)
     dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], gl.float32)
     if DQ_MODE > 0:
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
@@ -719,12 +852,6 @@ def attn_bwd_gluon_kernel(
         ds_smem, dq_smem = k_smem, v_smem
         ds_ready, ds_free, dq_ready, dq_free = kv_bar, kv_bar, kv_bar, kv_bar
 
-    hq0 = hk * GROUP
-    bhq0 = b * H + hq0
-    dk_base = DK + b * stride_dkb + hk.to(gl.int64) * stride_dkh
-    dv_base = DV + b * stride_dvb + hk.to(gl.int64) * stride_dvh
-    k_base = K + b * stride_kb + hk.to(gl.int64) * stride_kh
-    v_base = V + b * stride_vb + hk.to(gl.int64) * stride_vh
     # The two warp_specialize calls spell their partitions out: Gluon takes (function, args)
     # pairs only as literals, and a constexpr packed into a shared args tuple loses its constness.
     if DQ_MODE > 0:
@@ -732,24 +859,30 @@ def attn_bwd_gluon_kernel(
                                              [BLOCK_M, BLOCK_D], dq_layout)  # fmt: skip
         gl.warp_specialize(
             [
-                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready,
-                                 empty, ds_ready, ds_free, dq_ready, dq_free, LSE2, DELTA, dk_base,
-                                 dv_base, k_base, v_base, stride_dkn, stride_dvn, stride_kn,
-                                 stride_vn, vec_stride, bhq0, start_n, Nq, Nk, m_lo, n_m, n_iter,
-                                 qk_scale, sm_scale, gl.constexpr(0), CAUSAL, HEAD_DIM, BLOCK_M,
-                                 BLOCK_D, STAGES, DQ_MODE, KV_REGS)),
-                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready,
-                                 empty, ds_ready, ds_free, dq_ready, dq_free, LSE2, DELTA, dk_base,
-                                 dv_base, k_base, v_base, stride_dkn, stride_dvn, stride_kn,
-                                 stride_vn, vec_stride, bhq0, start_n, Nq, Nk, m_lo, n_m, n_iter,
-                                 qk_scale, sm_scale, gl.constexpr(1), CAUSAL, HEAD_DIM, BLOCK_M,
-                                 BLOCK_D, STAGES, DQ_MODE, KV_REGS)),
+                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
+                                 kv_empty, ready, empty, ds_ready, ds_free, dq_ready, dq_free,
+                                 LSE2, DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh,
+                                 stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn,
+                                 stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv,
+                                 GROUP, Nq, Nk, n_tiles, bhk_count, qk_scale, sm_scale,
+                                 gl.constexpr(0), CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
+                                 STAGES, DQ_MODE, KV_REGS, PERSISTENT)),
+                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
+                                 kv_empty, ready, empty, ds_ready, ds_free, dq_ready, dq_free,
+                                 LSE2, DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh,
+                                 stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn,
+                                 stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv,
+                                 GROUP, Nq, Nk, n_tiles, bhk_count, qk_scale, sm_scale,
+                                 gl.constexpr(1), CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
+                                 STAGES, DQ_MODE, KV_REGS, PERSISTENT)),
                 (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
-                                 kv_bar, ready, empty, start_n, hq0, m_lo, n_m, n_iter, BLOCK_M,
-                                 BLOCK_D, STAGES)),
+                                 kv_bar, kv_empty, ready, empty, Hkv, GROUP, Nq, Nk, n_tiles,
+                                 bhk_count, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, STAGES,
+                                 PERSISTENT)),
                 (_bwd_dq_reducer, (dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride,
-                                   vec_stride, bhq0, pid_n, m_lo, n_m, n_iter, BLOCK_M,
-                                   gl.constexpr(DQ_MODE == 2))),
+                                   vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, bhk_count,
+                                   BLOCK_M, BLOCK_N, CAUSAL, gl.constexpr(DQ_MODE == 2),
+                                   PERSISTENT)),
             ],
             [4, 1, 1],
             [232, 24, REDUCER_WARP_REGS],
@@ -757,21 +890,26 @@ def attn_bwd_gluon_kernel(
     else:
         gl.warp_specialize(
             [
-                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready,
-                                 empty, ds_ready, ds_free, dq_ready, dq_free, LSE2, DELTA, dk_base,
-                                 dv_base, k_base, v_base, stride_dkn, stride_dvn, stride_kn,
-                                 stride_vn, vec_stride, bhq0, start_n, Nq, Nk, m_lo, n_m, n_iter,
-                                 qk_scale, sm_scale, gl.constexpr(0), CAUSAL, HEAD_DIM, BLOCK_M,
-                                 BLOCK_D, STAGES, DQ_MODE, KV_REGS)),
-                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready,
-                                 empty, ds_ready, ds_free, dq_ready, dq_free, LSE2, DELTA, dk_base,
-                                 dv_base, k_base, v_base, stride_dkn, stride_dvn, stride_kn,
-                                 stride_vn, vec_stride, bhq0, start_n, Nq, Nk, m_lo, n_m, n_iter,
-                                 qk_scale, sm_scale, gl.constexpr(1), CAUSAL, HEAD_DIM, BLOCK_M,
-                                 BLOCK_D, STAGES, DQ_MODE, KV_REGS)),
+                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
+                                 kv_empty, ready, empty, ds_ready, ds_free, dq_ready, dq_free,
+                                 LSE2, DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh,
+                                 stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn,
+                                 stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv,
+                                 GROUP, Nq, Nk, n_tiles, bhk_count, qk_scale, sm_scale,
+                                 gl.constexpr(0), CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
+                                 STAGES, DQ_MODE, KV_REGS, PERSISTENT)),
+                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
+                                 kv_empty, ready, empty, ds_ready, ds_free, dq_ready, dq_free,
+                                 LSE2, DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh,
+                                 stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn,
+                                 stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv,
+                                 GROUP, Nq, Nk, n_tiles, bhk_count, qk_scale, sm_scale,
+                                 gl.constexpr(1), CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
+                                 STAGES, DQ_MODE, KV_REGS, PERSISTENT)),
                 (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
-                                 kv_bar, ready, empty, start_n, hq0, m_lo, n_m, n_iter, BLOCK_M,
-                                 BLOCK_D, STAGES)),
+                                 kv_bar, kv_empty, ready, empty, Hkv, GROUP, Nq, Nk, n_tiles,
+                                 bhk_count, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, STAGES,
+                                 PERSISTENT)),
             ],
             [4, 1],
             [232, 24],

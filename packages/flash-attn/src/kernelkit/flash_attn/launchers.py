@@ -108,6 +108,14 @@ GLUON_FWD_CAUSAL_PAIRS = True
 # (dq kernel beside it) computed wrong dk / dv with them on the H100 (the fused variants were
 # bitwise right; a miscompile not understood), so it keeps them in shared memory.
 GLUON_BWD_KV_REGS_MAX_D = 64
+# The Gluon dk/dv kernel (dq kernel beside it) for at most this many query rows launches one
+# program per SM walking its share of the tiles (kernels_gluon PERSISTENT), as the forward.
+# H100, session 22, d128 backward TFLOP/s one program per tile / persistent
+# (results/logs/*-gluon-bwd-persistent-short-session22.log): 1k (B16 H16) 295 / 309, causal
+# 214 / 227; 2k 347 / 357, causal 288 / 301; 4k 395 / 397, causal 352 / 357; 8k causal 396 /
+# 398; 16k causal 429 / 417. The fused-dq variants always run one program per tile (looping
+# made the d64 one spill). 0: never (an A/B switch).
+GLUON_BWD_PERSISTENT_MAX_N = 4096
 
 
 def _pad_row_vectors(varlen: Varlen | None, nq: int, bd: int) -> bool:
@@ -173,9 +181,9 @@ def _seq_strides(t: torch.Tensor, varlen: Varlen | None):
 # `forward` and `backward` key their replayed launch sequences (`replay.replayed`) on the
 # tensors (and a packed batch's cu_seqlens) and options: the call's (direction, causal, scale,
 # softcap, window, a packed batch's max_seqlen or None), then the module switches and the rule
-# that plans read (tests patch them): FAST_TANH, PEEL_RAGGED_TAIL, PAD_ROW_VECTORS,
-# GLUON_FWD_Q_REGS_MAX_D, GLUON_FWD_CAUSAL_PAIRS, GLUON_FWD_PERSISTENT (forward), interpreting(). Built
-# inline: this is the host path of every call.
+# that plans read (tests patch them): FAST_TANH, PEEL_RAGGED_TAIL, PAD_ROW_VECTORS, the
+# GLUON_FWD_* switches (forward) or GLUON_BWD_* ones (backward), interpreting(). Built inline:
+# this is the host path of every call.
 
 
 def forward(
@@ -415,7 +423,7 @@ def backward(
             sizes = varlen.max_q, varlen.max_k
         options = ("bwd", causal, scale, softcap, window, sizes, deterministic, FAST_TANH,
                    PEEL_RAGGED_TAIL, PAD_ROW_VECTORS, GLUON_BWD_KV_REGS_MAX_D,
-                   interpreting())  # fmt: skip
+                   GLUON_BWD_PERSISTENT_MAX_N, interpreting())  # fmt: skip
         return replay.replayed(
             _backward, inputs, options,
             do, q, k, v, o, lse, dlse, causal, scale, None, softcap, window, varlen,
@@ -537,13 +545,16 @@ def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, wind
     t = plan.dkdv
     if gluon_dkdv:
         kv_regs = dq_mode > 0 and bd <= GLUON_BWD_KV_REGS_MAX_D
+        tiles = cdiv(nk, t.block_n) * b * hkv
+        persistent = dq_mode == 0 and nq <= GLUON_BWD_PERSISTENT_MAX_N
         ops.launch(
-            KG.attn_bwd_gluon_kernel, (cdiv(nk, t.block_n) * b * hkv,),
-            q, k, v, do, lse2, delta, dk, dv, dq_acc, sem, *_strides3(q), *_strides3(k),
-            *_strides3(v), *_strides3(do), *_strides3(dk), *_strides3(dv), width,
-            width // K.SEM_ROWS.value, b * h * width, h, hkv, h // hkv, nq, nk, qk_scale, scale,
-            HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CAUSAL=upper,
-            STAGES=t.stages, DQ_MODE=dq_mode, KV_REGS=kv_regs, num_warps=t.warps,
+            KG.attn_bwd_gluon_kernel, (min(tiles, num_sms(q.device)) if persistent else tiles,),
+            q, k, v, do, lse2, delta, dk, dv, dq_acc, sem, *_tma_strides3(q), *_tma_strides3(k),
+            *_tma_strides3(v), *_tma_strides3(do), *_strides3(dk), *_strides3(dv), width,
+            width // K.SEM_ROWS.value, b * h * width, b, h, hkv, h // hkv, nq, nk, qk_scale,
+            scale, HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CAUSAL=upper,
+            STAGES=t.stages, DQ_MODE=dq_mode, KV_REGS=kv_regs, PERSISTENT=persistent,
+            num_warps=t.warps,
         )  # fmt: skip
         if dq_mode:
             ops.launch(
