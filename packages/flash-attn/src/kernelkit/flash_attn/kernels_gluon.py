@@ -6,17 +6,22 @@ half-precision inputs and BLOCK_D in {64, 128}; the host takes it only where eve
 TMA-aligned (plans.use_tma) on an sm_90 GPU. Gluon does not run under the interpreter: CI compiles
 it for sm_90a (tests) and the GPU tests run it.
 
-One program = BLOCK_M = 2 x 64 query rows of one head, in three partitions (gl.warp_specialize):
-- a producer warp issues the TMA loads: the q tile once, then K and V tiles into a STAGES-deep
-  shared-memory ring, each slot guarded by a "ready" mbarrier (TMA transaction bytes) and an
-  "empty" one (both consumers arrive when their MMAs have read it);
+A tile = BLOCK_M = 2 x 64 query rows of one head. The kernel is persistent: one program per SM
+walks its share of the tiles (causal ones in pairs of a long and a short query block, so that
+the programs stay in step on the same heads: `_fwd_tile`), in three partitions
+(gl.warp_specialize):
+- a producer warp issues the TMA loads: each tile's q into one of two buffers, then its K and V
+  tiles into a STAGES-deep shared-memory ring, each slot guarded by a "ready" mbarrier (TMA
+  transaction bytes) and an "empty" one (both consumers arrive when their MMAs have read it);
+  so the next tile's loads run under the current tile's last products and epilogue;
 - two consumer warpgroups (the default partition and one worker, 4 warps each) own 64 query rows
   each. Per key block j a consumer issues S_j = q K_j^T and O += P_{j-1} V_{j-1} as asynchronous
   wgmmas, waits for S_j only, computes the online softmax of block j while the P.V product is
   still on the tensor cores, then waits for it and rescales O (the intra-warpgroup overlap of
   FlashAttention-3). P stays in registers as the A operand of the P.V wgmma; K^T is a transposed
   shared-memory view. The two warpgroups are not forced into ping-pong order: the warp
-  schedulers interleave one's softmax with the other's MMAs as they come.
+  schedulers interleave one's softmax with the other's MMAs as they come (forcing it measured
+  no faster: NOTES.md, session 22).
 Key blocks no mask can touch are walked without one; a block on the causal diagonal or past Nk
 applies it (a run-time branch: Gluon has no automatic pass to trip over).
 """
@@ -296,8 +301,8 @@ def attn_fwd_gluon_kernel(
     tiles); launched with num_warps = 4 (the default partition), 12 warps in all. The
     arguments are kernels.attn_fwd_kernel's (EVEN_M, EVEN_N and DOT_PREC unused: the masks are
     run-time branches, half precision only; SOFTCAP 0 or 1: tanh.approx) plus B, STAGES,
-    Q_REGS and PAIRS (`_fwd_tile`). The TMA descriptors span the whole (B, N, H, D) tensors: built once
-    per program."""
+    Q_REGS and PAIRS (`_fwd_tile`). The TMA descriptors span the whole (B, N, H, D) tensors:
+    built once per program."""
     gl.static_assert(BLOCK_M == 2 * WG_ROWS, "two consumer warpgroups of 64 rows")
     gl.static_assert(TMA, "the host takes this kernel only where every tensor is TMA-aligned")
     qk_scale = qk_scale.to(gl.float32)  # torch.compile may pass Python floats as float64
@@ -360,10 +365,13 @@ def attn_fwd_gluon_kernel(
 # Backward: dk, dv of one 128-key block per program (dq: kernels.attn_bwd_dq_kernel, or here)
 # ---------------------------------------------------------------------------------------------
 #
-# One program = BLOCK_N = 2 x 64 keys of one kv head, three partitions:
-# - a producer warp loads the K and V block once, then for each (query head of the GQA group,
-#   query block) step the BLOCK_M-row tiles of q and do into a STAGES-deep ring (3-D (H, N, D)
-#   descriptors: the group's heads are coordinates, not new descriptors);
+# A tile = BLOCK_N = 2 x 64 keys of one kv head; one program per tile, or with PERSISTENT (the
+# dk/dv-only kernel up to launchers.GLUON_BWD_PERSISTENT_MAX_N rows) one per SM walking its
+# share of the tiles. Three partitions:
+# - a producer warp loads each tile's K and V block (once the consumers are done with the last
+#   tile's), then for each (query head of the GQA group, query block) step the BLOCK_M-row
+#   tiles of q and do into a STAGES-deep ring (4-D (B, N, H, D) descriptors: batch and heads
+#   are coordinates, not new descriptors);
 # - two consumer warpgroups own 64 keys each and run, per step, the transposed products
 #   S^T = K q^T and dP^T = V do^T (both asynchronous: the softmax of S^T runs under dP^T),
 #   then dV += P^T do and dK += dS^T q with P^T / dS^T as register A operands (dV runs under
@@ -431,7 +439,8 @@ def _bwd_tile(u, bhk_count, Hkv, GROUP, Nq, Nk, CAUSAL: gl.constexpr, BLOCK_M: g
     pid_n = u // bhk_count
     bhk = u % bhk_count
     start_n = pid_n * BLOCK_N
-    if CAUSAL:  # noqa: SIM108 (constexpr branch); the first query block with a row that sees a key of this block
+    # (causal: the first query block with a row that sees a key of this block)
+    if CAUSAL:  # noqa: SIM108 (constexpr branch)
         m_lo = gl.maximum(start_n - (Nk - Nq), 0) // BLOCK_M
     else:
         m_lo = 0

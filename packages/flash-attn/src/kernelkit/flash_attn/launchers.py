@@ -58,8 +58,9 @@ def _forward_gluon(ops, q, k, v, o, lse, tile: Tile, causal: bool, qk_scale: flo
     programs = min(units, num_sms(q.device)) if GLUON_FWD_PERSISTENT else units
     ops.launch(
         KG.attn_fwd_gluon_kernel, (programs,),
-        q, k, v, o, lse, *_tma_strides3(q), *_tma_strides3(k), *_tma_strides3(v), *_strides3(o), b, h,
-        h // hkv, nq, nk, qk_scale, cap_scale, HEAD_DIM=d, BLOCK_D=block_d_for(d),
+        q, k, v, o, lse, *_tma_strides3(q), *_tma_strides3(k), *_tma_strides3(v),
+        *_strides3(o), b, h, h // hkv, nq, nk, qk_scale, cap_scale, HEAD_DIM=d,
+        BLOCK_D=block_d_for(d),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, CAUSAL=causal,
         EVEN_M=bool(nq % tile.block_m == 0), EVEN_N=bool(nk % tile.block_n == 0),
         DOT_PREC=dot_precision(q.dtype), TMA=True, STAGES=tile.stages,
