@@ -1045,13 +1045,23 @@ def test_default_plans_take_the_gluon_kernels_by_rule(monkeypatch):
     assert not fa_plans.plan_for(64, False, torch.float32, grid=(64, n, 132)).fwd.gluon
 
 
+def test_bwd_tile_heads():
+    """The Gluon dk/dv kernel's tile groups: the largest divisor of the (batch, kv head) count
+    that keeps about one wave of programs (sms / key blocks) on a group; one group where the
+    tiles stay key-block-major."""
+    assert fa_launchers._bwd_tile_heads(16, 128, 132, False) == 2  # 16k rows: 2 heads x 128
+    assert fa_launchers._bwd_tile_heads(128, 32, 132, False) == 4  # 4k: want 5, divides 128
+    assert fa_launchers._bwd_tile_heads(7, 32, 132, False) == 1  # a prime count
+    assert fa_launchers._bwd_tile_heads(3, 8, 132, False) == 3  # all heads fit one wave
+    assert fa_launchers._bwd_tile_heads(128, 32, 132, True) == 128
+
+
 def test_fused_dq_plan_rule(monkeypatch):
-    """Half-precision d64 backwards from FUSED_DQ_MIN_N query rows on (causal only) sum dq in the
-    Gluon kernel in a fixed order; with deterministic=False from ANY_ORDER_DQ_MIN_N rows on (fewer,
-    and non-causal too); shorter ones and d128 keep their plan."""
+    """Half-precision d64 backwards from FUSED_DQ_MIN_N query rows on sum dq in the Gluon kernel
+    in a fixed order; with deterministic=False from ANY_ORDER_DQ_MIN_N rows on (fewer); shorter
+    ones and d128 keep their plan."""
     monkeypatch.setattr(fa_plans, "interpreting", lambda: False)
     fused = (fa_plans.FUSED_DQ_DKDV, fa_plans.GLUON_FUSED_DQ)
-    assert fa_plans.FUSED_DQ_MIN_N[64][0] is None
     for deterministic, table in ((True, fa_plans.FUSED_DQ_MIN_N),
                                  (False, fa_plans.ANY_ORDER_DQ_MIN_N)):  # fmt: skip
         for causal in (False, True):
@@ -1066,7 +1076,8 @@ def test_fused_dq_plan_rule(monkeypatch):
             assert fa_plans.fused_dq_plan(base, 64, causal, n - 1, deterministic) == base
             base128 = fa_plans.plan_for(128, causal, torch.bfloat16)
             assert fa_plans.fused_dq_plan(base128, 128, causal, 1 << 20, deterministic) == base128
-    assert fa_plans.ANY_ORDER_DQ_MIN_N[64][1] < fa_plans.FUSED_DQ_MIN_N[64][1]
+    for causal in (False, True):
+        assert fa_plans.ANY_ORDER_DQ_MIN_N[64][causal] < fa_plans.FUSED_DQ_MIN_N[64][causal]
 
 
 def test_deterministic_option_launches(monkeypatch):
@@ -1649,6 +1660,45 @@ def test_gpu_gluon_backward_schedules_agree(causal, device, monkeypatch):
     check(q[:1], k[:1], v[:1], causal=causal)  # the default (persistent at this length)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d, mode", [(128, "dkdv"), (64, "ordered"), (64, "any-order")])
+def test_gpu_gluon_backward_tile_groups(d, mode, causal, device, monkeypatch):
+    """The Gluon dk/dv kernel's tiles in groups of a few (batch, kv head)s (here 2 groups of 8:
+    launchers._bwd_tile_heads) and key-block-major over all heads: the d128 dk/dv-only kernel
+    (one program per tile), dq summed in the kernel in a fixed order (causal: key-block-major
+    either way) and in any order. Right against the reference; bitwise the same gradients
+    either way where the order of the sums is fixed."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels run on sm_90 only")
+    launched = _launched_kernels(monkeypatch)
+    monkeypatch.setattr(fa_launchers, "GLUON_BWD_PERSISTENT_MAX_N", 0)
+    q, k, v = qkv(4, 1000, 1100, 16, 4, d, torch.bfloat16, device)  # 9 key blocks x 16
+    assert fa_launchers._bwd_tile_heads(16, 9, runtime.num_sms(device), False) == 8
+    do = make(q.shape, q.dtype, device, seed=9)
+    scale = 1 / math.sqrt(d)
+    plan = fa_plans.plan_for(d, causal, torch.bfloat16)
+    if mode != "dkdv":
+        plan = fa_plans.Plan(plan.fwd, fa_plans.FUSED_DQ_DKDV, fa_plans.GLUON_FUSED_DQ)
+    o, lse = fa_launchers.forward(q, k, v, causal, scale)
+    _, _, grads64 = _run(
+        attention_reference, q.double(), k.double(), v.double(), do, None, causal=causal
+    )
+    _, _, grads_l = _run(attention_reference, q, k, v, do, None, causal=causal)
+    grads = []
+    for groups in (False, True):
+        monkeypatch.setattr(fa_launchers, "GLUON_BWD_HEAD_GROUPS", groups)
+        grads.append(fa_launchers.backward(do, q, k, v, o, lse, None, causal, scale, plan,
+                                           deterministic=mode != "any-order"))  # fmt: skip
+        for g, g64, gl, name in zip(grads[-1], grads64, grads_l, ("dq", "dk", "dv")):
+            assert_close(g, g64, ref_lowp=gl, name=name)
+    assert "attn_bwd_gluon_kernel" in launched
+    assert ("attn_bwd_dq_kernel" in launched) == (mode == "dkdv")
+    if mode != "any-order":
+        for a, b, name in zip(*grads, ("dq", "dk", "dv")):
+            assert torch.equal(a, b), name
+
+
 # The dk/dv kernel's own edges besides HOPPER_GPU_SHAPES: fewer query rows than a step and
 # fewer keys than one warpgroup's 64 (the second warpgroup sees none), a padded head dim with
 # GQA; those run in float16.
@@ -1685,7 +1735,8 @@ def test_gpu_gluon_backward(shape, causal, stages, device, monkeypatch):
     "shape", HOPPER_GPU_SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}-hkv{}-d{}".format(*s)
 )
 def test_gpu_gluon_fused_dq(shape, causal, deterministic, device, monkeypatch):
-    """dq summed in the Gluon dk/dv kernel (`plans.GLUON_FUSED_DQ`): against the reference; in a
+    """dq summed in the Gluon dk/dv kernel (`plans.GLUON_FUSED_DQ`; above
+    launchers.GLUON_FUSED_DQ_MAX_D the dq kernel runs beside it): against the reference; in a
     fixed order the gradients are bitwise the same from run to run."""
     launched = _launched_kernels(monkeypatch)
     q, k, v = qkv(*shape, torch.bfloat16, device)
@@ -1704,7 +1755,9 @@ def test_gpu_gluon_fused_dq(shape, causal, deterministic, device, monkeypatch):
     for g, g64, gl, name in zip(grads, grads64, grads_l, ("dq", "dk", "dv")):
         assert_close(g, g64, ref_lowp=gl, name=name)
     if torch.cuda.get_device_capability()[0] == 9:
-        assert "attn_bwd_gluon_kernel" in launched and "attn_bwd_dq_kernel" not in launched
+        fused = fa_plans.block_d_for(shape[-1]) <= fa_launchers.GLUON_FUSED_DQ_MAX_D
+        assert "attn_bwd_gluon_kernel" in launched
+        assert ("attn_bwd_dq_kernel" in launched) == (not fused)
         if deterministic:
             again = fa_launchers.backward(do, q, k, v, o, lse, None, causal, scale, plan)
             for g, h, name in zip(grads, again, ("dq", "dk", "dv")):

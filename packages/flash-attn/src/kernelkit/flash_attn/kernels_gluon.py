@@ -380,20 +380,33 @@ def attn_fwd_gluon_kernel(
 # The same 4 block products per tile pair as the portable kernel, summed in the same order
 # (dk, dv bitwise equal to it on the H100).
 #
-# DQ_MODE > 0 (plans.fused_dq_plan: d64 from 16k rows causal; NOTES.md) sums dq here too:
-# a fifth product per step, dq_part = dS K over all 128 keys, by one warpgroup per step
-# (warpgroup i % 2 at step i: both do the same work). Both write their half of dS^T into a
-# shared buffer (one per step parity) and the warpgroup whose turn it is waits for the other's
-# half. It hands the part, scaled, to a fourth partition, a reducer warp, through its own
+# DQ_MODE > 0 (plans.fused_dq_plan, d <= 64; NOTES.md) sums dq here too: a fifth product per
+# step, dq_part = dS K over all 128 keys. Both consumers write their half of dS^T into a shared
+# buffer (one per step parity) and go on; a third warpgroup, which does nothing else, waits for
+# both halves, runs the product and hands the part, scaled, to a reducer warp through a
 # shared-memory buffer; that warp adds it into a float32 dq buffer with a TMA reduce-add
 # (cp.reduce.async.bulk.tensor). DQ_MODE 1 adds in any order; DQ_MODE 2 key block after key
 # block (bitwise reproducible sums): a semaphore per query block counts the parts added, and
 # only the reducer warp waits on it. (Parts added with atomics by the consumers themselves were
-# slower; so were parts of 64 keys: NOTES.md.)
+# slower; so were parts of 64 keys, and the consumers taking turns at the product: NOTES.md.)
+#
+# Tiles go in groups of a few heads (`_bwd_tile`) so that the programs running at once share
+# q, do and the dq sums in L2 (persistent causal tiles stay key-block-major over all heads:
+# launchers._bwd_tile_order). Causal sums in a fixed order go from each query block's last key
+# block down, and the tiles launch in that order: a program waits only on one launched before
+# it, which started two query blocks below it and so is ahead.
 
 BWD_WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma row block)
 SEM_ROWS = gl.constexpr(64)  # query rows per dq semaphore (DQ_MODE 2; kernels.SEM_ROWS)
-REDUCER_WARP_REGS = gl.constexpr(40)
+# Registers per thread with dq summed in the kernel: 4 warpgroups share 512 (the default
+# consumer gets what the others leave: 208); below 72 the dq warpgroup spills, below 208 the
+# consumers (sm_90a, Triton 3.6).
+FUSED_CONSUMER_REGS = gl.constexpr(208)
+DQ_WARPGROUP_REGS = gl.constexpr(72)
+REDUCER_WARP_REGS = gl.constexpr(24)
+# dq parts in flight between the dq warpgroup and the reducer warp (4: within noise of 2 on the
+# H100, session 23)
+DQ_BUFFERS = gl.constexpr(2)
 
 
 @_builtin
@@ -431,13 +444,22 @@ def _red_release_add(ptr):
 
 
 @gluon.jit
-def _bwd_tile(u, bhk_count, Hkv, GROUP, Nq, Nk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+def _bwd_tile(u, tile_heads, Hkv, GROUP, Nq, Nk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr):  # fmt: skip
     """Tile u: (b, kv head, key block, its first key, first query block, query blocks, steps =
-    GROUP x query blocks). Tiles of one key block are adjacent across heads: the programs then
-    walk the same query blocks in step; causal: the longest (first) key blocks first."""
-    pid_n = u // bhk_count
-    bhk = u % bhk_count
+    GROUP x query blocks). The (batch, kv head)s go in groups of |tile_heads| (a divisor of
+    B * Hkv); within a group the tiles of one key block are adjacent, the first key blocks
+    first (causal: the longest), or with tile_heads < 0 the last first (`_bwd_reduce_tile`).
+    The programs running at once then walk the q / do tiles and add into the dq sums of a few
+    heads, which stay in L2."""
+    n_kb = gl.cdiv(Nk, BLOCK_N)
+    heads = gl.abs(tile_heads)
+    group = u // (heads * n_kb)
+    r = u % (heads * n_kb)
+    pid_n = r // heads
+    if tile_heads < 0:
+        pid_n = n_kb - 1 - pid_n
+    bhk = group * heads + r % heads
     start_n = pid_n * BLOCK_N
     # (causal: the first query block with a row that sees a key of this block)
     if CAUSAL:  # noqa: SIM108 (constexpr branch)
@@ -450,24 +472,34 @@ def _bwd_tile(u, bhk_count, Hkv, GROUP, Nq, Nk, CAUSAL: gl.constexpr, BLOCK_M: g
 
 @gluon.jit
 def _bwd_reduce_tile(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_stride, bhq0,
-                     pid_n, m_lo, n_m, n_iter, i0, pending, BLOCK_M: gl.constexpr,
+                     pid_n, m_lo, n_m, n_iter, i0, pending, descending, Nq, Nk,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                      ORDERED: gl.constexpr):  # fmt: skip
     """The reducer warp's steps of one tile (i0: the program's steps before it): adds step i's
-    dq part (in dq_smem[i % 2], from the warpgroup whose turn it was) into the float32 sums with
-    a TMA reduce-add; ORDERED: once key block pid_n - 1's part of that query block is in (the
-    semaphore counts 32 per part: one per thread of this warp). A part is counted one step
-    late, once the next one is issued, so that the warp does not wait for each add's round
-    trip to L2 (memory, when the sums have left L2). Returns the semaphore still to count."""
+    dq part (in dq_smem[i % DQ_BUFFERS], from the dq warpgroup) into the float32 sums with
+    a TMA reduce-add; ORDERED: once the parts of the key blocks before pid_n are in (the
+    semaphore counts 32 per part: one per thread of this warp); key blocks 0, 1, ..., or with
+    `descending` from the last one that reaches the query block down (causal: key block j
+    then finds block j + 1's part in, as that one started two query blocks below it). A part
+    is counted one step late, once the next one is issued, so that the warp does not wait for
+    each add's round trip to L2 (memory, when the sums have left L2). Returns the semaphore
+    still to count."""
     for it in range(n_iter):
         i = i0 + it
-        par = i % 2
+        par = i % dq_smem.shape[0]
         g = it // n_m
         m0 = (m_lo + it - g * n_m) * BLOCK_M
         bhq = bhq0 + g
-        mbarrier.wait(dq_ready.index(par), (i // 2) & 1)
+        mbarrier.wait(dq_ready.index(par), (i // dq_smem.shape[0]) & 1)
         if ORDERED:
             sem = SEM + bhq.to(gl.int64) * sem_stride + m0 // SEM_ROWS
-            while _ld_acquire(sem) != pid_n * 32:
+            ahead = pid_n
+            if descending:  # the key blocks after pid_n with a tile on this query block
+                last = gl.cdiv(Nk, BLOCK_N) - 1
+                if CAUSAL:
+                    last = gl.minimum(last, gl.cdiv(m0 + BLOCK_M + Nk - Nq, BLOCK_N) - 1)
+                ahead = last - pid_n
+            while _ld_acquire(sem) != ahead * 32:
                 pass
             _asm_with_effect("fence.proxy.async.global;", pid_n)  # then the async proxy's add
         _tma_reduce_add(dq_desc, [(bhq * vec_stride + m0).to(gl.int32), 0], dq_smem.index(par))
@@ -484,7 +516,7 @@ def _bwd_reduce_tile(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_s
 
 @gluon.jit
 def _bwd_dq_reducer(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_stride, H, Hkv,
-                    GROUP, Nq, Nk, n_tiles, bhk_count, BLOCK_M: gl.constexpr,
+                    GROUP, Nq, Nk, n_tiles, tile_heads, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, ORDERED: gl.constexpr,
                     PERSISTENT: gl.constexpr):  # fmt: skip
     """One warp: `_bwd_reduce_tile` for the program's tile, or with PERSISTENT tile after tile
@@ -493,18 +525,20 @@ def _bwd_dq_reducer(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_st
         i = 0
         pending = SEM  # ORDERED: the semaphore of the part issued last, not yet counted
         for u in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            b, hk, pid_n, _, m_lo, n_m, n_iter = _bwd_tile(u, bhk_count, Hkv, GROUP, Nq, Nk,
+            b, hk, pid_n, _, m_lo, n_m, n_iter = _bwd_tile(u, tile_heads, Hkv, GROUP, Nq, Nk,
                                                            CAUSAL, BLOCK_M, BLOCK_N)  # fmt: skip
             pending = _bwd_reduce_tile(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride,
                                        vec_stride, b * H + hk * GROUP, pid_n, m_lo, n_m, n_iter,
-                                       i, pending, BLOCK_M, ORDERED)  # fmt: skip
+                                       i, pending, tile_heads < 0, Nq, Nk, BLOCK_M, BLOCK_N,
+                                       CAUSAL, ORDERED)  # fmt: skip
             i += n_iter
     else:
-        b, hk, pid_n, _, m_lo, n_m, i = _bwd_tile(gl.program_id(0), bhk_count, Hkv, GROUP, Nq,
+        b, hk, pid_n, _, m_lo, n_m, i = _bwd_tile(gl.program_id(0), tile_heads, Hkv, GROUP, Nq,
                                                   Nk, CAUSAL, BLOCK_M, BLOCK_N)  # fmt: skip
         pending = _bwd_reduce_tile(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride,
                                    vec_stride, b * H + hk * GROUP, pid_n, m_lo, n_m, i, 0, SEM,
-                                   BLOCK_M, ORDERED)  # fmt: skip
+                                   tile_heads < 0, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL,
+                                   ORDERED)  # fmt: skip
     if ORDERED:  # noqa: SIM102 (a constexpr branch, then a run-time one)
         if i > 0:
             _asm_with_effect("cp.async.bulk.wait_group 0;", i)
@@ -547,7 +581,7 @@ def _bwd_load_tile(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
 
 @gluon.jit
 def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
-                  kv_empty, ready, empty, Hkv, GROUP, Nq, Nk, n_tiles, bhk_count,
+                  kv_empty, ready, empty, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads,
                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
                   PERSISTENT: gl.constexpr):  # fmt: skip
@@ -558,7 +592,7 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sm
         i = 0
         c = 0
         for u in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            b, hk, _, start_n, m_lo, n_m, n_iter = _bwd_tile(u, bhk_count, Hkv, GROUP, Nq, Nk,
+            b, hk, _, start_n, m_lo, n_m, n_iter = _bwd_tile(u, tile_heads, Hkv, GROUP, Nq, Nk,
                                                              CAUSAL, BLOCK_M,
                                                              BLOCK_N)  # fmt: skip
             _bwd_load_tile(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
@@ -567,7 +601,7 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sm
             i += n_iter
             c += 1  # noqa: SIM113 (Gluon loops have no enumerate)
     else:
-        b, hk, _, start_n, m_lo, n_m, n_iter = _bwd_tile(gl.program_id(0), bhk_count, Hkv, GROUP,
+        b, hk, _, start_n, m_lo, n_m, n_iter = _bwd_tile(gl.program_id(0), tile_heads, Hkv, GROUP,
                                                          Nq, Nk, CAUSAL, BLOCK_M,
                                                          BLOCK_N)  # fmt: skip
         _bwd_load_tile(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
@@ -611,8 +645,6 @@ def _bwd_tile_steps(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, k
     zero_st = gl.zeros([BWD_WG_KEYS, BLOCK_M], gl.float32, st_layout)
     dk = gl.zeros([BWD_WG_KEYS, BLOCK_D], gl.float32, acc_layout)
     dv = gl.zeros([BWD_WG_KEYS, BLOCK_D], gl.float32, acc_layout)
-    if DQ_MODE > 0:
-        zero_dq = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_layout)
     if KV_REGS:
         kv_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2)
         rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
@@ -656,36 +688,15 @@ def _bwd_tile_steps(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, k
         ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
         ds_op = gl.convert_layout(ds_t, op_layout)
         dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-        if DQ_MODE > 0:
+        if DQ_MODE > 0:  # this warpgroup's half of dS^T to the dq warpgroup
             par = i % 2
-            ds_buf = ds_smem.index(par)
             mbarrier.wait(ds_free.index(par), ((i // 2) & 1) ^ 1)  # step i - 2's dq read it
-            ds_buf.slice(WG * BWD_WG_KEYS, BWD_WG_KEYS).store(ds_t)
+            ds_smem.index(par).slice(WG * BWD_WG_KEYS, BWD_WG_KEYS).store(ds_t)
             fence_async_shared()
             gl.thread_barrier()  # every warp's rows are written before the arrival
             mbarrier.arrive(ds_ready.index(par))
-            if par == WG:  # this warpgroup's turn: dq_part = dS (BLOCK_M x 128) K
-                mbarrier.wait(ds_ready.index(par), (i // 2) & 1)
-                dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, zero_dq, use_acc=False,
-                                       is_async=True)  # fmt: skip
-                dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(
-                    0, deps=(dv_tok, dk_tok, dq_tok, p_op, ds_op)
-                )
-                mbarrier.arrive(ds_free.index(par))
-                mbarrier.arrive(empty.index(s))
-                # to the reducer warp, through this warpgroup's buffer (free once its add of
-                # this warpgroup's previous part has read it)
-                mbarrier.wait(dq_free.index(WG), ((i // 2) & 1) ^ 1)
-                dq_smem.index(WG).store(dq * sm_scale)
-                fence_async_shared()
-                gl.thread_barrier()
-                mbarrier.arrive(dq_ready.index(WG))
-            else:
-                dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
-                mbarrier.arrive(empty.index(s))
-        else:
-            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
-            mbarrier.arrive(empty.index(s))
+        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+        mbarrier.arrive(empty.index(s))
     mbarrier.arrive(kv_empty)  # every product of the tile has read K and V
 
     rows = kw0 + gl.arange(0, BWD_WG_KEYS, layout=gl.SliceLayout(1, acc_layout))
@@ -702,7 +713,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, kv_
                   empty, ds_ready, ds_free, dq_ready, dq_free, LSE2, DELTA, DK, DV, K, V,
                   stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                   stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H,
-                  Hkv, GROUP, Nq, Nk, n_tiles, bhk_count, qk_scale, sm_scale, WG: gl.constexpr,
+                  Hkv, GROUP, Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale, WG: gl.constexpr,
                   CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
                   DQ_MODE: gl.constexpr, KV_REGS: gl.constexpr,
@@ -714,7 +725,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, kv_
         i = 0
         c = 0
         for u in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            b, hk, _, start_n, m_lo, n_m, n_iter = _bwd_tile(u, bhk_count, Hkv, GROUP, Nq, Nk,
+            b, hk, _, start_n, m_lo, n_m, n_iter = _bwd_tile(u, tile_heads, Hkv, GROUP, Nq, Nk,
                                                              CAUSAL, BLOCK_M,
                                                              BLOCK_N)  # fmt: skip
             b64 = b.to(gl.int64)
@@ -731,7 +742,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, kv_
             i += n_iter
             c += 1  # noqa: SIM113 (Gluon loops have no enumerate)
     else:
-        b, hk, _, start_n, m_lo, n_m, n_iter = _bwd_tile(gl.program_id(0), bhk_count, Hkv, GROUP,
+        b, hk, _, start_n, m_lo, n_m, n_iter = _bwd_tile(gl.program_id(0), tile_heads, Hkv, GROUP,
                                                          Nq, Nk, CAUSAL, BLOCK_M,
                                                          BLOCK_N)  # fmt: skip
         b64 = b.to(gl.int64)
@@ -745,6 +756,60 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, kv_
                         stride_kn, stride_vn, vec_stride, b * H + hk * GROUP, 0, start_n, Nq, Nk,
                         m_lo, n_m, n_iter, qk_scale, sm_scale, WG, CAUSAL, HEAD_DIM, BLOCK_M,
                         BLOCK_D, STAGES, DQ_MODE, KV_REGS)  # fmt: skip
+
+
+@gluon.jit
+def _bwd_dq_tile(k_smem, ds_smem, dq_smem, kv_bar, kv_phase, kv_empty, ds_ready, ds_free,
+                 dq_ready, dq_free, i0, n_iter, sm_scale, BLOCK_M: gl.constexpr,
+                 BLOCK_D: gl.constexpr):  # fmt: skip
+    """The dq warpgroup's steps of one tile: once both consumers have written their halves of
+    step i's dS^T (ds_smem[i % 2]), dq's part = dS (BLOCK_M x 128 keys) K, scaled, into
+    dq_smem[i % DQ_BUFFERS] for the reducer warp. The consumers never wait for it, only for a dS^T
+    buffer it has read two steps back."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16]
+    )
+    zero_dq = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_layout)
+    mbarrier.wait(kv_bar, kv_phase)
+    for it in range(n_iter):
+        i = i0 + it
+        par = i % 2
+        ds_buf = ds_smem.index(par)
+        mbarrier.wait(ds_ready.index(par), (i // 2) & 1)
+        dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, zero_dq, use_acc=False,
+                               is_async=True)  # fmt: skip
+        dq = warpgroup_mma_wait(0, deps=(dq_tok,))
+        mbarrier.arrive(ds_free.index(par))
+        buf = i % dq_smem.shape[0]  # free once the reducer's add of its last part has read it
+        mbarrier.wait(dq_free.index(buf), ((i // dq_smem.shape[0]) & 1) ^ 1)
+        dq_smem.index(buf).store(dq * sm_scale)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(dq_ready.index(buf))
+    mbarrier.arrive(kv_empty)  # its last product has read K
+
+
+@gluon.jit
+def _bwd_dq_warpgroup(k_smem, ds_smem, dq_smem, kv_bar, kv_empty, ds_ready, ds_free, dq_ready,
+                      dq_free, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads, sm_scale,
+                      CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      BLOCK_D: gl.constexpr, PERSISTENT: gl.constexpr):  # fmt: skip
+    """`_bwd_dq_tile` for the program's tile, or with PERSISTENT tile after tile of its share."""
+    if PERSISTENT:
+        i = 0
+        c = 0
+        for u in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            _, _, _, _, _, _, n_iter = _bwd_tile(u, tile_heads, Hkv, GROUP, Nq, Nk, CAUSAL,
+                                                 BLOCK_M, BLOCK_N)  # fmt: skip
+            _bwd_dq_tile(k_smem, ds_smem, dq_smem, kv_bar, c & 1, kv_empty, ds_ready, ds_free,
+                         dq_ready, dq_free, i, n_iter, sm_scale, BLOCK_M, BLOCK_D)  # fmt: skip
+            i += n_iter
+            c += 1  # noqa: SIM113 (Gluon loops have no enumerate)
+    else:
+        _, _, _, _, _, _, n_iter = _bwd_tile(gl.program_id(0), tile_heads, Hkv, GROUP, Nq, Nk,
+                                             CAUSAL, BLOCK_M, BLOCK_N)  # fmt: skip
+        _bwd_dq_tile(k_smem, ds_smem, dq_smem, kv_bar, 0, kv_empty, ds_ready, ds_free, dq_ready,
+                     dq_free, 0, n_iter, sm_scale, BLOCK_M, BLOCK_D)  # fmt: skip
 
 
 @gluon.jit(do_not_specialize=["Nq", "Nk"])
@@ -780,6 +845,7 @@ def attn_bwd_gluon_kernel(
     vec_stride,
     sem_stride,
     dq_rows,
+    tile_heads,
     B,
     H,
     Hkv,
@@ -801,14 +867,18 @@ def attn_bwd_gluon_kernel(
     """dk, dv of the B * Hkv * cdiv(Nk, BLOCK_N) tiles of 128 keys of one kv head (bottom-right
     causal mask or none, GQA, any Nq and Nk): tile program_id, or with PERSISTENT tiles
     program_id, + num_programs, ... (one program per SM; `_bwd_tile` orders them); launched
-    with num_warps = 4 (the default partition), 9 warps in all (10 with DQ_MODE > 0). LSE2 /
+    with num_warps = 4 (the default partition), 9 warps in all (14 with DQ_MODE > 0). LSE2 /
     DELTA: (B * H, vec_stride) padded row vectors (kernels.attn_bwd_preprocess_kernel with
-    ROWVEC). DQ_MODE > 0: also dq's float32 sums, scaled, into DQACC ((dq_rows = B * H *
-    vec_stride, BLOCK_D), zeroed before, as is SEM: (B * H, sem_stride)), one program per tile
-    (DQ_MODE 2 waits on the tiles of the key block before: with causal masks the longest (first)
-    key blocks start first, and a program waits only on programs launched before it). The TMA
-    descriptors span the whole (B, N, H, D) tensors: built once per program."""
+    ROWVEC). tile_heads: (batch, kv head)s per tile group, negative for descending key blocks
+    (`_bwd_tile`). DQ_MODE > 0 (BLOCK_D <= 64): also dq's float32 sums, scaled, into DQACC
+    ((dq_rows = B * H * vec_stride, BLOCK_D), zeroed before, as is SEM: (B * H, sem_stride)),
+    one program per tile: a third warpgroup computes each step's dq part from the consumers'
+    dS^T (`_bwd_dq_tile`), a reducer warp adds it (DQ_MODE 2 waits for the part of the key
+    block before it in the sums' order, whose tile was launched before it:
+    `_bwd_reduce_tile`). The TMA descriptors span the whole (B, N, H, D) tensors: built once
+    per program."""
     gl.static_assert(BLOCK_N == 2 * BWD_WG_KEYS, "two consumer warpgroups of 64 keys")
+    gl.static_assert(DQ_MODE == 0 or BLOCK_D <= 64, "the dq warpgroup's registers hold d <= 64")
     qk_scale = qk_scale.to(gl.float32)
     sm_scale = sm_scale.to(gl.float32)
     bhk_count = B * Hkv
@@ -839,7 +909,7 @@ def attn_bwd_gluon_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
-    mbarrier.init(kv_empty, count=2)  # one arrival per consumer warpgroup
+    mbarrier.init(kv_empty, count=3 if DQ_MODE > 0 else 2)  # one arrival per warpgroup reading K
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
@@ -847,14 +917,15 @@ def attn_bwd_gluon_kernel(
     if DQ_MODE > 0:
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, BLOCK_D], dq_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, BLOCK_M, BLOCK_D], dq_layout)
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_ready = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+        dq_free = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)  # both halves of dS^T written
             mbarrier.init(ds_free.index(i), count=1)  # the dq product has read them
+        for i in gl.static_range(DQ_BUFFERS):
             mbarrier.init(dq_ready.index(i), count=1)
             mbarrier.init(dq_free.index(i), count=1)
     else:  # unused: stand-ins, so that the dk/dv-only kernel allocates nothing more
@@ -873,7 +944,7 @@ def attn_bwd_gluon_kernel(
                                  LSE2, DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh,
                                  stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn,
                                  stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv,
-                                 GROUP, Nq, Nk, n_tiles, bhk_count, qk_scale, sm_scale,
+                                 GROUP, Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale,
                                  gl.constexpr(0), CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
                                  STAGES, DQ_MODE, KV_REGS, PERSISTENT)),
                 (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
@@ -881,20 +952,24 @@ def attn_bwd_gluon_kernel(
                                  LSE2, DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh,
                                  stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn,
                                  stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv,
-                                 GROUP, Nq, Nk, n_tiles, bhk_count, qk_scale, sm_scale,
+                                 GROUP, Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale,
                                  gl.constexpr(1), CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
                                  STAGES, DQ_MODE, KV_REGS, PERSISTENT)),
+                (_bwd_dq_warpgroup, (k_smem, ds_smem, dq_smem, kv_bar, kv_empty, ds_ready,
+                                     ds_free, dq_ready, dq_free, Hkv, GROUP, Nq, Nk, n_tiles,
+                                     tile_heads, sm_scale, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D,
+                                     PERSISTENT)),
                 (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                                  kv_bar, kv_empty, ready, empty, Hkv, GROUP, Nq, Nk, n_tiles,
-                                 bhk_count, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, STAGES,
+                                 tile_heads, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, STAGES,
                                  PERSISTENT)),
                 (_bwd_dq_reducer, (dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride,
-                                   vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, bhk_count,
+                                   vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads,
                                    BLOCK_M, BLOCK_N, CAUSAL, gl.constexpr(DQ_MODE == 2),
                                    PERSISTENT)),
             ],
-            [4, 1, 1],
-            [232, 24, REDUCER_WARP_REGS],
+            [4, 4, 1, 1],
+            [FUSED_CONSUMER_REGS, DQ_WARPGROUP_REGS, 24, REDUCER_WARP_REGS],
         )  # fmt: skip
     else:
         gl.warp_specialize(
@@ -904,7 +979,7 @@ def attn_bwd_gluon_kernel(
                                  LSE2, DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh,
                                  stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn,
                                  stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv,
-                                 GROUP, Nq, Nk, n_tiles, bhk_count, qk_scale, sm_scale,
+                                 GROUP, Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale,
                                  gl.constexpr(0), CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
                                  STAGES, DQ_MODE, KV_REGS, PERSISTENT)),
                 (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
@@ -912,12 +987,12 @@ def attn_bwd_gluon_kernel(
                                  LSE2, DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh,
                                  stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn,
                                  stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv,
-                                 GROUP, Nq, Nk, n_tiles, bhk_count, qk_scale, sm_scale,
+                                 GROUP, Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale,
                                  gl.constexpr(1), CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
                                  STAGES, DQ_MODE, KV_REGS, PERSISTENT)),
                 (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                                  kv_bar, kv_empty, ready, empty, Hkv, GROUP, Nq, Nk, n_tiles,
-                                 bhk_count, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, STAGES,
+                                 tile_heads, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, STAGES,
                                  PERSISTENT)),
             ],
             [4, 1],

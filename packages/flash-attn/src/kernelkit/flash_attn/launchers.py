@@ -109,6 +109,10 @@ GLUON_FWD_CAUSAL_PAIRS = True
 # (dq kernel beside it) computed wrong dk / dv with them on the H100 (the fused variants were
 # bitwise right; a miscompile not understood), so it keeps them in shared memory.
 GLUON_BWD_KV_REGS_MAX_D = 64
+# dq summed in the Gluon dk/dv kernel (`plans.GLUON_FUSED_DQ`) up to this BLOCK_D: its dq
+# warpgroup holds a BLOCK_M x BLOCK_D float32 part in 72 registers per thread beside two
+# consumers at 208 (kernels_gluon.FUSED_CONSUMER_REGS); above it the dq kernel runs beside.
+GLUON_FUSED_DQ_MAX_D = 64
 # The Gluon dk/dv kernel (dq kernel beside it) for at most this many query rows launches one
 # program per SM walking its share of the tiles (kernels_gluon PERSISTENT), as the forward.
 # H100, session 22, d128 backward TFLOP/s one program per tile / persistent
@@ -117,6 +121,48 @@ GLUON_BWD_KV_REGS_MAX_D = 64
 # 398; 16k causal 429 / 417. The fused-dq variants always run one program per tile (looping
 # made the d64 one spill). 0: never (an A/B switch).
 GLUON_BWD_PERSISTENT_MAX_N = 4096
+
+
+# The Gluon dk/dv kernel's tiles go in groups of a few (batch, kv head)s (`_bwd_tile_heads`);
+# False: key-block-major over all heads (an A/B switch). H100, session 23, backward TFLOP/s
+# key-block-major / grouped (results/logs/*-bwd-tile-groups-session23.log): d64 fused dq in any
+# order causal 16k (B1 H32) 394 / 428, 8k 352 / 428, 4k 225 / 372, non-causal 16k 381 / 413,
+# 4k 246 / 415, the leaderboard (B16 H1) 446 / 434; in a fixed order non-causal 16k 370 / 397,
+# 4k 219 / 344; d128 dk/dv-only non-causal 16k 441 / 454, 4k 397 / 410. Persistent causal
+# tiles stay key-block-major (d128 4k 367 / 301 grouped: each program's tiles were then all
+# long or all short).
+GLUON_BWD_HEAD_GROUPS = True
+# Causal dq sums in a fixed order go from the last key block down, launched in that order
+# (`_bwd_tile_order`); False: from key block 0 up, key-block-major over all heads (0.6.0). Up,
+# key block j waits for j - 1 to climb the two query blocks j starts above it, and in groups
+# that chain is a whole head long (leaderboard 379 -> 246 grouped); down, j + 1 started two
+# blocks below j and is ahead. The price: the longest tiles launch last (a tail of 3-7% by a
+# list-scheduling estimate). H100, session 23, up / down (results/logs/
+# *-bwd-descending-dq-session23.log): leaderboard 369 / 390, 16k B1 H32 364 / 403, 32k H16
+# 393 / 421, 8k B2 H32 299 / 360, 4k B4 H32 202 / 312.
+GLUON_BWD_DESCENDING_DQ = True
+
+
+def _bwd_tile_heads(bhk: int, key_blocks: int, sms: int, key_block_major: bool) -> int:
+    """(batch, kv head)s per tile group of the Gluon dk/dv kernel (`kernels_gluon._bwd_tile`):
+    the largest divisor of bhk that keeps about one wave of programs on the group, so that the
+    programs running at once share q, do and dq's sums in L2; bhk (one group) where the tiles
+    must stay key-block-major."""
+    if key_block_major or not GLUON_BWD_HEAD_GROUPS:
+        return bhk
+    want = max(1, cdiv(sms, key_blocks))
+    return max(g for g in range(1, min(want, bhk) + 1) if bhk % g == 0)
+
+
+def _bwd_tile_order(bhk: int, key_blocks: int, sms: int, causal: bool, persistent: bool,
+                    ordered: bool) -> int:  # fmt: skip
+    """kernels_gluon._bwd_tile's tile_heads: groups of `_bwd_tile_heads` (batch, kv head)s,
+    negative (each group from its last key block down) for causal dq sums in a fixed order;
+    one group (key-block-major) for persistent causal tiles, or causal sums in a fixed order
+    from key block 0 up."""
+    if causal and ordered and GLUON_BWD_DESCENDING_DQ:
+        return -_bwd_tile_heads(bhk, key_blocks, sms, False)
+    return _bwd_tile_heads(bhk, key_blocks, sms, causal and (persistent or ordered))
 
 
 def _pad_row_vectors(varlen: Varlen | None, nq: int, bd: int) -> bool:
@@ -490,6 +536,8 @@ def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, wind
         portable = portable_dkdv(bd, upper, q.dtype)  # (pointer loads if the plan said so)
         dq_tile = plan_for(d, upper, q.dtype).dq if plan.dq.gluon else plan.dq  # (fused dq)
         plan = Plan(plan.fwd, replace(portable, tma=portable.tma and plan.dkdv.tma), dq_tile)
+    elif plan.dq.gluon and bd > GLUON_FUSED_DQ_MAX_D:  # the dq kernel beside the Gluon one
+        plan = Plan(plan.fwd, plan.dkdv, plan_for(d, upper, q.dtype).dq)
     pad = gluon_dkdv or _pad_row_vectors(varlen, nq, bd)
     # dq summed in the Gluon dk/dv kernel (`plans.GLUON_FUSED_DQ`): 1 in any order, 2 in a
     # fixed order.
@@ -552,7 +600,10 @@ def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, plan, softcap, wind
             KG.attn_bwd_gluon_kernel, (min(tiles, num_sms(q.device)) if persistent else tiles,),
             q, k, v, do, lse2, delta, dk, dv, dq_acc, sem, *_tma_strides3(q), *_tma_strides3(k),
             *_tma_strides3(v), *_tma_strides3(do), *_strides3(dk), *_strides3(dv), width,
-            width // K.SEM_ROWS.value, b * h * width, b, h, hkv, h // hkv, nq, nk, qk_scale,
+            width // K.SEM_ROWS.value, b * h * width,
+            _bwd_tile_order(b * hkv, cdiv(nk, t.block_n), num_sms(q.device), upper,
+                            persistent, dq_mode == 2), b, h, hkv,
+            h // hkv, nq, nk, qk_scale,
             scale, HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CAUSAL=upper,
             STAGES=t.stages, DQ_MODE=dq_mode, KV_REGS=kv_regs, PERSISTENT=persistent,
             num_warps=t.warps,

@@ -88,18 +88,20 @@ GLUON_CAUSAL_DKDV_TILES = {128: Tile(64, 128, 4, 2, tma=True, gluon=True)}
 GLUON_FUSED_DQ = Tile(0, 0, 0, 0, gluon=True)
 # Half-precision backwards of at least this many query rows, by BLOCK_D (non-causal, causal;
 # None: never), sum dq in the Gluon dk/dv kernel (`fused_dq_plan`, its K and V in registers:
-# launchers.GLUON_BWD_KV_REGS_MAX_D): in a fixed order by default (FUSED_DQ_MIN_N), in any
-# order with deterministic=False (ANY_ORDER_DQ_MIN_N). H100, session 21, backward TFLOP/s of
-# the dq-kernel backward / fused in a fixed order / in any order (hopper_ab.py and the K/V
-# A/B; results/logs/NVIDIA-H100-80GB-HBM3-*-session21*.log):
-#   d64 causal 16k B1 H32   337-343 / 345 / 383      (K/V in shared memory: 329-334 / 365-382)
-#   d64 causal 16k B16 H1   325-349 / 372 / 390      (349-356 / 381-389)
-#   d64 causal 8k           321-328 / 297 / 330      4k 301-315 / 211 / 225
-#   d64 non-causal 16k      362-369 / 331 / 378      8k 348-363 / 307 / 340
-# d128 loses everywhere (16k causal 419 / 355 / 362, K/V in shared memory; in registers it
-# spills).
-FUSED_DQ_MIN_N = {64: (None, 16384)}
-ANY_ORDER_DQ_MIN_N = {64: (16384, 8192)}
+# launchers.GLUON_BWD_KV_REGS_MAX_D; d <= launchers.GLUON_FUSED_DQ_MAX_D): in a fixed order by
+# default (FUSED_DQ_MIN_N), in any order with deterministic=False (ANY_ORDER_DQ_MIN_N). H100,
+# session 23 (the dq products in a warpgroup of their own, tiles in groups of heads, causal
+# fixed-order sums from the last key block down: launchers._bwd_tile_order), backward TFLOP/s
+# of the dq-kernel backward / fused in a fixed order / in any order
+# (results/logs/NVIDIA-H100-80GB-HBM3-*-session23.log):
+#   d64 causal 16k B16 H1   326-345 / 390 / 423-459
+#   d64 causal 16k B1 H32   336-346 / 403 / 428-443
+#   d64 causal 32k B1 H16   348 / 421 / 463
+#   d64 causal 8k B2 H32    321-336 / 360 / 383-428     B4 H16 323 / 354 / 406
+#   d64 causal 4k B4 H32    287-311 / 312 / 360-374
+#   d64 non-causal 16k      352-371 / 397-415 / 413-436  4k 348-351 / 344 / 415-416
+FUSED_DQ_MIN_N = {64: (16384, 8192)}
+ANY_ORDER_DQ_MIN_N = {64: (4096, 4096)}
 FUSED_DQ_DKDV = Tile(64, 128, 4, 2, tma=True, gluon=True)
 # dk/dv: BLOCK_N keys held by the program, BLOCK_M query rows per step.
 DKDV_TILES = {
