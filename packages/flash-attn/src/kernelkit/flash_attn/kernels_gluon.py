@@ -404,7 +404,7 @@ SEM_ROWS = gl.constexpr(64)  # query rows per dq semaphore (DQ_MODE 2; kernels.S
 FUSED_CONSUMER_REGS = gl.constexpr(208)
 DQ_WARPGROUP_REGS = gl.constexpr(72)
 REDUCER_WARP_REGS = gl.constexpr(24)
-# dq parts in flight between the dq warpgroup and the reducer warp (4: within noise of 2 on the
+# dq parts in flight between the dq warpgroup and the reducer warp (4: the same speed on the
 # H100, session 23)
 DQ_BUFFERS = gl.constexpr(2)
 
@@ -472,8 +472,8 @@ def _bwd_tile(u, tile_heads, Hkv, GROUP, Nq, Nk, CAUSAL: gl.constexpr, BLOCK_M: 
 
 @gluon.jit
 def _bwd_reduce_tile(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_stride, bhq0,
-                     pid_n, m_lo, n_m, n_iter, i0, pending, descending, Nq, Nk,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                     pid_n, m_lo, n_m, n_iter, i0, descending, Nq, Nk, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                      ORDERED: gl.constexpr):  # fmt: skip
     """The reducer warp's steps of one tile (i0: the program's steps before it): adds step i's
     dq part (in dq_smem[i % DQ_BUFFERS], from the dq warpgroup) into the float32 sums with
@@ -481,9 +481,8 @@ def _bwd_reduce_tile(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_s
     semaphore counts 32 per part: one per thread of this warp); key blocks 0, 1, ..., or with
     `descending` from the last one that reaches the query block down (causal: key block j
     then finds block j + 1's part in, as that one started two query blocks below it). A part
-    is counted one step late, once the next one is issued, so that the warp does not wait for
-    each add's round trip to L2 (memory, when the sums have left L2). Returns the semaphore
-    still to count."""
+    is counted once its add is performed: the next key block waits on that (counting it a
+    step late, once the next add was issued, cost 4-5% on the H100: NOTES.md)."""
     for it in range(n_iter):
         i = i0 + it
         par = i % dq_smem.shape[0]
@@ -505,13 +504,10 @@ def _bwd_reduce_tile(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_s
         _tma_reduce_add(dq_desc, [(bhq * vec_stride + m0).to(gl.int32), 0], dq_smem.index(par))
         tma.store_wait(0)  # its source read: the buffer is free
         mbarrier.arrive(dq_free.index(par))
-        if ORDERED:
-            if i > 0:  # every add but the last one performed: count the previous part
-                _asm_with_effect("cp.async.bulk.wait_group 1;", pid_n)
-                _asm_with_effect("fence.proxy.async.global;", pid_n)
-                _red_release_add(pending)
-            pending = sem
-    return pending
+        if ORDERED:  # the add performed, then counted
+            _asm_with_effect("cp.async.bulk.wait_group 0;", pid_n)
+            _asm_with_effect("fence.proxy.async.global;", pid_n)
+            _red_release_add(sem)
 
 
 @gluon.jit
@@ -520,30 +516,22 @@ def _bwd_dq_reducer(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_st
                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, ORDERED: gl.constexpr,
                     PERSISTENT: gl.constexpr):  # fmt: skip
     """One warp: `_bwd_reduce_tile` for the program's tile, or with PERSISTENT tile after tile
-    of its share; the last part counted at the end."""
+    of its share."""
     if PERSISTENT:
         i = 0
-        pending = SEM  # ORDERED: the semaphore of the part issued last, not yet counted
         for u in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
             b, hk, pid_n, _, m_lo, n_m, n_iter = _bwd_tile(u, tile_heads, Hkv, GROUP, Nq, Nk,
                                                            CAUSAL, BLOCK_M, BLOCK_N)  # fmt: skip
-            pending = _bwd_reduce_tile(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride,
-                                       vec_stride, b * H + hk * GROUP, pid_n, m_lo, n_m, n_iter,
-                                       i, pending, tile_heads < 0, Nq, Nk, BLOCK_M, BLOCK_N,
-                                       CAUSAL, ORDERED)  # fmt: skip
+            _bwd_reduce_tile(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_stride,
+                             b * H + hk * GROUP, pid_n, m_lo, n_m, n_iter, i, tile_heads < 0, Nq,
+                             Nk, BLOCK_M, BLOCK_N, CAUSAL, ORDERED)  # fmt: skip
             i += n_iter
     else:
-        b, hk, pid_n, _, m_lo, n_m, i = _bwd_tile(gl.program_id(0), tile_heads, Hkv, GROUP, Nq,
-                                                  Nk, CAUSAL, BLOCK_M, BLOCK_N)  # fmt: skip
-        pending = _bwd_reduce_tile(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride,
-                                   vec_stride, b * H + hk * GROUP, pid_n, m_lo, n_m, i, 0, SEM,
-                                   tile_heads < 0, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL,
-                                   ORDERED)  # fmt: skip
-    if ORDERED:  # noqa: SIM102 (a constexpr branch, then a run-time one)
-        if i > 0:
-            _asm_with_effect("cp.async.bulk.wait_group 0;", i)
-            _asm_with_effect("fence.proxy.async.global;", i)
-            _red_release_add(pending)
+        b, hk, pid_n, _, m_lo, n_m, n_iter = _bwd_tile(gl.program_id(0), tile_heads, Hkv, GROUP,
+                                                       Nq, Nk, CAUSAL, BLOCK_M, BLOCK_N)  # fmt: skip
+        _bwd_reduce_tile(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_stride,
+                         b * H + hk * GROUP, pid_n, m_lo, n_m, n_iter, 0, tile_heads < 0, Nq, Nk,
+                         BLOCK_M, BLOCK_N, CAUSAL, ORDERED)  # fmt: skip
 
 
 @gluon.jit
