@@ -1665,10 +1665,10 @@ def test_gpu_gluon_backward_schedules_agree(causal, device, monkeypatch):
 @pytest.mark.parametrize("d, mode", [(128, "dkdv"), (64, "ordered"), (64, "any-order")])
 def test_gpu_gluon_backward_tile_groups(d, mode, causal, device, monkeypatch):
     """The Gluon dk/dv kernel's tiles in groups of a few (batch, kv head)s (here 2 groups of 8:
-    launchers._bwd_tile_heads) and key-block-major over all heads: the d128 dk/dv-only kernel
-    (one program per tile), dq summed in the kernel in a fixed order (causal: key-block-major
-    either way) and in any order. Right against the reference; bitwise the same gradients
-    either way where the order of the sums is fixed."""
+    launchers._bwd_tile_heads) and in one group of all heads: the d128 dk/dv-only kernel (one
+    program per tile), dq summed in the kernel in a fixed order (causal: from the last key
+    block down either way) and in any order. Right against the reference; bitwise the same
+    gradients either way where the order of the sums is fixed."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels run on sm_90 only")
     launched = _launched_kernels(monkeypatch)
