@@ -387,7 +387,7 @@ def attn_fwd_gluon_kernel(
 # shared-memory buffer; that warp adds it into a float32 dq buffer with a TMA reduce-add
 # (cp.reduce.async.bulk.tensor). DQ_MODE 1 adds in any order; DQ_MODE 2 key block after key
 # block (bitwise reproducible sums): a semaphore per query block counts the parts added, and
-# only the reducer warp waits on it. (Parts added with atomics by the consumers themselves were
+# only the reducer warps (two, taking turns) wait on it. (Parts added with atomics by the consumers themselves were
 # slower; so were parts of 64 keys, and the consumers taking turns at the product: NOTES.md.)
 #
 # Tiles go in groups of a few heads (`_bwd_tile`) so that the programs running at once share
@@ -399,14 +399,20 @@ def attn_fwd_gluon_kernel(
 BWD_WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma row block)
 SEM_ROWS = gl.constexpr(64)  # query rows per dq semaphore (DQ_MODE 2; kernels.SEM_ROWS)
 # Registers per thread with dq summed in the kernel: 4 warpgroups share 512 (the default
-# consumer gets what the others leave: 208); below 72 the dq warpgroup spills, below 208 the
-# consumers (sm_90a, Triton 3.6).
+# consumer gets what the others leave: 208, also with a second reducer warp); below 72 the dq
+# warpgroup spills, below 208 the consumers (sm_90a, Triton 3.6).
 FUSED_CONSUMER_REGS = gl.constexpr(208)
 DQ_WARPGROUP_REGS = gl.constexpr(72)
 REDUCER_WARP_REGS = gl.constexpr(24)
-# dq parts in flight between the dq warpgroup and the reducer warp (4: the same speed on the
+# dq parts in flight between the dq warpgroup and the reducer warps (4: the same speed on the
 # H100, session 23)
 DQ_BUFFERS = gl.constexpr(2)
+# Reducer warps of the fixed-order sums (DQ_MODE 2), each adding every other step's part (so
+# each owns one of the DQ_BUFFERS): a warp waits for its add to be performed before it counts
+# it, so one warp alone had one add in flight at a time. H200, session 24, backward TFLOP/s one
+# / two warps: leaderboard 405 / 408, 8k B2 H32 375 / 384, GQA 8k H32/8 352 / 385, 4k 298 /
+# 309; any order lost with two (8k 428 / 405) and keeps one.
+ORDERED_DQ_REDUCERS = gl.constexpr(2)
 
 
 @_builtin
@@ -473,17 +479,17 @@ def _bwd_tile(u, tile_heads, Hkv, GROUP, Nq, Nk, CAUSAL: gl.constexpr, BLOCK_M: 
 @gluon.jit
 def _bwd_reduce_tile(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_stride, bhq0,
                      pid_n, m_lo, n_m, n_iter, i0, descending, Nq, Nk, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                     ORDERED: gl.constexpr):  # fmt: skip
-    """The reducer warp's steps of one tile (i0: the program's steps before it): adds step i's
-    dq part (in dq_smem[i % DQ_BUFFERS], from the dq warpgroup) into the float32 sums with
+                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, ORDERED: gl.constexpr,
+                     LANE: gl.constexpr, REDUCERS: gl.constexpr):  # fmt: skip
+    """Reducer warp LANE's steps of one tile, i = LANE mod REDUCERS (i0: the program's steps
+    before it): adds step i's dq part (in dq_smem[i % DQ_BUFFERS], from the dq warpgroup) into the float32 sums with
     a TMA reduce-add; ORDERED: once the parts of the key blocks before pid_n are in (the
     semaphore counts 32 per part: one per thread of this warp); key blocks 0, 1, ..., or with
     `descending` from the last one that reaches the query block down (causal: key block j
     then finds block j + 1's part in, as that one started two query blocks below it). A part
     is counted once its add is performed: the next key block waits on that (counting it a
     step late, once the next add was issued, cost 4-5% on the H100: NOTES.md)."""
-    for it in range(n_iter):
+    for it in range((LANE - i0 % REDUCERS + REDUCERS) % REDUCERS, n_iter, REDUCERS):
         i = i0 + it
         par = i % dq_smem.shape[0]
         g = it // n_m
@@ -514,9 +520,10 @@ def _bwd_reduce_tile(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_s
 def _bwd_dq_reducer(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_stride, H, Hkv,
                     GROUP, Nq, Nk, n_tiles, tile_heads, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, ORDERED: gl.constexpr,
-                    PERSISTENT: gl.constexpr):  # fmt: skip
-    """One warp: `_bwd_reduce_tile` for the program's tile, or with PERSISTENT tile after tile
-    of its share."""
+                    PERSISTENT: gl.constexpr, LANE: gl.constexpr,
+                    REDUCERS: gl.constexpr):  # fmt: skip
+    """Reducer warp LANE of REDUCERS: `_bwd_reduce_tile` for the program's tile, or with
+    PERSISTENT tile after tile of its share."""
     if PERSISTENT:
         i = 0
         for u in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
@@ -524,14 +531,14 @@ def _bwd_dq_reducer(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_st
                                                            CAUSAL, BLOCK_M, BLOCK_N)  # fmt: skip
             _bwd_reduce_tile(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_stride,
                              b * H + hk * GROUP, pid_n, m_lo, n_m, n_iter, i, tile_heads < 0, Nq,
-                             Nk, BLOCK_M, BLOCK_N, CAUSAL, ORDERED)  # fmt: skip
+                             Nk, BLOCK_M, BLOCK_N, CAUSAL, ORDERED, LANE, REDUCERS)  # fmt: skip
             i += n_iter
     else:
         b, hk, pid_n, _, m_lo, n_m, n_iter = _bwd_tile(gl.program_id(0), tile_heads, Hkv, GROUP,
                                                        Nq, Nk, CAUSAL, BLOCK_M, BLOCK_N)  # fmt: skip
         _bwd_reduce_tile(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_stride,
                          b * H + hk * GROUP, pid_n, m_lo, n_m, n_iter, 0, tile_heads < 0, Nq, Nk,
-                         BLOCK_M, BLOCK_N, CAUSAL, ORDERED)  # fmt: skip
+                         BLOCK_M, BLOCK_N, CAUSAL, ORDERED, LANE, REDUCERS)  # fmt: skip
 
 
 @gluon.jit
@@ -855,7 +862,8 @@ def attn_bwd_gluon_kernel(
     """dk, dv of the B * Hkv * cdiv(Nk, BLOCK_N) tiles of 128 keys of one kv head (bottom-right
     causal mask or none, GQA, any Nq and Nk): tile program_id, or with PERSISTENT tiles
     program_id, + num_programs, ... (one program per SM; `_bwd_tile` orders them); launched
-    with num_warps = 4 (the default partition), 9 warps in all (14 with DQ_MODE > 0). LSE2 /
+    with num_warps = 4 (the default partition), 9 warps in all (14 with DQ_MODE 1, 15 with 2,
+    whose reducer warps take turns). LSE2 /
     DELTA: (B * H, vec_stride) padded row vectors (kernels.attn_bwd_preprocess_kernel with
     ROWVEC). tile_heads: (batch, kv head)s per tile group, negative for descending key blocks
     (`_bwd_tile`). DQ_MODE > 0 (BLOCK_D <= 64): also dq's float32 sums, scaled, into DQACC
@@ -922,7 +930,7 @@ def attn_bwd_gluon_kernel(
 
     # The two warp_specialize calls spell their partitions out: Gluon takes (function, args)
     # pairs only as literals, and a constexpr packed into a shared args tuple loses its constness.
-    if DQ_MODE > 0:
+    if DQ_MODE == 2:  # two reducer warps
         dq_desc = tma.make_tensor_descriptor(DQACC, [dq_rows, BLOCK_D], [BLOCK_D, 1],
                                              [BLOCK_M, BLOCK_D], dq_layout)  # fmt: skip
         gl.warp_specialize(
@@ -953,8 +961,49 @@ def attn_bwd_gluon_kernel(
                                  PERSISTENT)),
                 (_bwd_dq_reducer, (dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride,
                                    vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads,
-                                   BLOCK_M, BLOCK_N, CAUSAL, gl.constexpr(DQ_MODE == 2),
-                                   PERSISTENT)),
+                                   BLOCK_M, BLOCK_N, CAUSAL, gl.constexpr(True), PERSISTENT,
+                                   gl.constexpr(0), ORDERED_DQ_REDUCERS)),
+                (_bwd_dq_reducer, (dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride,
+                                   vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads,
+                                   BLOCK_M, BLOCK_N, CAUSAL, gl.constexpr(True), PERSISTENT,
+                                   gl.constexpr(1), ORDERED_DQ_REDUCERS)),
+            ],
+            [4, 4, 1, 1, 1],
+            [FUSED_CONSUMER_REGS, DQ_WARPGROUP_REGS, 24, REDUCER_WARP_REGS, REDUCER_WARP_REGS],
+        )  # fmt: skip
+    elif DQ_MODE == 1:
+        dq_desc = tma.make_tensor_descriptor(DQACC, [dq_rows, BLOCK_D], [BLOCK_D, 1],
+                                             [BLOCK_M, BLOCK_D], dq_layout)  # fmt: skip
+        gl.warp_specialize(
+            [
+                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
+                                 kv_empty, ready, empty, ds_ready, ds_free, dq_ready, dq_free,
+                                 LSE2, DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh,
+                                 stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn,
+                                 stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv,
+                                 GROUP, Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale,
+                                 gl.constexpr(0), CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
+                                 STAGES, DQ_MODE, KV_REGS, PERSISTENT)),
+                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
+                                 kv_empty, ready, empty, ds_ready, ds_free, dq_ready, dq_free,
+                                 LSE2, DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh,
+                                 stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn,
+                                 stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv,
+                                 GROUP, Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale,
+                                 gl.constexpr(1), CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
+                                 STAGES, DQ_MODE, KV_REGS, PERSISTENT)),
+                (_bwd_dq_warpgroup, (k_smem, ds_smem, dq_smem, kv_bar, kv_empty, ds_ready,
+                                     ds_free, dq_ready, dq_free, Hkv, GROUP, Nq, Nk, n_tiles,
+                                     tile_heads, sm_scale, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D,
+                                     PERSISTENT)),
+                (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
+                                 kv_bar, kv_empty, ready, empty, Hkv, GROUP, Nq, Nk, n_tiles,
+                                 tile_heads, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, STAGES,
+                                 PERSISTENT)),
+                (_bwd_dq_reducer, (dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride,
+                                   vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads,
+                                   BLOCK_M, BLOCK_N, CAUSAL, gl.constexpr(False), PERSISTENT,
+                                   gl.constexpr(0), gl.constexpr(1))),
             ],
             [4, 4, 1, 1],
             [FUSED_CONSUMER_REGS, DQ_WARPGROUP_REGS, 24, REDUCER_WARP_REGS],

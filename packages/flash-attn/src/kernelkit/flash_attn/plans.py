@@ -100,7 +100,11 @@ GLUON_FUSED_DQ = Tile(0, 0, 0, 0, gluon=True)
 #   d64 causal 8k B2 H32    321-336 / 360 / 383-428     B4 H16 323 / 354 / 406
 #   d64 causal 4k B4 H32    287-311 / 312 / 360-374
 #   d64 non-causal 16k      352-371 / 397-415 / 413-436  4k 348-351 / 344 / 415-416
-FUSED_DQ_MIN_N = {64: (16384, 8192)}
+# With two reducer warps in a fixed order (kernels_gluon.ORDERED_DQ_REDUCERS; H200, session 24,
+# results/logs/NVIDIA-H200-bwd-dq-rule-session24.log), dq-kernel backward / fixed order:
+# non-causal 8k B2 H32 376-388 / 430-439 (fused from 8k on), 4k B4 H32 373-385 / 373-379;
+# causal 4k B4 H32 311-317 / 303-331, 2k B8 H32 259-274 / 228-255 (the dq kernel stays).
+FUSED_DQ_MIN_N = {64: (8192, 8192)}
 ANY_ORDER_DQ_MIN_N = {64: (4096, 4096)}
 FUSED_DQ_DKDV = Tile(64, 128, 4, 2, tma=True, gluon=True)
 # dk/dv: BLOCK_N keys held by the program, BLOCK_M query rows per step.
