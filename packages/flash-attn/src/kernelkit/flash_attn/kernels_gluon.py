@@ -387,8 +387,9 @@ def attn_fwd_gluon_kernel(
 # shared-memory buffer; that warp adds it into a float32 dq buffer with a TMA reduce-add
 # (cp.reduce.async.bulk.tensor). DQ_MODE 1 adds in any order; DQ_MODE 2 key block after key
 # block (bitwise reproducible sums): a semaphore per query block counts the parts added, and
-# only the reducer warps (two, taking turns) wait on it. (Parts added with atomics by the consumers themselves were
-# slower; so were parts of 64 keys, and the consumers taking turns at the product: NOTES.md.)
+# only the reducer warps (two, taking turns) wait on it. (Parts added with atomics by the
+# consumers themselves were slower; so were parts of 64 keys, and the consumers taking turns at
+# the product: NOTES.md.)
 #
 # Tiles go in groups of a few heads (`_bwd_tile`) so that the programs running at once share
 # q, do and the dq sums in L2 (persistent causal tiles stay key-block-major over all heads:
@@ -482,13 +483,13 @@ def _bwd_reduce_tile(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_s
                      BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, ORDERED: gl.constexpr,
                      LANE: gl.constexpr, REDUCERS: gl.constexpr):  # fmt: skip
     """Reducer warp LANE's steps of one tile, i = LANE mod REDUCERS (i0: the program's steps
-    before it): adds step i's dq part (in dq_smem[i % DQ_BUFFERS], from the dq warpgroup) into the float32 sums with
-    a TMA reduce-add; ORDERED: once the parts of the key blocks before pid_n are in (the
-    semaphore counts 32 per part: one per thread of this warp); key blocks 0, 1, ..., or with
-    `descending` from the last one that reaches the query block down (causal: key block j
-    then finds block j + 1's part in, as that one started two query blocks below it). A part
-    is counted once its add is performed: the next key block waits on that (counting it a
-    step late, once the next add was issued, cost 4-5% on the H100: NOTES.md)."""
+    before it): adds step i's dq part (in dq_smem[i % DQ_BUFFERS], from the dq warpgroup) into
+    the float32 sums with a TMA reduce-add; ORDERED: once the parts of the key blocks before
+    pid_n are in (the semaphore counts 32 per part: one per thread of a warp); key blocks 0, 1,
+    ..., or with `descending` from the last one that reaches the query block down (causal: key
+    block j then finds block j + 1's part in, as that one started two query blocks below it).
+    A part is counted once its add is performed: the next key block waits on that (counting it
+    a step late, once the next add was issued, cost 4-5% on the H100: NOTES.md)."""
     for it in range((LANE - i0 % REDUCERS + REDUCERS) % REDUCERS, n_iter, REDUCERS):
         i = i0 + it
         par = i % dq_smem.shape[0]
@@ -863,16 +864,15 @@ def attn_bwd_gluon_kernel(
     causal mask or none, GQA, any Nq and Nk): tile program_id, or with PERSISTENT tiles
     program_id, + num_programs, ... (one program per SM; `_bwd_tile` orders them); launched
     with num_warps = 4 (the default partition), 9 warps in all (14 with DQ_MODE 1, 15 with 2,
-    whose reducer warps take turns). LSE2 /
-    DELTA: (B * H, vec_stride) padded row vectors (kernels.attn_bwd_preprocess_kernel with
-    ROWVEC). tile_heads: (batch, kv head)s per tile group, negative for descending key blocks
-    (`_bwd_tile`). DQ_MODE > 0 (BLOCK_D <= 64): also dq's float32 sums, scaled, into DQACC
-    ((dq_rows = B * H * vec_stride, BLOCK_D), zeroed before, as is SEM: (B * H, sem_stride)),
-    one program per tile: a third warpgroup computes each step's dq part from the consumers'
-    dS^T (`_bwd_dq_tile`), a reducer warp adds it (DQ_MODE 2 waits for the part of the key
-    block before it in the sums' order, whose tile was launched before it:
-    `_bwd_reduce_tile`). The TMA descriptors span the whole (B, N, H, D) tensors: built once
-    per program."""
+    whose reducer warps take turns). LSE2 / DELTA: (B * H, vec_stride) padded row vectors
+    (kernels.attn_bwd_preprocess_kernel with ROWVEC). tile_heads: (batch, kv head)s per tile
+    group, negative for descending key blocks (`_bwd_tile`). DQ_MODE > 0 (BLOCK_D <= 64): also
+    dq's float32 sums, scaled, into DQACC ((dq_rows = B * H * vec_stride, BLOCK_D), zeroed
+    before, as is SEM: (B * H, sem_stride)), one program per tile: a third warpgroup computes
+    each step's dq part from the consumers' dS^T (`_bwd_dq_tile`), a reducer warp adds it
+    (DQ_MODE 2: two, taking turns, each waiting for the part of the key block before it in the
+    sums' order, whose tile was launched before it: `_bwd_reduce_tile`). The TMA descriptors
+    span the whole (B, N, H, D) tensors: built once per program."""
     gl.static_assert(BLOCK_N == 2 * BWD_WG_KEYS, "two consumer warpgroups of 64 keys")
     gl.static_assert(DQ_MODE == 0 or BLOCK_D <= 64, "the dq warpgroup's registers hold d <= 64")
     qk_scale = qk_scale.to(gl.float32)
@@ -930,7 +930,8 @@ def attn_bwd_gluon_kernel(
 
     # The two warp_specialize calls spell their partitions out: Gluon takes (function, args)
     # pairs only as literals, and a constexpr packed into a shared args tuple loses its constness.
-    if DQ_MODE == 2:  # two reducer warps
+    if DQ_MODE == 2:
+        gl.static_assert(ORDERED_DQ_REDUCERS == 2, "the list below spells out two reducer warps")
         dq_desc = tma.make_tensor_descriptor(DQACC, [dq_rows, BLOCK_D], [BLOCK_D, 1],
                                              [BLOCK_M, BLOCK_D], dq_layout)  # fmt: skip
         gl.warp_specialize(
