@@ -928,8 +928,10 @@ def attn_bwd_gluon_kernel(
         ds_smem, dq_smem = k_smem, v_smem
         ds_ready, ds_free, dq_ready, dq_free = kv_bar, kv_bar, kv_bar, kv_bar
 
-    # The two warp_specialize calls spell their partitions out: Gluon takes (function, args)
-    # pairs only as literals, and a constexpr packed into a shared args tuple loses its constness.
+    # The three warp_specialize calls (fixed-order dq: two reducer warps; any order: one; dk/dv
+    # only) spell their partitions out: Gluon takes (function, args) pairs only as literals, and
+    # a constexpr packed into a shared args tuple loses its constness. (One list with a second
+    # reducer warp idle in any order would do, but that variant was never timed.)
     if DQ_MODE == 2:
         gl.static_assert(ORDERED_DQ_REDUCERS == 2, "the list below spells out two reducer warps")
         dq_desc = tma.make_tensor_descriptor(DQACC, [dq_rows, BLOCK_D], [BLOCK_D, 1],
