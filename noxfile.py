@@ -4,7 +4,9 @@ Per package <op> (session names use underscores, e.g. test-lrpe_rotate):
   test-<op>   sync only that package and what it needs (uv sync --locked --package), then run its
               tests and its benchmark files once in smoke mode (--benchmark-disable). Without a
               GPU the kernels run under the Triton interpreter; on a GPU machine, on the GPU.
-  bench-<op>  the benchmark suite on the GPU, rendered by ci/bench.py into benchmarks/results/.
+  bench-<op>  the benchmark suite on the GPU, rendered by ci/bench.py into benchmarks/results/
+              (only for packages with a benchmarks/ folder). Without a GPU: one line says so
+              and a smoke run (each benchmark once, --benchmark-disable) runs; nothing is written.
   build-<op>  build the wheels (the package and the kernelkit packages it needs), install them
               into a fresh environment and check that only torch/triton (+ their own needs) and
               kernelkit packages come along.
@@ -84,10 +86,12 @@ def _make_sessions(pkg: Path) -> None:
         paths = [f"{rel}/{d}" for d in ("tests", "benchmarks") if (pkg / d).is_dir()]
         session.run("python", "-m", "pytest", *paths, "--benchmark-disable", "-q", *session.posargs)
 
-    @nox.session(name=f"bench-{op}", tags=["bench"])
-    def bench(session: nox.Session) -> None:
-        _sync(session, dist)
-        session.run("python", "ci/bench.py", pkg.name, *session.posargs)
+    if (pkg / "benchmarks").is_dir():  # no session that cannot succeed (lrpe-core has none)
+
+        @nox.session(name=f"bench-{op}", tags=["bench"])
+        def bench(session: nox.Session) -> None:
+            _sync(session, dist)
+            session.run("python", "ci/bench.py", pkg.name, *session.posargs)
 
     @nox.session(name=f"build-{op}", tags=["build"])
     def build(session: nox.Session) -> None:

@@ -11,6 +11,11 @@ so it works from a source checkout on an offline GPU machine (no uv, no nox).
 Writes results/<GPU>.json (pytest-benchmark JSON), results/<GPU>.md (seed-style tables: one column
 per provider, speed and memory, fwd and bwd, plus GB/s or TFLOP/s) and results/<GPU>.png (a plot).
 With --name NAME the files are results/<GPU>-NAME.*: a subset run does not replace the full one.
+
+Without a GPU (torch.cuda.is_available() is False) it says so in one line and runs a smoke run
+instead: every benchmark of the suite once, under the Triton interpreter, with
+--benchmark-disable (the same check as the test sessions). Nothing is timed and no results file
+is written: results come from a real GPU only.
 """
 
 from __future__ import annotations
@@ -35,6 +40,36 @@ def source_env() -> dict:
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+def gpu_present() -> bool:
+    """Whether torch (as the suite will import it) sees a CUDA GPU."""
+    probe = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)"
+    proc = subprocess.run([sys.executable, "-c", probe], env=source_env(), capture_output=True)
+    return proc.returncode == 0
+
+
+def smoke_run(package: str, extra: list[str]) -> int:
+    """No GPU: run every benchmark once (pytest --benchmark-disable), write nothing."""
+    print(
+        f"bench: no GPU found (torch.cuda.is_available() is False): running a smoke run of "
+        f"packages/{package}/benchmarks instead (each benchmark once under the Triton "
+        f"interpreter, --benchmark-disable); nothing is timed and no results are written",
+        flush=True,
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "kernelkit.shared.pytest_plugin",
+        str(ROOT / "packages" / package / "benchmarks"),
+        "-q",
+        "--benchmark-disable",
+        *extra,
+    ]
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.run(cmd, cwd=ROOT, env=source_env()).returncode
 
 
 def run_suite(package: str, json_path: Path, extra: list[str]) -> int:
@@ -132,6 +167,11 @@ def main() -> int:
         return 0
     if args.k:
         extra += ["-k", args.k]
+    if not (ROOT / "packages" / args.package / "benchmarks").is_dir():
+        print(f"bench: packages/{args.package} has no benchmarks/ folder", file=sys.stderr)
+        return 2
+    if not gpu_present():
+        return smoke_run(args.package, extra)
     with tempfile.TemporaryDirectory() as tmp:
         json_path = Path(tmp) / "run.json"
         rc = run_suite(args.package, json_path, extra)
