@@ -1,4 +1,4 @@
-"""act benchmark suite: reproduces ../shared/seeds/000_23d4463f1f0fa7d1.txt on our GPU, plus the
+"""act benchmark suite: reproduces the act seed table (docs/benchmarks.md) on our GPU, plus the
 model shapes users run (kernelkit.shared.bench.MODEL_SHAPES).
 
 Seed table: x = (12, 12, N, 128) bf16 in (B, H, N, D) layout, so dim=-2 is the sequence axis;

@@ -1,5 +1,5 @@
-"""Suite 3 of ../../shared/specs/flash-attn.md: the seed's eager-attention table
-(../../shared/seeds/004_9441a8a7c2022305.txt, "benchmark_attn").
+"""Suite 3 of docs/benchmarks.md: the attention seed's eager-attention table
+("benchmark_attn").
 
 As the seed's experiment: batch 8, one head ((B, N, D) tensors), no mask, float32;
 d in {16, 32, 64, 128}, N in {256, 1024, 4096, 8192, 16384}. Per cell: forward ms (a forward

@@ -1,4 +1,4 @@
-"""flash-attn benchmark suite: suites 1 and 5 of ../../shared/specs/flash-attn.md.
+"""flash-attn benchmark suite: suites 1 and 5 of docs/benchmarks.md.
 
 Suite 1 (`flash_attn`): bf16, d in {64, 128}, causal and not, N in 1k..32k, B = 16384 / N,
 H = 2048 / d; forward, backward and forward+backward in TFLOP/s (forward FLOPs 4 B H N^2 d,
@@ -10,8 +10,9 @@ halved for causal; backward 2.5x, forward+backward 3.5x of that), one column per
   torch           eager attention (the package's reference: the N x N scores in memory)
   torch_compile   torch.compile of it (static shapes)
   triton_any_order this package with deterministic=False (dq's parts added in any order where
-                  that measured faster: d64 from 8k causal / 16k rows on Hopper); backward and
-                  forward+backward cells of d = 64 only (elsewhere it is the triton column)
+                  that measured faster: d64 from 4k rows on Hopper, plans.ANY_ORDER_DQ_MIN_N);
+                  backward and forward+backward cells of d = 64 only (elsewhere it is the
+                  triton column)
 Eager/compiled cells whose score matrices cannot fit on the GPU are recorded as OOM without
 being run (an estimate, extra_info["oom_estimated"]); the rest that run out of memory are
 recorded as OOM by `record`.

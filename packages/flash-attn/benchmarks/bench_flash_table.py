@@ -1,5 +1,5 @@
-"""Suite 2 of ../../shared/specs/flash-attn.md: the seed's flash table
-(../../shared/seeds/004_9441a8a7c2022305.txt, "flash attention benchmark").
+"""Suite 2 of docs/benchmarks.md: the attention seed's flash table ("flash attention
+benchmark").
 
 Batch 1, one head ((B, N, D) tensors, the seed's layout), causal; d in {16, 32, 64, 128},
 N in 128 .. 65536, bfloat16 and float32; forward, backward and forward+backward ms of eager

@@ -1,5 +1,5 @@
-"""Suite 4 of ../../shared/specs/flash-attn.md: the seed's model profile
-(../../shared/seeds/004_9441a8a7c2022305.txt, "Profile": sm / md / lg).
+"""Suite 4 of docs/benchmarks.md: the attention seed's model profile ("Profile": sm / md /
+lg).
 
 A small decoder-only Transformer language model, a benchmark fixture written here (not part of
 the package): token embedding, pre-norm blocks (RMSNorm, causal multi-head attention with

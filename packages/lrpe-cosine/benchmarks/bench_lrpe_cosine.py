@@ -1,5 +1,5 @@
-"""lrpe-cosine benchmark suite: reproduces ../shared/seeds/001_95cdd99ed94a81f9.txt on our GPU, plus
-the model shapes users run (kernelkit.shared.bench.MODEL_SHAPES).
+"""lrpe-cosine benchmark suite: reproduces the lrpe cosine seed table (docs/benchmarks.md) on our GPU,
+plus the model shapes users run (kernelkit.shared.bench.MODEL_SHAPES).
 
 Seed table: x = (12, N, 12, 128) bf16 in (B, N, H, D) layout, theta = (12, 128) float32,
 int offset 0, theta fixed (as the seed); act none, silu, softmax over D (dim -1) and over the

@@ -1,5 +1,5 @@
-"""lrpe-rotate benchmark suite: reproduces ../shared/seeds/002_a9066e483d9abb9d.txt on our GPU, plus
-the model shapes users run (kernelkit.shared.bench.MODEL_SHAPES).
+"""lrpe-rotate benchmark suite: reproduces the lrpe rotate seed table (docs/benchmarks.md) on our GPU,
+plus the model shapes users run (kernelkit.shared.bench.MODEL_SHAPES).
 
 Seed table: x = (12, N, 12, 128) bf16 in (B, N, H, D) layout, theta = (12, 64) float32,
 int offset 0, theta fixed (as the seed); act none, silu, softmax over D (dim -1) and over the

@@ -1,5 +1,5 @@
-"""md-lrpe-cosine benchmark suite: reproduces ../shared/seeds/003_b5d7123c94ce14db.txt on our GPU,
-plus image/video model shapes.
+"""md-lrpe-cosine benchmark suite: reproduces the md lrpe cosine seed table (docs/benchmarks.md) on our
+GPU, plus image/video model shapes.
 
 Seed table: x = (12, l + n^m, 12, 128) bf16, theta (12, ceil(128 / m)) float32 fixed, act none;
 1-D n = 256 ... 32768, 2-D n = 16 ... 128 (n^2 tokens), 3-D n = 4 ... 32 (n^3 tokens), each with
