@@ -10,7 +10,10 @@ Per package <op> (session names use underscores, e.g. test-lrpe_rotate):
   build-<op>  build the wheels (the package and the kernelkit packages it needs), install them
               into a fresh environment and check that only torch/triton (+ their own needs) and
               kernelkit packages come along.
-Plus `lint` (ruff check + format check) and `lock` (uv.lock is up to date).
+Plus `docs` (tagged test: every workspace package in one environment; ci/tests: every README's
+Python blocks run, the root README's install recipe installs and its snippet runs, the generated
+README tables are current, relative links resolve, a no-GPU bench run writes nothing), `lint`
+(ruff check + format check) and `lock` (uv.lock is up to date).
 `nox -t test` runs every test session.
 """
 
@@ -128,6 +131,20 @@ def _fresh_env(session: nox.Session, path: Path, *install: str) -> set[str]:
 
 for _pkg in sorted(p.parent for p in ROOT.glob("packages/*/pyproject.toml")):
     _make_sessions(_pkg)
+
+
+@nox.session(tags=["test"])
+def docs(session: nox.Session) -> None:
+    session.run_install(
+        "uv",
+        "sync",
+        "--locked",
+        "--all-packages",
+        "--all-extras",
+        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
+        external=True,
+    )
+    session.run("python", "-m", "pytest", "ci/tests", "-q", "--no-compile-check", *session.posargs)
 
 
 @nox.session(tags=["check"])

@@ -20,6 +20,7 @@ from kernelkit.lrpe_core.op import (
     reduce_dtheta,
     validate_act,
     validate_positions,
+    validate_theta,
 )
 from kernelkit.lrpe_core.reference import (
     grid_positions as grid_positions_ref,
@@ -165,6 +166,27 @@ def test_reduce_dtheta_forms():
     wrapped = reduce_dtheta(p, (3, 3), wrap=True)  # slot k -> column k mod 3
     assert torch.equal(wrapped[:, 0], g[:, 0] + g[:, 3])
     assert torch.equal(wrapped[:, 1:], g[:, 1:3])
+
+
+@pytest.mark.parametrize("wrap", ["no", 1, None, torch.tensor(True)])
+def test_reduce_dtheta_wrap_must_be_bool(wrap):
+    with pytest.raises(ValueError, match="wrap: expected a bool"):
+        reduce_dtheta(torch.zeros(2, 3, 4), (3, 3), wrap=wrap)
+
+
+def test_theta_rows_of_packed_three_dim_input():
+    """flash_attn_varlen's packed (total, H, D) layout given to an LRPE op reads as (B, N, D):
+    the error names the layout the LRPE ops take for packed sequences."""
+    x = torch.empty(10, 4, 8)  # (total, H, D)
+    with pytest.raises(ValueError) as err:
+        validate_theta(x, torch.ones(4, 4))
+    msg = str(err.value)
+    assert msg.startswith("theta: has 4 rows, but x (10, 4, 8) is read as (B, N, D)")
+    assert "theta needs 1 row" in msg
+    assert "(total, H, D)" in msg and "(1, total, H, D)" in msg and "cu_seqlens" in msg
+    with pytest.raises(ValueError, match=r"theta: has 3 rows, expected 1 or H = 4$"):
+        validate_theta(x.unsqueeze(0), torch.ones(3, 4))
+    assert validate_theta(x.unsqueeze(0), torch.ones(4, 4)) == 4
 
 
 @pytest.mark.parametrize(

@@ -410,7 +410,9 @@ def test_errors(over, match, device):
 
 
 def test_three_dim_input_needs_one_theta_row(device):
-    with pytest.raises(ValueError, match="theta: has 2 rows, expected x has no head axis"):
+    with pytest.raises(
+        ValueError, match=r"theta: has 2 rows, but x \(2, \d+, 8\) is read as \(B, N, D\)"
+    ):
         lrpe_cosine(torch.ones(2, 5, 8, device=device), torch.ones(2, 8, device=device))
 
 

@@ -431,7 +431,9 @@ def test_errors(over, match, device):
 
 
 def test_error_three_dim_needs_one_theta_row(device):
-    with pytest.raises(ValueError, match="theta: has 3 rows, expected x has no head axis"):
+    with pytest.raises(
+        ValueError, match=r"theta: has 3 rows, but x \(2, \d+, 8\) is read as \(B, N, D\)"
+    ):
         lrpe_rotate(torch.ones(2, 4, 8, device=device), torch.ones(3, 4, device=device))
 
 

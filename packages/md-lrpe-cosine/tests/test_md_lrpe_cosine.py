@@ -161,6 +161,8 @@ def test_reference_fallback(monkeypatch):
         ({"act": "gelu"}, "act: must be one of"),
         ({"act": "softmax", "dim": 2}, "dim: softmax runs over D"),
         ({"cache": 1}, "cache: expected a bool"),
+        ({"cache": "no"}, "cache: expected a bool"),
+        ({"cache": None}, "cache: expected a bool"),
     ],
 )
 def test_errors(over, match, device):

@@ -97,8 +97,13 @@ def validate_theta(x: torch.Tensor, theta) -> int:
         raise ValueError(f"theta: expected shape (H, E) or (1, E), got {tuple(theta.shape)}")
     rows, e = theta.shape
     if rows != 1 and rows != heads:
-        what = "x has no head axis: theta needs 1 row" if x.dim() == 3 else f"1 or H = {heads}"
-        raise ValueError(f"theta: has {rows} rows, expected {what}")
+        if x.dim() == 4:
+            raise ValueError(f"theta: has {rows} rows, expected 1 or H = {heads}")
+        raise ValueError(
+            f"theta: has {rows} rows, but x {tuple(x.shape)} is read as (B, N, D), with no head "
+            "axis, so theta needs 1 row. Packed sequences in flash_attn_varlen's (total, H, D) "
+            "layout go in as (1, total, H, D) (x.unsqueeze(0)) with cu_seqlens"
+        )
     if theta.device != x.device:
         raise ValueError(f"theta: is on {theta.device} but x is on {x.device}")
     return e
@@ -297,6 +302,8 @@ def reduce_dtheta(partials: torch.Tensor, theta_shape, *, wrap: bool = False) ->
     Slots map to theta columns as `kernels.slot_frequencies` reads them (slot j < E is column j,
     E == 1 shares column 0, slots >= E have no column) or, with `wrap`, as
     `kernels.wrapped_frequencies` does (slot k is column k mod E)."""
+    if not isinstance(wrap, bool):
+        raise ValueError(f"wrap: expected a bool, got {wrap!r}")
     rows, e = theta_shape
     g = partials.sum(0)
     slots = g.shape[1]
