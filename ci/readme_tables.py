@@ -131,8 +131,9 @@ def _git(root: Path, *args: str) -> subprocess.CompletedProcess:
 def results_version(root: Path, package: str, json_path: Path) -> str:
     """The first package version that shipped the code a results file measured: the version
     that the first version change at or after the commit that last changed the file set (the
-    file committed with a bump: that version). No bump since: "<version>+" (measured after
-    that release). Uncommitted results: the working tree's version."""
+    file committed with a bump: that version), the working tree's version counting as the last
+    change. No bump since: "<version>+" (measured after that release). Uncommitted results:
+    the working tree's version."""
     pkg = f"packages/{package}/pyproject.toml"
     rel = json_path.relative_to(root).as_posix()
     if _git(root, "diff", "--quiet", "HEAD", "--", rel).returncode != 0:
@@ -153,7 +154,8 @@ def results_version(root: Path, package: str, json_path: Path) -> str:
         v = version_at(rev)
         if v != before:
             return v
-    return f"{before}+"
+    current = read_project(root / "packages" / package).version  # a bump not committed yet
+    return current if current != before else f"{before}+"
 
 
 def _cells(run: dict, row: Row) -> dict:
