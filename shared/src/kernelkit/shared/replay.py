@@ -32,7 +32,7 @@ import torch
 from . import runtime
 from .runtime import PLAIN_TENSORS, PlanCache
 
-__all__ = ["DIRECT", "Recorder", "clear", "replayed"]
+__all__ = ["DIRECT", "Probe", "Recorder", "clear", "replayed"]
 
 
 class _Direct:
@@ -56,6 +56,36 @@ class _Direct:
 
 
 DIRECT = _Direct()
+
+
+class Probe:
+    """`ops` that allocate as `DIRECT` does and record each launch instead of running it: what
+    a host path would launch for its (fake) arguments, and the outputs' shapes. For fake
+    implementations (no launch on fake tensors) and for tools and tests that ask which kernels
+    a call takes."""
+
+    def __init__(self):
+        self.launches: list[tuple] = []  # (kernel, grid, args, kwargs)
+
+    @staticmethod
+    def empty(shape, dtype, device) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def launch(self, kernel, grid, *args, **kwargs):
+        self.launches.append((kernel, grid, args, kwargs))
+
+    @staticmethod
+    def unplannable() -> None:
+        return None
+
+    @staticmethod
+    def on_replay(fn: Callable[[], object]) -> None:
+        return None
+
+    @property
+    def kernels(self) -> tuple:
+        """The kernels launched, in order."""
+        return tuple(kernel for kernel, *_ in self.launches)
 
 
 def _gather(indices) -> Callable[[tuple], tuple]:

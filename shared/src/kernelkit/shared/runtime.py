@@ -35,10 +35,12 @@ __all__ = [
     "PlanCache",
     "cdiv",
     "define_op",
+    "inductor_compiles",
     "interpreting",
     "launch",
     "next_power_of_2",
     "num_sms",
+    "traced",
     "use_triton",
 ]
 
@@ -502,6 +504,7 @@ class KernelOp:
     def __init__(self, fn: Callable, op):
         self.fn = fn
         self.op = op
+        self.opaque = None  # the opaque twin (`define_op(fake=...)`)
         self._function = None
         self._apply = None
         functools.update_wrapper(self, fn)
@@ -551,8 +554,17 @@ class KernelOp:
         self._apply = c_apply.__get__(None, self._function) if c_apply else self._function.apply
 
 
-def define_op(qualname: str, *, mutates_args: Iterable[str] = ()) -> Callable[[Callable], KernelOp]:
-    """Decorator: register `fn` as the op `qualname` ("namespace::name"); returns a KernelOp."""
+def define_op(
+    qualname: str, *, mutates_args: Iterable[str] = (), fake: Callable | None = None
+) -> Callable[[Callable], KernelOp]:
+    """Decorator: register `fn` as the op `qualname` ("namespace::name"); returns a KernelOp.
+
+    fake: the outputs of `fn` (their shapes, dtypes, devices) for fake arguments, launching
+    nothing. Given, the op also gets an opaque twin, `KernelOp.opaque` ("qualname_opaque"): a
+    `custom_op` whose implementation is `fn` itself, which torch.compile calls as it is instead
+    of tracing into it. `fn` hands a traced call (`traced`) to the twin where Inductor must not
+    look inside: kernels it cannot compile (`inductor_compiles`), or the PyTorch reference on
+    CPU tensors, whose shapes may depend on data (packed sequences)."""
     mutates_args = tuple(mutates_args)
 
     def register(fn):
@@ -561,6 +573,27 @@ def define_op(qualname: str, *, mutates_args: Iterable[str] = ()) -> Callable[[C
             op.register_fake(fn)
         else:
             op = torch.library.triton_op(qualname, mutates_args=mutates_args)(fn)
-        return KernelOp(fn, op)
+        kernel_op = KernelOp(fn, op)
+        if fake is not None:
+            twin = torch.library.custom_op(
+                f"{qualname}_opaque",
+                mutates_args=mutates_args,
+                schema=torch.library.infer_schema(fn, mutates_args=mutates_args),
+            )(fn)
+            twin.register_fake(fake)
+            kernel_op.opaque = twin
+        return kernel_op
 
     return register
+
+
+def traced(t: torch.Tensor) -> bool:
+    """Whether `t` comes from tracing (a fake or functional tensor: torch.compile, export,
+    make_fx) rather than a call on real data."""
+    return t.__class__ not in PLAIN_TENSORS
+
+
+def inductor_compiles(kernel) -> bool:
+    """Whether Inductor can compile `kernel` as a user-defined Triton kernel (`wrap_triton`):
+    not a Gluon kernel, which it handles as Triton source and fails on."""
+    return type(kernel).__name__ != "GluonJITFunction"

@@ -12,6 +12,7 @@ import math
 import torch
 
 from .op import attn_bwd, attn_fwd, validate
+from .validation import check_bool
 
 
 class FlashAttentionFunction(torch.autograd.Function):
@@ -19,12 +20,12 @@ class FlashAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, is_causal=False):
         if q.dim() != 3:
             raise ValueError(f"q: expected (B, N, D), got shape {tuple(q.shape)}")
-        validate(q, k, v, bool(is_causal), None)
+        validate(q, k, v, check_bool("is_causal", is_causal), None)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        o, lse = attn_fwd(q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2), bool(is_causal), scale)
+        o, lse = attn_fwd(q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2), is_causal, scale)
         o, L = o.squeeze(2), lse.squeeze(1)
         ctx.save_for_backward(L, q, k, v, o)
-        ctx.is_causal, ctx.scale = bool(is_causal), scale
+        ctx.is_causal, ctx.scale = is_causal, scale
         return o
 
     @staticmethod

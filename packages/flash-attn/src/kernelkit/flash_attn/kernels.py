@@ -979,8 +979,10 @@ def _dq_step(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, s
              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
              DOT_PREC: tl.constexpr, TMA: tl.constexpr, SOFTCAP: tl.constexpr,
              CAUSAL: tl.constexpr, LOCAL: tl.constexpr):  # fmt: skip
-    """dq of one query block plus the key block at start_n. Keys past Nk (CHECK_N) load
-    k = v = 0 and so add nothing to dq; MASK applies the window (causal) mask."""
+    """dq of one query block plus the key block at start_n; MASK applies the window (causal)
+    mask. Keys past Nk (CHECK_N) load k = v = 0 and take p = 0: their score 0 would give
+    p = exp2(-lse2), which overflows where a row's LSE is very negative (few keys, large
+    negative scores), and the float16 dS = inf times k = 0 is NaN."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     cols = start_n + offs_n
@@ -992,8 +994,10 @@ def _dq_step(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, s
     p = tl.math.exp2(qk * qk_scale - lse2[:, None])
     if MASK:
         keep = _visible(rows[:, None], cols[None, :], Nk, lo_shift, hi_shift, LOCAL, CAUSAL,
-                        False)  # fmt: skip
+                        CHECK_N)  # fmt: skip
         p = tl.where(keep, p, 0.0)
+    elif CHECK_N:
+        p = tl.where(cols[None, :] < Nk, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
     ds = p * (dp - delta[:, None])
     if SOFTCAP:  # d(softcap * tanh(s / softcap)) / ds
@@ -1009,9 +1013,10 @@ def _dq_steps(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, 
               BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
               SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr):  # fmt: skip
     """Accumulate dq of one query block over the key blocks [lo, hi) (`_dq_step`); PEEL as in
-    `_dkdv_steps`, for the key checks."""
+    `_dkdv_steps`, for the key checks (the TMA path too: its loads need no check, but the
+    tail's p does)."""
     start = lo
-    if PEEL and CHECK_N and not TMA:  # (TMA reads keys past Nk as zeros without a check)
+    if PEEL and CHECK_N:
         start = _tail_start(lo, hi, Nk, BLOCK_N)
         for start_n in range(lo, start, BLOCK_N):
             dq = _dq_step(

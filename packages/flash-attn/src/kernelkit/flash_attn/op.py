@@ -7,9 +7,11 @@ import torch
 
 from kernelkit.shared.runtime import (
     define_op,
+    traced,
     use_triton,
 )
 
+from . import families
 from .launchers import Varlen, backward, forward
 from .reference import (
     attention_reference,
@@ -17,14 +19,65 @@ from .reference import (
     attention_varlen_reference,
     attention_varlen_reference_grads,
 )
-from .validation import check_softcap, validate, validate_varlen, window_for
+from .validation import check_bool, check_softcap, validate, validate_varlen, window_for
 
 # ---------------------------------------------------------------------------------------------
 # Registered ops
 # ---------------------------------------------------------------------------------------------
 
 
-@define_op("kernelkit_flash_attn::attn_fwd")
+# A traced call (torch.compile, export) goes to an op's opaque twin (`define_op`'s `fake`),
+# which torch.compile calls as it is, where Inductor must not trace into the body: the PyTorch
+# reference on CPU tensors (packed sequences make its shapes depend on data), and plans that
+# launch a Gluon kernel, which Inductor cannot compile (`families.opaque`). The twin runs the
+# same body on real tensors: the same kernels as an eager call. Elsewhere Inductor sees the
+# Triton kernels. The fakes record the launches instead of running them (`families.probe_*`).
+
+
+def _fwd_probe(q, k, v, causal, scale, softcap=0.0, window_left=-1, window_right=-1,
+               deterministic=True):  # fmt: skip
+    window = (window_left, window_right)
+    return families.probe_forward(q, k, v, causal, scale, softcap, window)
+
+
+def _bwd_probe(do, q, k, v, o, lse, dlse, causal, scale, softcap=0.0, window_left=-1,
+               window_right=-1, deterministic=True):  # fmt: skip
+    window = (window_left, window_right)
+    return families.probe_backward(do, q, k, v, o, lse, dlse, causal, scale, softcap, window,
+                                   None, deterministic)  # fmt: skip
+
+
+def _varlen_fwd_probe(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                      scale, softcap=0.0, window_left=-1, window_right=-1):  # fmt: skip
+    varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    window = (window_left, window_right)
+    return families.probe_forward(q, k, v, causal, scale, softcap, window, varlen)
+
+
+def _varlen_bwd_probe(do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                      max_seqlen_k, causal, scale, softcap=0.0, window_left=-1,
+                      window_right=-1):  # fmt: skip
+    varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    window = (window_left, window_right)
+    return families.probe_backward(do, q, k, v, o, lse, dlse, causal, scale, softcap, window,
+                                   varlen)  # fmt: skip
+
+
+def _fake(probe):
+    """The fake implementation of an op whose host path `probe` records."""
+
+    def fake(*args):
+        return probe(*args).outputs
+
+    return fake
+
+
+def _opaque(q, probe, *args) -> bool:
+    """Whether a traced call (`probe` over its arguments) goes to the opaque twin."""
+    return not use_triton(q) or families.opaque(probe(*args))
+
+
+@define_op("kernelkit_flash_attn::attn_fwd", fake=_fake(_fwd_probe))
 def attn_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -36,6 +89,9 @@ def attn_fwd(
     window_right: int = -1,
     deterministic: bool = True,  # (the backward's: passed on to attn_bwd)
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    args = (q, k, v, causal, scale, softcap, window_left, window_right, deterministic)
+    if traced(q) and _opaque(q, _fwd_probe, *args):
+        return attn_fwd.opaque(*args)
     window = (window_left, window_right)
     if not use_triton(q):
         o, lse = attention_reference(
@@ -45,7 +101,7 @@ def attn_fwd(
     return forward(q, k, v, causal, scale, softcap=softcap, window=window)
 
 
-@define_op("kernelkit_flash_attn::attn_bwd")
+@define_op("kernelkit_flash_attn::attn_bwd", fake=_fake(_bwd_probe))
 def attn_bwd(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -61,9 +117,13 @@ def attn_bwd(
     window_right: int = -1,
     deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    args = (do, q, k, v, o, lse, dlse, causal, scale, softcap, window_left, window_right,
+            deterministic)  # fmt: skip
+    if traced(q) and _opaque(q, _bwd_probe, *args):
+        return attn_bwd.opaque(*args)
     window = (window_left, window_right)
     if not use_triton(q):
-        # The closed form, not autograd inside the op: torch.compile traces this body.
+        # The closed form, not autograd inside the op (an opaque twin's body under tracing).
         return attention_reference_grads(do, q, k, v, causal, scale, dlse, softcap, window)
     return backward(do, q, k, v, o, lse, dlse, causal, scale, softcap=softcap, window=window,
                     deterministic=deterministic)  # fmt: skip
@@ -95,7 +155,7 @@ _backward, _setup = _autograd(attn_bwd, 3)
 attn_fwd.register_autograd(_backward, setup_context=_setup)
 
 
-@define_op("kernelkit_flash_attn::attn_varlen_fwd")
+@define_op("kernelkit_flash_attn::attn_varlen_fwd", fake=_fake(_varlen_fwd_probe))
 def attn_varlen_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -110,6 +170,10 @@ def attn_varlen_fwd(
     window_left: int = -1,
     window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+            softcap, window_left, window_right)  # fmt: skip
+    if traced(q) and _opaque(q, _varlen_fwd_probe, *args):
+        return attn_varlen_fwd.opaque(*args)
     window = (window_left, window_right)
     if not use_triton(q):
         o, lse = attention_varlen_reference(
@@ -121,7 +185,7 @@ def attn_varlen_fwd(
     return forward(q, k, v, causal, scale, softcap=softcap, window=window, varlen=varlen)
 
 
-@define_op("kernelkit_flash_attn::attn_varlen_bwd")
+@define_op("kernelkit_flash_attn::attn_varlen_bwd", fake=_fake(_varlen_bwd_probe))
 def attn_varlen_bwd(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -140,6 +204,10 @@ def attn_varlen_bwd(
     window_left: int = -1,
     window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    args = (do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            causal, scale, softcap, window_left, window_right)  # fmt: skip
+    if traced(q) and _opaque(q, _varlen_bwd_probe, *args):
+        return attn_varlen_bwd.opaque(*args)
     window = (window_left, window_right)
     if not use_triton(q):
         return attention_varlen_reference_grads(do, q, k, v, cu_seqlens_q, cu_seqlens_k, causal,
@@ -191,8 +259,8 @@ def flash_attn(
         q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
     if scale < 0:  # the kernels assume scale >= 0 (max of the raw scores); negate q instead
         q, scale = -q, -scale
-    if not isinstance(deterministic, bool):
-        raise ValueError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+    check_bool("deterministic", deterministic)
+    check_bool("return_lse", return_lse)
     o, lse = attn_fwd(q, k, v, causal, scale, softcap, left, right, deterministic)
     if three_d:
         o, lse = o.squeeze(2), lse.squeeze(1)
@@ -227,6 +295,7 @@ def flash_attn_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
     )
     softcap = check_softcap(softcap)
+    check_bool("return_lse", return_lse)
     left, right = window_for(window_size, causal, max_seqlen_q, max_seqlen_k)
     if scale < 0:  # as in flash_attn
         q, scale = -q, -scale

@@ -42,8 +42,7 @@ def _check_heads(h: int, hkv: int) -> None:
 
 
 def _check_scale(causal, softmax_scale, d: int) -> float:
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal: expected a bool, got {type(causal).__name__}")
+    check_bool("causal", causal)
     if softmax_scale is None:
         return 1.0 / math.sqrt(d)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
@@ -180,6 +179,13 @@ def window_for(window_size, causal: bool, nq: int, nk: int) -> tuple[int, int]:
     if left >= nk - 1:
         left = -1
     return left, right
+
+
+def check_bool(name: str, value) -> bool:
+    """A boolean option: True or False only (a truthy "no" is an error, not True)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+    return value
 
 
 def check_softcap(softcap) -> float:

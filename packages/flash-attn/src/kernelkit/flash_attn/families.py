@@ -1,0 +1,105 @@
+"""What a call launches, without launching it: the host path run on (fake) tensors with the
+launches recorded (`probe_forward`, `probe_backward`), the kernel family those launches form
+(`family`), and whether Inductor may trace them (`opaque`).
+
+A family names the kernels a call runs and the compile-time switches that make them different
+programs: the Gluon kernels by head dim, causal, schedule and dq mode; the portable ones by the
+masking code they carry (a window's left edge, packed sequences, softcap). Two calls of one
+family run the same code paths, so a test that covers each family covers every path the plan
+chooser can take; `tests/test_kernel_families.py` derives the families from the chooser and
+fails on one without a case.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernelkit.shared.replay import Probe
+from kernelkit.shared.runtime import inductor_compiles
+
+from .launchers import Varlen, _backward, _forward
+
+# The compile-time arguments that tell a kernel's families apart, by kernel name; kernels not
+# listed (the backward's preprocess, the split-KV merge, the dq conversion) go with the ones
+# that are, and the portable dq kernel with the dk/dv kernel beside it.
+FAMILY_SWITCHES = {
+    "attn_fwd_kernel": ("LOCAL", "VARLEN", "SOFTCAP"),
+    "attn_fwd_split_kernel": ("LOCAL", "SOFTCAP"),
+    "attn_fwd_gluon_kernel": ("BLOCK_D", "CAUSAL", "PAIRS", "SOFTCAP"),
+    "attn_bwd_dkdv_kernel": ("LOCAL", "VARLEN", "SOFTCAP"),
+    "attn_bwd_gluon_kernel": ("BLOCK_D", "CAUSAL", "DQ_MODE", "PERSISTENT"),
+}
+_SHORT = {
+    "attn_fwd_kernel": "fwd",
+    "attn_fwd_split_kernel": "fwd-split",
+    "attn_fwd_gluon_kernel": "fwd-gluon",
+    "attn_bwd_dkdv_kernel": "bwd",
+    "attn_bwd_gluon_kernel": "bwd-gluon",
+}
+# DQ_MODE of the Gluon backward: dq by the dq kernel beside it, or summed in the kernel.
+_DQ_MODES = {0: "dq-kernel", 1: "dq-any-order", 2: "dq-ordered"}
+
+
+def kernel_name(kernel) -> str:
+    """The Python name of a @triton.jit / @gluon.jit kernel."""
+    return getattr(kernel, "fn", kernel).__name__
+
+
+def _tag(name: str, value) -> str | None:
+    if name == "BLOCK_D":
+        return f"d{value}"
+    if name == "DQ_MODE":
+        return _DQ_MODES[value]
+    return name.lower() if value else None
+
+
+def family(probe: Probe) -> str:
+    """The family of the launches a probe recorded, e.g. "fwd-gluon(d64,causal,pairs)" or
+    "bwd(local,softcap)"; "" for a call that launches nothing (an empty batch)."""
+    parts = []
+    for kernel, _, _, kwargs in probe.launches:
+        name = kernel_name(kernel)
+        if name not in FAMILY_SWITCHES:
+            continue
+        tags = [_tag(s, kwargs[s]) for s in FAMILY_SWITCHES[name]]
+        tags = [t for t in tags if t]
+        parts.append(f"{_SHORT[name]}({','.join(tags)})" if tags else _SHORT[name])
+    return "+".join(parts)
+
+
+def opaque(probe: Probe) -> bool:
+    """Whether a traced call must stay opaque to Inductor: it launches a kernel Inductor cannot
+    compile (Gluon)."""
+    return not all(inductor_compiles(kernel) for kernel in probe.kernels)
+
+
+def probe_forward(q, k, v, causal, scale, softcap=0.0, window=(-1, -1), varlen=None) -> Probe:
+    """`launchers.forward`'s automatic plan, recorded instead of launched; `.outputs` holds its
+    (o, lse), allocated as the call would (fake tensors in, fake tensors out)."""
+    probe = Probe()
+    probe.outputs = _forward(probe, q, k, v, causal, scale, None, None, softcap, window, varlen)
+    return probe
+
+
+def probe_backward(do, q, k, v, o, lse, dlse, causal, scale, softcap=0.0, window=(-1, -1),
+                   varlen=None, deterministic=True) -> Probe:  # fmt: skip
+    """`launchers.backward`'s automatic plan, recorded instead of launched; `.outputs` holds its
+    (dq, dk, dv)."""
+    probe = Probe()
+    probe.outputs = _backward(probe, do, q, k, v, o, lse, dlse, causal, scale, None, softcap,
+                              window, varlen, deterministic)  # fmt: skip
+    return probe
+
+
+def probe_call(q, k, v, causal=False, softcap=0.0, window=(-1, -1), varlen: Varlen | None = None,
+               deterministic=True) -> tuple[Probe, Probe]:  # fmt: skip
+    """(forward, backward) probes of a `flash_attn` (or, with `varlen`, `flash_attn_varlen`)
+    call on q, k, v (real or fake tensors: nothing is read or launched), with window as
+    `validation.window_for` returns it. For tools and tests asking "which kernels run?"."""
+    scale = q.shape[-1] ** -0.5
+    fwd = probe_forward(q, k, v, causal, scale, softcap, window, varlen)
+    o, lse = fwd.outputs
+    do = torch.empty_like(o)
+    bwd = probe_backward(do, q, k, v, o, lse, None, causal, scale, softcap, window, varlen,
+                         deterministic)  # fmt: skip
+    return fwd, bwd

@@ -1,0 +1,225 @@
+"""Every kernel family the plan chooser can take on an sm_90 GPU, run the three ways users run
+it: eager, `torch.compile(fullgraph=True)` with Inductor, and captured in a CUDA graph, forward
+and backward, each against the float64 reference by FlashAttention's accuracy rule.
+
+The families come from the chooser itself: `test_every_family_has_a_case` sweeps the host
+path over the options it reads (head dim, dtype, causal, window, softcap, packing, lengths,
+deterministic) as on an sm_90 GPU with 132 SMs, and fails when a family appears that no case
+in FAMILY_CASES takes. Each case states the (forward, backward) families it takes, checked
+here on CPU and again on the GPU before it runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from attn_cases import Call, check_call, fwd_bwd
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from kernelkit.flash_attn import FlashAttentionFunction, families
+from kernelkit.flash_attn import launchers as fa_launchers
+from kernelkit.flash_attn import plans as fa_plans
+from kernelkit.flash_attn.launchers import Varlen
+from kernelkit.flash_attn.validation import window_for
+
+SM90_SMS = 132  # H100 SXM and H200
+LENGTHS = ((300, 280), (1, 3), (0, 5), (200, 200))  # (Nq, Nk) per sequence: 1 key, no query
+WIN = (64, -1)
+DEC = dict(b=2, nq=1, nk=4096, h=8, hkv=2, d=64)  # decoding: split-KV
+P64 = dict(b=2, nq=300, nk=300, h=4, hkv=2, d=64)
+P128 = dict(b=2, nq=300, nk=300, h=4, hkv=2, d=128)
+E128 = dict(b=2, nq=256, nk=256, h=4, hkv=2, d=128)  # an even number of query blocks: pairs
+
+# (forward family, backward family, a call that takes them). bwd-gluon "persistent" takes at
+# most launchers.GLUON_BWD_PERSISTENT_MAX_N rows, fused dq (dq-ordered / dq-any-order) at
+# least plans.FUSED_DQ_MIN_N / ANY_ORDER_DQ_MIN_N; the d64 Gluon forward needs
+# plans.GLUON_*FWD_MIN_N rows and a grid that fills the GPU (plans.small_grid_fwd).
+FAMILY_CASES = [
+    ("fwd", "bwd", Call(**P64)),
+    ("fwd(local)", "bwd(local)", Call(**P64, window=WIN)),
+    ("fwd(softcap)", "bwd(softcap)", Call(**P64, softcap=5.0)),
+    ("fwd(local,softcap)", "bwd(local,softcap)", Call(**P64, window=WIN, softcap=5.0)),
+    ("fwd(varlen)", "bwd(varlen)", Call(h=4, hkv=2, lengths=LENGTHS)),
+    ("fwd(local,varlen)", "bwd(local,varlen)", Call(h=4, hkv=2, lengths=LENGTHS, window=WIN)),
+    ("fwd(varlen,softcap)", "bwd(varlen,softcap)", Call(h=4, hkv=2, lengths=LENGTHS, softcap=5.0)),
+    ("fwd(local,varlen,softcap)", "bwd(local,varlen,softcap)",
+     Call(h=4, hkv=2, lengths=LENGTHS, window=WIN, softcap=5.0)),
+    ("fwd-split", "bwd", Call(**DEC)),
+    ("fwd-split(local)", "bwd(local)", Call(**DEC, window=(1000, -1))),
+    ("fwd-split(softcap)", "bwd(softcap)", Call(**DEC, softcap=5.0)),
+    ("fwd-split(local,softcap)", "bwd(local,softcap)", Call(**DEC, window=(1000, -1), softcap=5.0)),
+    ("fwd-gluon(d128)", "bwd-gluon(d128,dq-kernel,persistent)", Call(**P128)),
+    ("fwd-gluon(d128,causal)", "bwd-gluon(d128,causal,dq-kernel,persistent)",
+     Call(**P128, causal=True)),
+    ("fwd-gluon(d128,causal,pairs)", "bwd-gluon(d128,causal,dq-kernel,persistent)",
+     Call(**E128, causal=True, dtype=torch.float16)),
+    ("fwd-gluon(d128,softcap)", "bwd(softcap)", Call(**P128, softcap=5.0)),
+    ("fwd-gluon(d128,causal,softcap)", "bwd(softcap)", Call(**P128, causal=True, softcap=5.0)),
+    ("fwd-gluon(d128,causal,pairs,softcap)", "bwd(softcap)",
+     Call(**E128, causal=True, softcap=5.0)),
+    ("fwd-gluon(d128)", "bwd-gluon(d128,dq-kernel)", Call(nq=4224, nk=4224, d=128)),
+    ("fwd-gluon(d128,causal)", "bwd-gluon(d128,causal,dq-kernel)",
+     Call(nq=4224, nk=4224, d=128, causal=True)),
+    ("fwd-gluon(d64)", "bwd-gluon(d64,dq-ordered)", Call(nq=8192, nk=8192, h=6, hkv=2)),
+    ("fwd", "bwd-gluon(d64,dq-any-order)", Call(nq=4096, nk=4096, deterministic=False)),
+    ("fwd-gluon(d64,causal,pairs)", "bwd-gluon(d64,causal,dq-ordered)",
+     Call(nq=8192, nk=8192, h=4, hkv=2, causal=True, dtype=torch.float16)),
+    ("fwd", "bwd-gluon(d64,causal,dq-any-order)",
+     Call(nq=4096, nk=4096, causal=True, deterministic=False)),
+    ("fwd-gluon(d64,causal)", "bwd", Call(b=2, nq=2176, nk=2176, h=4, hkv=2, causal=True)),
+    ("fwd-gluon(d64,causal,softcap)", "bwd(softcap)",
+     Call(b=2, nq=2176, nk=2176, h=4, hkv=2, causal=True, softcap=5.0)),
+    ("fwd-gluon(d64,causal,pairs,softcap)", "bwd(softcap)",
+     Call(nq=4096, nk=4096, h=6, hkv=2, causal=True, softcap=5.0)),
+    ("fwd-gluon(d64,softcap)", "bwd(softcap)", Call(nq=8192, nk=8192, h=6, hkv=2, softcap=5.0)),
+]  # fmt: skip
+CASE_IDS = [f"{f}+{b}" for f, b, _ in FAMILY_CASES]
+
+
+def _as_sm90(monkeypatch) -> None:
+    """Plans as on an sm_90 GPU with SM90_SMS multiprocessors (also on a CPU-only machine)."""
+    for module in (fa_plans, fa_launchers):
+        monkeypatch.setattr(module, "interpreting", lambda: False)
+        monkeypatch.setattr(module, "num_sms", lambda device: SM90_SMS)
+    monkeypatch.setattr(fa_plans, "_sm90", lambda index: True)
+    monkeypatch.setattr(fa_plans, "_hopper", lambda index: True)
+
+
+def probe_families(call: Call) -> tuple[str, str]:
+    """(forward, backward) family of `call` on a CUDA device, from fake tensors."""
+    with FakeTensorMode():
+        q, k, v, _ = (torch.empty(t.shape, dtype=call.dtype, device="cuda")
+                      for t in call.inputs("cpu"))  # fmt: skip
+        varlen, nq, nk = None, call.nq, call.nk
+        if call.lengths is not None:
+            nq, nk = (max(1, *(n[i] for n in call.lengths)) for i in (0, 1))
+            cu = torch.empty(len(call.lengths) + 1, dtype=torch.int32, device="cuda")
+            varlen = Varlen(cu, cu, nq, nk)
+        window = window_for(call.window, call.causal, nq, nk)
+        fwd, bwd = families.probe_call(q, k, v, call.causal, call.softcap, window, varlen,
+                                       call.deterministic)  # fmt: skip
+    return families.family(fwd), families.family(bwd)
+
+
+def _sweep():
+    """Every call of the chooser's grid: head dims (two sizes of the Gluon kernels and a padded
+    one), half and full precision, causal, window / softcap / packing in every combination,
+    decoding to long rows (block counts odd and even), deterministic or not."""
+    lengths = {1: (1, 4096), 128: (128, 128), 2176: (2176, 2176), 4096: (4096, 4096),
+               8192: (8192, 8192)}  # fmt: skip
+    for d, dtype, causal, window, softcap, packed, n, det in itertools.product(
+        (64, 80, 128), (torch.bfloat16, torch.float32), (False, True), ((-1, -1), (256, -1)),
+        (0.0, 30.0), (False, True), lengths, (True, False),
+    ):  # fmt: skip
+        b, h, hkv = 2, 4, 2
+        nq, nk = lengths[n]
+        if packed:
+            seqs = tuple((nq, nk) for _ in range(b))
+            yield Call(h=h, hkv=hkv, d=d, causal=causal, window=window, softcap=softcap,
+                       deterministic=det, lengths=seqs, dtype=dtype)  # fmt: skip
+        else:
+            yield Call(b=b, nq=nq, nk=nk, h=h, hkv=hkv, d=d, causal=causal, window=window,
+                       softcap=softcap, deterministic=det, dtype=dtype)  # fmt: skip
+
+
+def test_every_family_has_a_case(monkeypatch):
+    _as_sm90(monkeypatch)
+    covered = {f for fwd, bwd, _ in FAMILY_CASES for f in (fwd, bwd)}
+    found: dict[str, Call] = {}
+    for call in _sweep():
+        for fam in probe_families(call):
+            found.setdefault(fam, call)
+    missing = {fam: str(call) for fam, call in found.items() if fam not in covered}
+    assert not missing, f"kernel families without a case in FAMILY_CASES: {missing}"
+    unreached = covered - set(found)
+    assert not unreached, f"FAMILY_CASES lists families the sweep never reaches: {unreached}"
+
+
+@pytest.mark.parametrize("fwd, bwd, call", FAMILY_CASES, ids=CASE_IDS)
+def test_cases_take_their_family(fwd, bwd, call, monkeypatch):
+    _as_sm90(monkeypatch)
+    assert probe_families(call) == (fwd, bwd)
+
+
+def _sm90_gpu(device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def _graphed(call: Call, q, k, v, do):
+    """(o, dq, dk, dv) of the call captured in a CUDA graph, replayed on new inputs copied into
+    the captured ones; checked against eager calls on the same inputs (bitwise)."""
+    static = [t.clone() for t in (q, k, v, do)]
+    cu = None if call.lengths is None else call.cu_seqlens(q.device)  # (no copy in a capture)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and allocate outside the capture
+        for _ in range(2):
+            fwd_bwd(call, *static, cu=cu)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fwd_bwd(call, *static, cu=cu)
+    fresh = call.inputs(q.device, seed=5)
+    with torch.no_grad():
+        for t, new in zip(static, fresh):
+            t.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = fwd_bwd(call, *fresh, cu=cu)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), captured, eager):
+        # (dq summed in any order may differ in its last bits from run to run)
+        if call.deterministic or name != "dq":
+            assert torch.equal(a, b), f"graph replay {name} differs from the eager call"
+    with torch.no_grad():
+        for t, new in zip(static, (q, k, v, do)):
+            t.copy_(new)
+    graph.replay()
+    return [t.clone() for t in captured]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["eager", "compile", "graph"])
+@pytest.mark.parametrize("fwd, bwd, call", FAMILY_CASES, ids=CASE_IDS)
+def test_gpu_family(fwd, bwd, call, mode, device):
+    """The case takes its families on this GPU, and its outputs and gradients meet the rule in
+    each mode."""
+    if not _sm90_gpu(device):
+        pytest.skip("the families are sm_90's")
+    assert probe_families(call) == (fwd, bwd)
+    q, k, v, do = call.inputs(device)
+    if mode == "eager":
+        got = fwd_bwd(call, q, k, v, do)
+    elif mode == "compile":
+        torch._dynamo.reset()
+        compiled = torch.compile(call.forward, fullgraph=True, backend="inductor")
+        cu = None if call.lengths is None else call.cu_seqlens(device)
+        got = fwd_bwd(call, q, k, v, do, fn=compiled, cu=cu)
+    else:
+        got = _graphed(call, q, k, v, do)
+    check_call(call, got, q, k, v, do)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_gpu_flash_attention_function_compiles_on_gluon_shapes(is_causal, device):
+    """The leaderboard's interface through torch.compile(fullgraph=True) at a shape that takes
+    the Gluon kernels: the same values as the eager call, bitwise (the same kernels run)."""
+    if not _sm90_gpu(device):
+        pytest.skip("the Gluon kernels are sm_90's")
+    call = Call(b=16, nq=16384, nk=16384, h=1, hkv=1, d=64, causal=is_causal)  # leaderboard
+    q, k, v, do = (t.squeeze(2) for t in call.inputs(device))
+    assert all("gluon" in family for family in probe_families(call))
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = fn(*leaves)
+        return (o.detach(), *torch.autograd.grad(o, leaves, do))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b, c: FlashAttentionFunction.apply(a, b, c, is_causal),
+                             fullgraph=True)  # fmt: skip
+    eager = run(lambda a, b, c: FlashAttentionFunction.apply(a, b, c, is_causal))
+    for name, a, b in zip(("o", "dq", "dk", "dv"), run(compiled), eager):
+        assert torch.equal(a, b), f"compiled {name} differs from eager"
