@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernelkit.flash_attn import flash_attn
+from kernelkit.flash_attn import FlashAttentionFunction, flash_attn
 from kernelkit.flash_attn.reference import attention_reference
 from kernelkit.shared.bench import record, torch_compile
 
@@ -47,6 +47,9 @@ DIRECTIONS = ["fwd", "bwd", "fwd_bwd"]
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 PROVIDERS = ["triton", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "torch", "torch_compile",
              "triton_any_order"]  # fmt: skip
+# The leaderboard also runs our op through torch.compile(fullgraph=True), as the course
+# harness calls it (`FlashAttentionFunction.apply`): the same kernels as the eager call.
+LEADERBOARD_PROVIDERS = PROVIDERS + ["triton_compiled"]
 SDPA = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
     "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -83,6 +86,14 @@ def compiled(causal):
     return torch_compile(functools.partial(attention_reference, causal=causal))
 
 
+@functools.cache
+def compiled_function(causal):
+    """torch.compile(FlashAttentionFunction.apply) for 3-D inputs (the course harness)."""
+    return torch.compile(
+        lambda q, k, v: FlashAttentionFunction.apply(q, k, v, causal), fullgraph=True
+    )
+
+
 def sdpa(backend, causal):
     def f(q, k, v):
         with sdpa_kernel(backend):
@@ -97,6 +108,8 @@ def attention_fn(provider, causal):
         return functools.partial(flash_attn, causal=causal), "bnhd"
     if provider == "triton_any_order":
         return functools.partial(flash_attn, causal=causal, deterministic=False), "bnhd"
+    if provider == "triton_compiled":
+        return compiled_function(causal), "bnhd"
     if provider in SDPA:
         return sdpa(SDPA[provider], causal), "bhnd"
     if provider == "torch":
@@ -182,7 +195,7 @@ def test_sweep(benchmark, d, causal, n, direction, provider):
              provider=provider, direction=direction, flops=flops)  # fmt: skip
 
 
-@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("provider", LEADERBOARD_PROVIDERS)
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_leaderboard(benchmark, direction, provider):
     b, n, d = LEADERBOARD

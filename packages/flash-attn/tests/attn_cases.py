@@ -2,7 +2,11 @@
 
 The rule: max|ours - ref_hi| <= factor * max|ref_lowp - ref_hi| + atol, where ref_hi is the
 PyTorch reference in float64 and ref_lowp the same reference computed in the input dtype;
-factor 2 for the output, 3 for gradients. Every value must be finite where ref_hi is.
+factor 2 for the output, 3 for gradients (FlashAttention's tests). Inputs of large magnitude
+(q x 5, k and v x 3 in FlashAttention's overflow test) take that test's bound on gradients,
+5x + 1e-3: dS = P (dP - delta) then cancels to near 0, and delta = rowsum(dO * O) uses the
+rounded O, as FlashAttention's does, whose rounding the large values magnify. Every value must
+be finite where ref_hi is.
 """
 
 from __future__ import annotations
@@ -15,12 +19,13 @@ from kernelkit.flash_attn import flash_attn, flash_attn_varlen
 from kernelkit.flash_attn.reference import attention_reference, attention_varlen_reference
 
 ATOL = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-3}
+RULE = (2.0, 3.0)  # (output, gradients)
+OVERFLOW_RULE = (2.0, 5.0)
+OVERFLOW_ATOL = 1e-3
 
 
-def assert_rule(out, ref_hi, ref_lowp, factor: float, name: str, magnitude: float = 1.0) -> None:
-    """FlashAttention's rule (module docstring) for one tensor; the atol scales with the
-    inputs' magnitude (a gradient that cancels to 0 exactly in the reference keeps float32
-    rounding of products of that size)."""
+def assert_rule(out, ref_hi, ref_lowp, factor: float, name: str, atol: float) -> None:
+    """FlashAttention's rule (module docstring) for one tensor."""
     assert out.shape == ref_hi.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref_hi.shape)}"
     out64, hi = out.detach().double(), ref_hi.detach().double()
     finite = torch.isfinite(hi)
@@ -31,7 +36,7 @@ def assert_rule(out, ref_hi, ref_lowp, factor: float, name: str, magnitude: floa
     err = (out64 - hi)[finite].abs().max().item() if finite.any() else 0.0
     base = (ref_lowp.detach().double() - hi)[finite].abs()
     base = base.nan_to_num(nan=float("inf")).max().item() if finite.any() else 0.0
-    limit = factor * base + ATOL[out.dtype] * magnitude
+    limit = factor * base + atol
     assert err <= limit, f"{name}: max error {err:.3e} > {factor} x {base:.3e} + atol ({out.dtype})"
 
 
@@ -118,11 +123,14 @@ def fwd_bwd(call: Call, q, k, v, do, fn=None, reference=False, cu=None):
 
 
 def check_call(call: Call, got, q, k, v, do) -> None:
-    """`got` = (o, dq, dk, dv) against the float64 and the low-precision references by the rule;
-    float32 calls take a float64-only bound (their low-precision reference is the float32 one)."""
+    """`got` = (o, dq, dk, dv) against the float64 and the low-precision references by the rule
+    (the overflow test's where the inputs are large)."""
     hi = fwd_bwd(call, q.double(), k.double(), v.double(), do.double(), reference=True)
     lowp = fwd_bwd(call, q, k, v, do, reference=True)
-    for name, g, r_hi, r_lo, factor in zip(("o", "dq", "dk", "dv"), got, hi, lowp, (2, 3, 3, 3)):
+    large = call.scale_q * call.scale_kv > 1
+    (f_out, f_grad), atol = (OVERFLOW_RULE, OVERFLOW_ATOL) if large else (RULE, ATOL[call.dtype])
+    for name, g, r_hi, r_lo, factor in zip(("o", "dq", "dk", "dv"), got, hi, lowp,
+                                           (f_out, f_grad, f_grad, f_grad)):  # fmt: skip
         assert g.dtype == call.dtype, f"{name}: dtype {g.dtype}"
         assert torch.isfinite(g).all(), f"{name}: non-finite values"
-        assert_rule(g, r_hi, r_lo, factor, f"{call} {name}", call.scale_q * call.scale_kv)
+        assert_rule(g, r_hi, r_lo, factor, f"{call} {name}", atol)
