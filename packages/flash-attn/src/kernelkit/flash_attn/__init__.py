@@ -5,5 +5,5 @@
 from .adapter import FlashAttentionFunction
 from .op import flash_attn, flash_attn_varlen
 
-__version__ = "0.7.1"
+__version__ = "0.7.2"
 __all__ = ["FlashAttentionFunction", "__version__", "flash_attn", "flash_attn_varlen"]
