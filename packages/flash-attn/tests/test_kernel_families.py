@@ -18,7 +18,7 @@ import torch
 from attn_cases import Call, check_call, fwd_bwd
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from kernelkit.flash_attn import FlashAttentionFunction, families
+from kernelkit.flash_attn import FlashAttentionFunction, explain, families
 from kernelkit.flash_attn import launchers as fa_launchers
 from kernelkit.flash_attn import plans as fa_plans
 from kernelkit.flash_attn.launchers import Varlen
@@ -143,6 +143,42 @@ def test_cases_take_their_family(fwd, bwd, call, monkeypatch):
     assert probe_families(call) == (fwd, bwd)
 
 
+@pytest.mark.parametrize(
+    "fwd, bwd, call",
+    [c for c in FAMILY_CASES if c[2].lengths is None],
+    ids=[i for i, c in zip(CASE_IDS, FAMILY_CASES) if c[2].lengths is None],
+)
+def test_explain_names_the_families(fwd, bwd, call, monkeypatch):
+    """`explain` (the public view of the choice) agrees with the probes, from meta tensors."""
+    _as_sm90(monkeypatch)
+    with FakeTensorMode():
+        q, k, v, _ = (torch.empty(t.shape, dtype=call.dtype, device="cuda")
+                      for t in call.inputs("cpu"))  # fmt: skip
+        e = explain(q, k, v, call.causal, window_size=call.window, softcap=call.softcap,
+                    deterministic=call.deterministic)  # fmt: skip
+    assert (e.forward, e.backward) == (fwd, bwd)
+    text = str(e)
+    assert text.startswith(f"forward: {fwd}\n") and f"backward: {bwd}\n" in text
+    assert len(e.forward_launches) >= 1 and len(e.backward_launches) >= 2
+
+
+LEADERBOARD_FAMILIES = {
+    True: ("fwd-gluon(d64,causal,pairs)", "bwd-gluon(d64,causal,dq-ordered)"),
+    False: ("fwd-gluon(d64)", "bwd-gluon(d64,dq-ordered)"),
+}
+
+
+def _leaderboard(causal: bool) -> Call:
+    return Call(b=16, nq=16384, nk=16384, h=1, hkv=1, d=64, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_leaderboard_families(causal, monkeypatch):
+    """The leaderboard shape (the course harness, README) takes the Gluon kernels both ways."""
+    _as_sm90(monkeypatch)
+    assert probe_families(_leaderboard(causal)) == LEADERBOARD_FAMILIES[causal]
+
+
 def _sm90_gpu(device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
@@ -208,9 +244,9 @@ def test_gpu_flash_attention_function_compiles_on_gluon_shapes(is_causal, device
     the Gluon kernels: the same values as the eager call, bitwise (the same kernels run)."""
     if not _sm90_gpu(device):
         pytest.skip("the Gluon kernels are sm_90's")
-    call = Call(b=16, nq=16384, nk=16384, h=1, hkv=1, d=64, causal=is_causal)  # leaderboard
+    call = _leaderboard(is_causal)
     q, k, v, do = (t.squeeze(2) for t in call.inputs(device))
-    assert all("gluon" in family for family in probe_families(call))
+    assert probe_families(call) == LEADERBOARD_FAMILIES[is_causal]
 
     def run(fn):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]

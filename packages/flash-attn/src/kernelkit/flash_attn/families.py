@@ -12,6 +12,8 @@ fails on one without a case.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernelkit.shared.replay import Probe
@@ -103,3 +105,54 @@ def probe_call(q, k, v, causal=False, softcap=0.0, window=(-1, -1), varlen: Varl
     bwd = probe_backward(do, q, k, v, o, lse, None, causal, scale, softcap, window, varlen,
                          deterministic)  # fmt: skip
     return fwd, bwd
+
+
+# The compile-time arguments `explain` shows for each launch (tile, schedule), when present.
+_SHOWN = ("HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "BLOCK_R", "STAGES", "CAUSAL", "LOCAL",
+          "VARLEN", "SOFTCAP", "TMA", "PAIRS", "Q_REGS", "DQ_MODE", "KV_REGS", "PERSISTENT",
+          "num_warps", "num_stages")  # fmt: skip
+
+
+def _launch_line(kernel, grid, kwargs) -> str:
+    shown = " ".join(f"{k}={kwargs[k]}" for k in _SHOWN if k in kwargs)
+    return f"{kernel_name(kernel)} grid={tuple(grid)} {shown}"
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What a call runs: the forward's and the backward's kernel families and launches."""
+
+    forward: str
+    backward: str
+    forward_launches: tuple[str, ...]
+    backward_launches: tuple[str, ...]
+
+    def __str__(self) -> str:
+        lines = [f"forward: {self.forward}", *(f"  {x}" for x in self.forward_launches)]
+        lines += [f"backward: {self.backward}", *(f"  {x}" for x in self.backward_launches)]
+        return "\n".join(lines)
+
+
+def explain(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1), softcap=0.0,
+            deterministic=True) -> Explanation:  # fmt: skip
+    """The kernels `flash_attn(q, k, v, causal, softmax_scale, window_size=..., softcap=...,
+    deterministic=...)` launches on q's device, forward and backward, without launching or
+    reading anything (q, k, v may be meta or fake tensors). For bug reports and tuning."""
+    from .validation import check_bool, check_softcap, validate, window_for
+
+    scale = validate(q, k, v, causal, softmax_scale)
+    softcap = check_softcap(softcap)
+    check_bool("deterministic", deterministic)
+    window = window_for(window_size, causal, q.shape[1], k.shape[1])
+    if q.dim() == 3:
+        q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
+    fwd = probe_forward(q, k, v, causal, abs(scale), softcap, window)
+    o, lse = fwd.outputs
+    bwd = probe_backward(torch.empty_like(o), q, k, v, o, lse, None, causal, abs(scale), softcap,
+                         window, None, deterministic)  # fmt: skip
+    return Explanation(
+        family(fwd),
+        family(bwd),
+        tuple(_launch_line(kn, g, kw) for kn, g, _, kw in fwd.launches),
+        tuple(_launch_line(kn, g, kw) for kn, g, _, kw in bwd.launches),
+    )
