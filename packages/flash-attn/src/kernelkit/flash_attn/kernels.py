@@ -980,9 +980,12 @@ def _dq_step(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, s
              DOT_PREC: tl.constexpr, TMA: tl.constexpr, SOFTCAP: tl.constexpr,
              CAUSAL: tl.constexpr, LOCAL: tl.constexpr):  # fmt: skip
     """dq of one query block plus the key block at start_n; MASK applies the window (causal)
-    mask. Keys past Nk (CHECK_N) load k = v = 0 and take p = 0: their score 0 would give
-    p = exp2(-lse2), which overflows where a row's LSE is very negative (few keys, large
-    negative scores), and the float16 dS = inf times k = 0 is NaN."""
+    mask. Keys past Nk (CHECK_N) load k = v = 0, so their score 0 gives p = exp2(-lse2), which
+    overflows where a row's LSE is very negative (few keys, large negative scores), and the
+    float16 dS = inf times k = 0 was NaN. The masked steps drop those keys (`_visible`); the
+    unmasked ones bound p by 1, which every real key's p is (a column mask there costs the d64
+    kernel 25 registers and its second program per SM: 9% of a ragged backward on the H100),
+    so a padded key's dS = -delta stays finite and adds delta * 0 = 0."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     cols = start_n + offs_n
@@ -997,7 +1000,7 @@ def _dq_step(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, s
                         CHECK_N)  # fmt: skip
         p = tl.where(keep, p, 0.0)
     elif CHECK_N:
-        p = tl.where(cols[None, :] < Nk, p, 0.0)
+        p = tl.minimum(p, 1.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
     ds = p * (dp - delta[:, None])
     if SOFTCAP:  # d(softcap * tanh(s / softcap)) / ds
