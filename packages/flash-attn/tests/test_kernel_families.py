@@ -46,18 +46,36 @@ FAMILY_CASES = [
     ("fwd(varlen,softcap)", "bwd(varlen,softcap)", Call(h=4, hkv=2, lengths=LENGTHS, softcap=5.0)),
     ("fwd(local,varlen,softcap)", "bwd(local,varlen,softcap)",
      Call(h=4, hkv=2, lengths=LENGTHS, window=WIN, softcap=5.0)),
+    ("fwd(causal)", "bwd(causal)", Call(**P64, causal=True)),
+    ("fwd(causal,local)", "bwd(causal,local)", Call(**P64, causal=True, window=WIN)),
+    ("fwd(causal,softcap)", "bwd(causal,softcap)", Call(**P64, causal=True, softcap=5.0)),
+    ("fwd(causal,local,softcap)", "bwd(causal,local,softcap)",
+     Call(**P64, causal=True, window=WIN, softcap=5.0)),
+    ("fwd(causal,varlen)", "bwd(causal,varlen)", Call(h=4, hkv=2, lengths=LENGTHS, causal=True)),
+    ("fwd(causal,local,varlen)", "bwd(causal,local,varlen)",
+     Call(h=4, hkv=2, lengths=LENGTHS, causal=True, window=WIN)),
+    ("fwd(causal,varlen,softcap)", "bwd(causal,varlen,softcap)",
+     Call(h=4, hkv=2, lengths=LENGTHS, causal=True, softcap=5.0)),
+    ("fwd(causal,local,varlen,softcap)", "bwd(causal,local,varlen,softcap)",
+     Call(h=4, hkv=2, lengths=LENGTHS, causal=True, window=WIN, softcap=5.0)),
     ("fwd-split", "bwd", Call(**DEC)),
     ("fwd-split(local)", "bwd(local)", Call(**DEC, window=(1000, -1))),
     ("fwd-split(softcap)", "bwd(softcap)", Call(**DEC, softcap=5.0)),
     ("fwd-split(local,softcap)", "bwd(local,softcap)", Call(**DEC, window=(1000, -1), softcap=5.0)),
+    ("fwd-split(causal)", "bwd(causal)", Call(**DEC, causal=True)),
+    ("fwd-split(causal,local)", "bwd(causal,local)", Call(**DEC, causal=True, window=(1000, -1))),
+    ("fwd-split(causal,softcap)", "bwd(causal,softcap)", Call(**DEC, causal=True, softcap=5.0)),
+    ("fwd-split(causal,local,softcap)", "bwd(causal,local,softcap)",
+     Call(**DEC, causal=True, window=(1000, -1), softcap=5.0)),
     ("fwd-gluon(d128)", "bwd-gluon(d128,dq-kernel,persistent)", Call(**P128)),
     ("fwd-gluon(d128,causal)", "bwd-gluon(d128,causal,dq-kernel,persistent)",
      Call(**P128, causal=True)),
     ("fwd-gluon(d128,causal,pairs)", "bwd-gluon(d128,causal,dq-kernel,persistent)",
      Call(**E128, causal=True, dtype=torch.float16)),
     ("fwd-gluon(d128,softcap)", "bwd(softcap)", Call(**P128, softcap=5.0)),
-    ("fwd-gluon(d128,causal,softcap)", "bwd(softcap)", Call(**P128, causal=True, softcap=5.0)),
-    ("fwd-gluon(d128,causal,pairs,softcap)", "bwd(softcap)",
+    ("fwd-gluon(d128,causal,softcap)", "bwd(causal,softcap)",
+     Call(**P128, causal=True, softcap=5.0)),
+    ("fwd-gluon(d128,causal,pairs,softcap)", "bwd(causal,softcap)",
      Call(**E128, causal=True, softcap=5.0)),
     ("fwd-gluon(d128)", "bwd-gluon(d128,dq-kernel)", Call(nq=4224, nk=4224, d=128)),
     ("fwd-gluon(d128,causal)", "bwd-gluon(d128,causal,dq-kernel)",
@@ -66,12 +84,13 @@ FAMILY_CASES = [
     ("fwd", "bwd-gluon(d64,dq-any-order)", Call(nq=4096, nk=4096, deterministic=False)),
     ("fwd-gluon(d64,causal,pairs)", "bwd-gluon(d64,causal,dq-ordered)",
      Call(nq=8192, nk=8192, h=4, hkv=2, causal=True, dtype=torch.float16)),
-    ("fwd", "bwd-gluon(d64,causal,dq-any-order)",
+    ("fwd(causal)", "bwd-gluon(d64,causal,dq-any-order)",
      Call(nq=4096, nk=4096, causal=True, deterministic=False)),
-    ("fwd-gluon(d64,causal)", "bwd", Call(b=2, nq=2176, nk=2176, h=4, hkv=2, causal=True)),
-    ("fwd-gluon(d64,causal,softcap)", "bwd(softcap)",
+    ("fwd-gluon(d64,causal)", "bwd(causal)",
+     Call(b=2, nq=2176, nk=2176, h=4, hkv=2, causal=True)),
+    ("fwd-gluon(d64,causal,softcap)", "bwd(causal,softcap)",
      Call(b=2, nq=2176, nk=2176, h=4, hkv=2, causal=True, softcap=5.0)),
-    ("fwd-gluon(d64,causal,pairs,softcap)", "bwd(softcap)",
+    ("fwd-gluon(d64,causal,pairs,softcap)", "bwd(causal,softcap)",
      Call(nq=4096, nk=4096, h=6, hkv=2, causal=True, softcap=5.0)),
     ("fwd-gluon(d64,softcap)", "bwd(softcap)", Call(nq=8192, nk=8192, h=6, hkv=2, softcap=5.0)),
 ]  # fmt: skip
@@ -105,14 +124,18 @@ def probe_families(call: Call) -> tuple[str, str]:
 
 def _sweep():
     """Every call of the chooser's grid: head dims (two sizes of the Gluon kernels and a padded
-    one), half and full precision, causal, window / softcap / packing in every combination,
+    one), half and full precision, causal, a window's left or right edge / softcap / packing in
+    every combination,
     decoding to long rows (block counts odd and even), deterministic or not."""
     lengths = {1: (1, 4096), 128: (128, 128), 2176: (2176, 2176), 4096: (4096, 4096),
                8192: (8192, 8192)}  # fmt: skip
     for d, dtype, causal, window, softcap, packed, n, det in itertools.product(
-        (64, 80, 128), (torch.bfloat16, torch.float32), (False, True), ((-1, -1), (256, -1)),
+        (64, 80, 128), (torch.bfloat16, torch.float32), (False, True),
+        ((-1, -1), (256, -1), (-1, 64)),
         (0.0, 30.0), (False, True), lengths, (True, False),
     ):  # fmt: skip
+        if causal and window[1] >= 0:
+            continue  # (causal means right = 0)
         b, h, hkv = 2, 4, 2
         nq, nk = lengths[n]
         if packed:

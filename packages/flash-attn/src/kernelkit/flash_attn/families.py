@@ -4,7 +4,8 @@ launches recorded (`probe_forward`, `probe_backward`), the kernel family those l
 
 A family names the kernels a call runs and the compile-time switches that make them different
 programs: the Gluon kernels by head dim, causal, schedule and dq mode; the portable ones by the
-masking code they carry (a window's left edge, packed sequences, softcap). Two calls of one
+masking code they carry ("causal": a right edge, the causal diagonal or a window's; "local": a
+window's left edge; packed sequences; softcap). Two calls of one
 family run the same code paths, so a test that covers each family covers every path the plan
 chooser can take; `tests/test_kernel_families.py` derives the families from the chooser and
 fails on one without a case.
@@ -25,10 +26,10 @@ from .launchers import Varlen, _backward, _forward
 # listed (the backward's preprocess, the split-KV merge, the dq conversion) go with the ones
 # that are, and the portable dq kernel with the dk/dv kernel beside it.
 FAMILY_SWITCHES = {
-    "attn_fwd_kernel": ("LOCAL", "VARLEN", "SOFTCAP"),
-    "attn_fwd_split_kernel": ("LOCAL", "SOFTCAP"),
+    "attn_fwd_kernel": ("CAUSAL", "LOCAL", "VARLEN", "SOFTCAP"),
+    "attn_fwd_split_kernel": ("CAUSAL", "LOCAL", "SOFTCAP"),
     "attn_fwd_gluon_kernel": ("BLOCK_D", "CAUSAL", "PAIRS", "SOFTCAP"),
-    "attn_bwd_dkdv_kernel": ("LOCAL", "VARLEN", "SOFTCAP"),
+    "attn_bwd_dkdv_kernel": ("CAUSAL", "LOCAL", "VARLEN", "SOFTCAP"),
     "attn_bwd_gluon_kernel": ("BLOCK_D", "CAUSAL", "DQ_MODE", "PERSISTENT"),
 }
 _SHORT = {
