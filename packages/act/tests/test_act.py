@@ -10,7 +10,7 @@ import torch
 from kernelkit.act import MAX_PACKED_SEQUENCES, act
 from kernelkit.act.launchers import COLS_MAX_L
 from kernelkit.act.reference import act_grad_reference, act_reference
-from kernelkit.shared.testing import assert_close, run_without_interpreter
+from kernelkit.shared.testing import assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ELEMENTWISE = ["relu", "sigmoid", "silu"]
@@ -405,26 +405,3 @@ def test_grad_reference_closed_form(name):
     got = act_grad_reference(x.bfloat16(), dy.bfloat16(), name)
     assert got.dtype == torch.bfloat16
     assert_close(got, act_grad_reference(x.bfloat16().double(), dy.bfloat16().double(), name))
-
-
-_COMPILE_WITHOUT_INTERPRETER = """
-import torch
-from kernelkit.act import act
-x = torch.randn(4, 33, requires_grad=True)
-dy = torch.randn(4, 33)
-for name in ("relu", "sigmoid", "silu"):
-    f = torch.compile(lambda t: act(t, name), fullgraph=True, backend="aot_eager")
-    (dx,) = torch.autograd.grad(f(x), x, dy)
-    xr = x.detach().double().requires_grad_()
-    (expected,) = torch.autograd.grad(getattr(torch.nn.functional, name)(xr)
-                                      if name != "sigmoid" else torch.sigmoid(xr), xr, dy.double())
-    torch.testing.assert_close(dx.double(), expected, rtol=1e-5, atol=1e-6)
-print("ok")
-"""
-
-
-def test_torch_compile_backward_on_cpu_without_interpreter():
-    """On CPU without the interpreter act runs the PyTorch reference, and torch.compile traces
-    the ops' bodies: the backward's must trace too (a fresh process: the interpreter setting is
-    read when the ops are registered)."""
-    assert run_without_interpreter(_COMPILE_WITHOUT_INTERPRETER).strip().endswith("ok")

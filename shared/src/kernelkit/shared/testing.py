@@ -11,16 +11,23 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from itertools import pairwise
 
 import torch
 
 __all__ = [
     "DTYPE_BOUND",
     "assert_close",
+    "assert_compiled_matches",
     "assert_graph_replays",
     "assert_launch_paths_agree",
     "compilations",
+    "entry_kernels",
+    "launched_kernels",
+    "lrpe_position_args",
+    "packing",
     "rel_err",
+    "run_cases_without_interpreter",
     "written_arguments",
 ]
 
@@ -220,3 +227,145 @@ def run_without_interpreter(code: str, timeout: float = 600) -> str:
                          timeout=timeout)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout
+
+
+def run_cases_without_interpreter(path, function: str, timeout: float = 600) -> str:
+    """`function()` of the file `path` (a test module, say) in a fresh process without the
+    Triton interpreter (`run_without_interpreter`): the ops registered at import then take the
+    PyTorch reference on CPU tensors, the path torch.compile traces there. Returns its stdout."""
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('_kernelkit_cases', {str(path)!r})\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        f"module.{function}()\n"
+        "print('ok')\n"
+    )
+    out = run_without_interpreter(code, timeout=timeout)
+    if not out.strip().endswith("ok"):
+        raise AssertionError(f"{function} did not finish:\n{out[-2000:]}")
+    return out
+
+
+def entry_kernels(*modules) -> set[str]:
+    """The names of the Triton kernels `modules` define to be launched: kernelkit names them
+    `*_kernel`, and no device helper ends so (for tests that must cover every kernel). Jitted
+    or interpreted (TRITON_INTERPRET) alike; a module without one is an error."""
+    from triton.runtime.jit import KernelInterface
+
+    names = set()
+    for m in modules:
+        found = {
+            name
+            for name, v in vars(m).items()
+            if name.endswith("_kernel") and isinstance(v, KernelInterface)
+        }
+        if not found:
+            raise ValueError(f"{m.__name__}: no Triton kernel named *_kernel")
+        names |= found
+    return names
+
+
+def launched_kernels(fn) -> set[str]:
+    """The names of the CUDA kernels `fn()` launches (torch.profiler), with the `_<n>` suffix
+    that Inductor gives the user-defined Triton kernels it compiles removed."""
+    import re
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {re.sub(r"_\d+$", "", event.key) for event in prof.key_averages()}
+
+
+def _grad_run(fn, inputs, dy=None):
+    """(output, gradients of the inputs that require grad, the output gradient used)."""
+    xs = [
+        t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+        for t in inputs
+    ]
+    y = fn(*xs)
+    wrt = [t for t in xs if isinstance(t, torch.Tensor) and t.requires_grad]
+    if dy is None:
+        g = torch.Generator().manual_seed(1234)
+        dy = torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.dtype).to(y.device)
+    grads = torch.autograd.grad(y, wrt, dy) if wrt else ()
+    return y.detach(), grads, dy
+
+
+def assert_compiled_matches(
+    fn,
+    inputs,
+    reference,
+    *,
+    backend: str = "inductor",
+    kernels: set[str] | None = None,
+    family: set[str] = frozenset(),
+    bound: float | None = None,
+    name: str = "compiled",
+):
+    """`torch.compile(fn, fullgraph=True, backend=backend)` against the eager `fn` and against
+    `reference` (same signature) on float64 copies of the floating-point `inputs`: the output
+    and the gradient of every input that requires grad (for a random output gradient), eager
+    within `bound` (assert_close's default: per dtype) and compiled within 2x eager's error.
+
+    `kernels` (GPU only): the kernels of `family` (e.g. `entry_kernels(...)`) that the call must
+    launch, eager and compiled, forward and backward together; one more or one fewer fails (the
+    case does not take the launch plan it is meant to cover)."""
+    # A case's fn is often a closure of one lambda: a fresh start, not a recompile of the last.
+    torch.compiler.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    y, grads, dy = _grad_run(fn, inputs)
+    yc, grads_c, _ = _grad_run(compiled, inputs, dy)
+    x64 = [
+        t.detach().double().requires_grad_(t.requires_grad)
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+        else t
+        for t in inputs
+    ]
+    y64, grads64, _ = _grad_run(reference, x64, dy.double())
+    if len(grads) != len(grads64):
+        raise AssertionError(f"{name}: {len(grads)} gradients, the reference has {len(grads64)}")
+    pairs = [(y, yc, y64, "forward")]
+    pairs += [
+        (g, gc, g64, f"gradient {i}") for i, (g, gc, g64) in enumerate(zip(grads, grads_c, grads64))
+    ]
+    for eager, comp, ref, what in pairs:
+        assert_close(eager, ref, bound=bound, name=f"{name}: eager {what}")
+        assert_close(comp, ref, ref_lowp=eager, bound=bound, name=f"{name}: compiled {what}")
+    if kernels is None:
+        return
+    if not kernels <= family:
+        raise AssertionError(f"{name}: {sorted(kernels - family)} are not kernels of the family")
+    for what, f in (("eager", fn), ("compiled", compiled)):
+        got = launched_kernels(lambda f=f: _grad_run(f, inputs, dy)) & family
+        if got != kernels:
+            raise AssertionError(
+                f"{name}: the {what} call launched {sorted(got)}, expected {sorted(kernels)} "
+                f"(missing {sorted(kernels - got)}, unexpected {sorted(got - kernels)})"
+            )
+
+
+def packing(lengths, device) -> torch.Tensor:
+    """cu_seqlens of sequences of `lengths` packed back to back: int32 prefix sums on `device`."""
+    cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
+    return cu.to(torch.int32).to(device)
+
+
+def lrpe_position_args(where: str, b: int, n: int, device):
+    """(offset, positions, cu_seqlens) of an LRPE op's call (x of B rows of N tokens): "int" an
+    int offset, "starts" per-row starts (B,), "table" a (B, N) positions table, "packed"
+    sequences packed along N (B = 1): uneven lengths, the last one empty."""
+    if where == "int":
+        return 5, None, None
+    if where == "starts":
+        return torch.arange(b, device=device) * 1000 + 3, None, None
+    if where == "table":
+        g = torch.Generator().manual_seed(2)
+        return 0, torch.randint(0, 70_000, (b, n), generator=g).to(device), None
+    if where != "packed":
+        raise ValueError(f"where: expected int, starts, table or packed, got {where!r}")
+    cuts = sorted({0, n, *(n * k // 7 for k in (1, 3, 4, 6))})
+    return 0, None, packing([hi - lo for lo, hi in pairwise(cuts)] + [0], device)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kernelkit.shared.packed import check_cu_seqlens
-from kernelkit.shared.runtime import define_op, interpreting, use_triton
+from kernelkit.shared.runtime import define_op, interpreting, traced, use_triton
 
 from . import kernels as K
 from .launchers import MAX_PACKED_SEQUENCES, run_elementwise, run_softmax_bwd, run_softmax_fwd
@@ -81,18 +81,41 @@ def act_bwd(x: torch.Tensor, dy: torch.Tensor, act: str) -> torch.Tensor:
     return run_elementwise(K.act_bwd_kernel, torch.empty_like(x), x, dy, act=act)
 
 
-@define_op("kernelkit_act::softmax_fwd")
+# The CPU reference of a softmax over packed sequences slices x at cu_seqlens' values: shapes
+# that depend on data, which torch.compile cannot trace. A traced call on that path goes to the
+# op's opaque twin (`define_op`'s `fake`), which runs this same function on real tensors. Every
+# other path stays visible to torch.compile (the Triton kernels, the plain reference).
+
+
+def _softmax_fwd_fake(x, dim, cu_seqlens=None):
+    return torch.empty_like(x)
+
+
+def _softmax_bwd_fake(y, dy, dim, cu_seqlens=None):
+    return torch.empty_like(y)
+
+
+def _opaque(x: torch.Tensor, cu_seqlens) -> bool:
+    """Whether a call goes to the opaque twin: traced, on the CPU reference, packed."""
+    return cu_seqlens is not None and traced(x) and not use_triton(x)
+
+
+@define_op("kernelkit_act::softmax_fwd", fake=_softmax_fwd_fake)
 def softmax_fwd(x: torch.Tensor, dim: int, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     if not use_triton(x):
+        if _opaque(x, cu_seqlens):
+            return softmax_fwd.opaque(x, dim, cu_seqlens)
         return softmax_reference(x, dim, cu_seqlens)
     return run_softmax_fwd(x, dim, cu_seqlens)
 
 
-@define_op("kernelkit_act::softmax_bwd")
+@define_op("kernelkit_act::softmax_bwd", fake=_softmax_bwd_fake)
 def softmax_bwd(
     y: torch.Tensor, dy: torch.Tensor, dim: int, cu_seqlens: torch.Tensor | None = None
 ) -> torch.Tensor:
     if not use_triton(y):
+        if _opaque(y, cu_seqlens):
+            return softmax_bwd.opaque(y, dy, dim, cu_seqlens)
         return softmax_grad_reference(y, dy, dim, cu_seqlens)
     return run_softmax_bwd(y, dy, dim, cu_seqlens)
 

@@ -18,6 +18,7 @@ from kernelkit.act import (
     MAX_PACKED_SEQUENCES,
     softmax_chunk_stats,
 )
+from kernelkit.act import act as apply_act
 from kernelkit.shared.packed import check_cu_seqlens
 from kernelkit.shared.runtime import PLAIN_TENSORS, PlanCache, num_sms
 
@@ -29,6 +30,7 @@ __all__ = [
     "act_and_dim",
     "as_float32",
     "cached_plan",
+    "cpu_reference_args",
     "packed_chunks",
     "position_args",
     "position_strides",
@@ -196,6 +198,18 @@ def act_and_dim(kind: str) -> tuple[str, int | None]:
     if kind == SEQ:
         return "softmax", 1
     return kind, None
+
+
+def cpu_reference_args(x: torch.Tensor, act: str, dim, cu_seqlens) -> tuple:
+    """(x, act, dim) for a package's PyTorch reference on its CPU fallback (validated
+    arguments). A softmax over sequences packed along N slices x at cu_seqlens' values, which
+    torch.compile cannot trace inside a graph: it runs here, in float32, through kernelkit-act's
+    op (opaque to torch.compile on that path, differentiable), and the reference then applies
+    act "none" to it. The references compute in float32 anyway: the caller rounds the result to
+    x's dtype once, as before."""
+    if cu_seqlens is None or act != "softmax" or dim % x.dim() != 1:
+        return x, act, dim
+    return apply_act(x.float(), "softmax", 1, cu_seqlens=cu_seqlens), "none", None
 
 
 # ---------------------------------------------------------------------------------------------

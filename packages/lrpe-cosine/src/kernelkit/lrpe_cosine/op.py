@@ -8,6 +8,7 @@ import torch
 from kernelkit.lrpe_core.op import (
     SEQ,
     as_float32,
+    cpu_reference_args,
     reduce_dtheta,
     sequence_softmax_stats,
     validate_act,
@@ -148,7 +149,8 @@ def lrpe_cosine(
         where = table if table is not None else (starts if starts is not None else start)
         if cu_seqlens is not None:
             where = packed_positions(cu_seqlens, x.shape[1])
-        return lrpe_cosine_reference(x, theta, where, act, dim, cu_seqlens)
+        xr, act_r, dim_r = cpu_reference_args(x, act, dim, cu_seqlens)
+        return lrpe_cosine_reference(xr, theta, where, act_r, dim_r, cu_seqlens).to(x.dtype)
     three_d = x.dim() == 3
     x4 = x.unsqueeze(2) if three_d else x
     y, _ = fwd(x4, as_float32(theta), start, starts, table, cu_seqlens, kind)

@@ -8,6 +8,7 @@ import torch
 from kernelkit.lrpe_core.op import (
     SEQ,
     as_float32,
+    cpu_reference_args,
     reduce_dtheta,
     sequence_softmax_stats,
     validate_act,
@@ -132,7 +133,8 @@ def lrpe_rotate(
         where = table if table is not None else (starts if starts is not None else start)
         if cu_seqlens is not None:
             where = packed_positions(cu_seqlens, x.shape[1])
-        return lrpe_rotate_reference(x, theta, where, act, dim, cu_seqlens)
+        xr, act_r, dim_r = cpu_reference_args(x, act, dim, cu_seqlens)
+        return lrpe_rotate_reference(xr, theta, where, act_r, dim_r, cu_seqlens).to(x.dtype)
     x4 = x if x.dim() == 4 else x.unsqueeze(2)
     y, _ = fwd(x4, as_float32(theta), start, starts, table, cu_seqlens, kind)
     return y if x.dim() == 4 else y.squeeze(2)
