@@ -139,3 +139,16 @@ def test_torch_compile_each_plan_gpu(case, dtype, device):
     x = view(x) if view is not None else x
     cu = packing(lengths, device) if lengths is not None else None
     check(a, dim, x, cu, backend="inductor", kernels=kernels, name=case)
+
+
+@pytest.mark.parametrize("lengths", [[10, 23, 0, 4], None], ids=["packed", "dense"])
+def test_opaque_twins_opcheck(lengths, device):
+    """The opaque twins (what a traced CPU-reference call runs) agree with their fakes."""
+    from kernelkit.act.op import softmax_bwd, softmax_fwd
+
+    x = make((1, 37, 3, 16), torch.float32, device)
+    cu = packing(lengths, device) if lengths is not None else None
+    torch.library.opcheck(softmax_fwd.opaque, (x, 1, cu))
+    y = softmax_fwd.opaque(x, 1, cu)
+    dy = make(x.shape, x.dtype, device, seed=3)
+    torch.library.opcheck(softmax_bwd.opaque, (y, dy, 1, cu))
