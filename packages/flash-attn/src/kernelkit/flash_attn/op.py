@@ -89,9 +89,10 @@ def attn_fwd(
     window_right: int = -1,
     deterministic: bool = True,  # (the backward's: passed on to attn_bwd)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    args = (q, k, v, causal, scale, softcap, window_left, window_right, deterministic)
-    if traced(q) and _opaque(q, _fwd_probe, *args):
-        return attn_fwd.opaque(*args)
+    if traced(q):
+        args = (q, k, v, causal, scale, softcap, window_left, window_right, deterministic)
+        if _opaque(q, _fwd_probe, *args):
+            return attn_fwd.opaque(*args)
     window = (window_left, window_right)
     if not use_triton(q):
         o, lse = attention_reference(
@@ -117,10 +118,11 @@ def attn_bwd(
     window_right: int = -1,
     deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    args = (do, q, k, v, o, lse, dlse, causal, scale, softcap, window_left, window_right,
-            deterministic)  # fmt: skip
-    if traced(q) and _opaque(q, _bwd_probe, *args):
-        return attn_bwd.opaque(*args)
+    if traced(q):
+        args = (do, q, k, v, o, lse, dlse, causal, scale, softcap, window_left, window_right,
+                deterministic)  # fmt: skip
+        if _opaque(q, _bwd_probe, *args):
+            return attn_bwd.opaque(*args)
     window = (window_left, window_right)
     if not use_triton(q):
         # The closed form, not autograd inside the op (an opaque twin's body under tracing).
@@ -170,10 +172,11 @@ def attn_varlen_fwd(
     window_left: int = -1,
     window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-            softcap, window_left, window_right)  # fmt: skip
-    if traced(q) and _opaque(q, _varlen_fwd_probe, *args):
-        return attn_varlen_fwd.opaque(*args)
+    if traced(q):
+        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                softcap, window_left, window_right)  # fmt: skip
+        if _opaque(q, _varlen_fwd_probe, *args):
+            return attn_varlen_fwd.opaque(*args)
     window = (window_left, window_right)
     if not use_triton(q):
         o, lse = attention_varlen_reference(
@@ -204,10 +207,11 @@ def attn_varlen_bwd(
     window_left: int = -1,
     window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    args = (do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            causal, scale, softcap, window_left, window_right)  # fmt: skip
-    if traced(q) and _opaque(q, _varlen_bwd_probe, *args):
-        return attn_varlen_bwd.opaque(*args)
+    if traced(q):
+        args = (do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                max_seqlen_k, causal, scale, softcap, window_left, window_right)  # fmt: skip
+        if _opaque(q, _varlen_bwd_probe, *args):
+            return attn_varlen_bwd.opaque(*args)
     window = (window_left, window_right)
     if not use_triton(q):
         return attention_varlen_reference_grads(do, q, k, v, cu_seqlens_q, cu_seqlens_k, causal,
