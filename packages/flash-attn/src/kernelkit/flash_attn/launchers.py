@@ -76,14 +76,14 @@ FAST_TANH = True
 # The backward's query (dk/dv) and key (dq) loops at a length that is not a block multiple
 # (ragged dense N, every packed batch): only the last, partial block takes the length checks,
 # the blocks before it run the unchecked code of a block-multiple length. False: every block of
-# a ragged loop is checked, as before (an A/B switch; benchmarks/varlen_ab.py).
+# a ragged loop is checked, as before (an A/B switch; lab/flash-attn/ab/varlen_ab.py).
 PEEL_RAGGED_TAIL = True
 # The backward's row vectors (the LSE in log2 units and delta) written by its preprocess padded:
 # each length rounded up to ROW_PAD rows (+inf / 0 there) and each sequence of a packed batch
 # starting on a multiple of 16. The dk/dv and dq kernels then read them without row checks and
 # with 8-byte vectors at any length: the ragged and packed d64 dk/dv kernel needed 207-224
 # registers without it (2 programs per SM), 156 at block-multiple lengths (3). False: the
-# forward's LSE and an unpadded delta, checked rows (an A/B switch; benchmarks/varlen_ab.py).
+# forward's LSE and an unpadded delta, checked rows (an A/B switch; lab/flash-attn/ab/varlen_ab.py).
 PAD_ROW_VECTORS = True
 ROW_PAD = 128  # at least every backward tile's BLOCK_M (powers of two)
 # The Gluon forward up to this BLOCK_D holds its q tile in registers as the S = q K^T wgmma's A
@@ -98,7 +98,7 @@ GLUON_FWD_Q_REGS_MAX_D = 64
 # the programs stay in step on the same heads (with single tiles the persistent causal forward
 # lost 30% at 16k: the programs drift apart over the heads, whose K/V then leave L2). H100
 # (session 22, interleaved, TFLOP/s one program per tile / persistent / persistent in pairs;
-# results/logs/*-gluon-fwd-persistent-pairs-session22.log): d128 causal 16k 591 / 420 / 602,
+# lab/flash-attn/logs/*-gluon-fwd-persistent-pairs-session22.log): d128 causal 16k 591 / 420 / 602,
 # 8k 528 / 537 / 570, 4k 468 / 511 / 534; non-causal 16k 610 / 626, 4k 549 / 600, 1k (B16)
 # 392 / 502; d64 causal leaderboard 431 / 298 / 439, 16k 424 / 407 / 432, 8k 387 / 404 / 419,
 # 4k 326 / 373 / 394, 2k 253 / 311 / 346; non-causal 16k 434 / 432, 8k 400 / 446, 4k 379 / 430.
@@ -116,7 +116,7 @@ GLUON_FUSED_DQ_MAX_D = 64
 # The Gluon dk/dv kernel (dq kernel beside it) for at most this many query rows launches one
 # program per SM walking its share of the tiles (kernels_gluon PERSISTENT), as the forward.
 # H100, session 22, d128 backward TFLOP/s one program per tile / persistent
-# (results/logs/*-gluon-bwd-persistent-short-session22.log): 1k (B16 H16) 295 / 309, causal
+# (lab/flash-attn/logs/*-gluon-bwd-persistent-short-session22.log): 1k (B16 H16) 295 / 309, causal
 # 214 / 227; 2k 347 / 357, causal 288 / 301; 4k 395 / 397, causal 352 / 357; 8k causal 396 /
 # 398; 16k causal 429 / 417. The fused-dq variants always run one program per tile (looping
 # made the d64 one spill). 0: never (an A/B switch).
@@ -125,7 +125,7 @@ GLUON_BWD_PERSISTENT_MAX_N = 4096
 
 # The Gluon dk/dv kernel's tiles go in groups of a few (batch, kv head)s (`_bwd_tile_heads`);
 # False: key-block-major over all heads (an A/B switch). H100, session 23, backward TFLOP/s
-# key-block-major / grouped (results/logs/*-bwd-tile-groups-session23.log): d64 fused dq in any
+# key-block-major / grouped (lab/flash-attn/logs/*-bwd-tile-groups-session23.log): d64 fused dq in any
 # order causal 16k (B1 H32) 394 / 428, 8k 352 / 428, 4k 225 / 372, non-causal 16k 381 / 413,
 # 4k 246 / 415, the leaderboard (B16 H1) 446 / 434; in a fixed order non-causal 16k 370 / 397,
 # 4k 219 / 344; d128 dk/dv-only non-causal 16k 441 / 454, 4k 397 / 410. Persistent causal
@@ -137,7 +137,7 @@ GLUON_BWD_HEAD_GROUPS = True
 # key block j waits for j - 1 to climb the two query blocks j starts above it, and in groups
 # that chain is a whole head long (leaderboard 379 -> 246 grouped); down, j + 1 started two
 # blocks below j and is ahead. The price: the longest tiles launch last (a tail of 3-7% by a
-# list-scheduling estimate). H100, session 23, up / down (results/logs/
+# list-scheduling estimate). H100, session 23, up / down (lab/flash-attn/logs/
 # *-bwd-descending-dq-session23.log): leaderboard 369 / 390, 16k B1 H32 364 / 403, 32k H16
 # 393 / 421, 8k B2 H32 299 / 360, 4k B4 H32 202 / 312.
 GLUON_BWD_DESCENDING_DQ = True

@@ -55,10 +55,10 @@ FWD_TILES = {
 }
 # The Gluon forward (kernels_gluon.py: a TMA producer warp feeding a 2-deep K/V ring, two
 # 64-row consumer warpgroups with asynchronous warpgroup MMAs) where it measured faster on an
-# H100 (benchmarks/hopper_ab.py): d = 128 non-causal, 502 -> 644 TFLOP/s at N = 16k (cuDNN 605),
+# H100 (lab/flash-attn/ab/hopper_ab.py): d = 128 non-causal, 502 -> 644 TFLOP/s at N = 16k (cuDNN 605),
 # 461 -> 566 at 4k. d = 64 measured equal or slower, causal was not verified: portable tiles.
 GLUON_FWD_TILES = {128: Tile(128, 128, 4, 2, tma=True, gluon=True)}
-# Causal (bottom-right diagonal), H100 A/B of 2026-11-23 (hopper_ab.py --cases 64:1,128:1),
+# Causal (bottom-right diagonal), H100 A/B of 2026-11-23 (lab/flash-attn/ab/hopper_ab.py --cases 64:1,128:1),
 # TFLOP/s current / Gluon 128x128 s2 / cuDNN: d128 N16k 432 / 598 / 563, N4k 365 / 474 / 561;
 # d64 N16k 385 / 429 / 445 but N4k 361 / 323 / 422: d64 stays on the portable kernel.
 GLUON_CAUSAL_FWD_TILES = {128: Tile(128, 128, 4, 2, tma=True, gluon=True)}
@@ -69,14 +69,14 @@ GLUON_CAUSAL_FWD_TILES = {128: Tile(128, 128, 4, 2, tma=True, gluon=True)}
 # leaderboard 376-385 / 421-425, 8k 373-377 / 383-384, 4k 360-366 / 324-329. Non-causal
 # (session 21) 16k 423-441 / 443-452, 8k 422-425 / 420-430, 4k 411-422 / 387-404 (with q in
 # shared memory, session 20: 16k 434-446 / 442-449, 8k 434 / 409). Logs:
-# results/logs/NVIDIA-H100-80GB-HBM3-hopper_ab-session21-*.log.
+# lab/flash-attn/logs/NVIDIA-H100-80GB-HBM3-hopper_ab-session21-*.log.
 # Persistent (session 22, launchers.GLUON_FWD_PERSISTENT), portable / Gluon: causal 8k 385 /
 # 419, 4k 359 / 394, 2k (B8 H32) 331 / 346; non-causal 8k 419 / 446, 4k 429 / 430.
 GLUON_CAUSAL_FWD_MIN_N = {64: 2048}
 GLUON_FWD_MIN_N = {64: 8192}
 # The Gluon dk/dv kernel (kernels_gluon.attn_bwd_gluon_kernel: 2 x 64 keys per program, BLOCK_M
 # query rows per step, a `stages`-deep q/do ring; dq stays with the portable dq kernel) where it
-# measured faster on an H100 (session 20, hopper_ab.py; backward TFLOP/s at N = 16k / 8k / 4k,
+# measured faster on an H100 (session 20, lab/flash-attn/ab/hopper_ab.py; backward TFLOP/s at N = 16k / 8k / 4k,
 # portable / Gluon): d128 non-causal 400 / 443, 396 / 439, 376 / 386 (3 stages; 2 stages:
 # 428, 393, 414); causal 375 / 419, 330 / 396, 305 / 354 (2 stages). d64 measured 0.86-1.0x
 # the portable kernels (BLOCK_M 128 spills): portable.
@@ -93,7 +93,7 @@ GLUON_FUSED_DQ = Tile(0, 0, 0, 0, gluon=True)
 # session 23 (the dq products in a warpgroup of their own, tiles in groups of heads, causal
 # fixed-order sums from the last key block down: launchers._bwd_tile_order), backward TFLOP/s
 # of the dq-kernel backward / fused in a fixed order / in any order
-# (results/logs/NVIDIA-H100-80GB-HBM3-*-session23.log):
+# (lab/flash-attn/logs/NVIDIA-H100-80GB-HBM3-*-session23.log):
 #   d64 causal 16k B16 H1   326-345 / 390 / 423-459
 #   d64 causal 16k B1 H32   336-346 / 403 / 428-443
 #   d64 causal 32k B1 H16   348 / 421 / 463
@@ -101,7 +101,7 @@ GLUON_FUSED_DQ = Tile(0, 0, 0, 0, gluon=True)
 #   d64 causal 4k B4 H32    287-311 / 312 / 360-374
 #   d64 non-causal 16k      352-371 / 397-415 / 413-436  4k 348-351 / 344 / 415-416
 # With two reducer warps in a fixed order (kernels_gluon.ORDERED_DQ_REDUCERS; H200, session 24,
-# results/logs/NVIDIA-H200-bwd-dq-rule-session24.log), dq-kernel backward / fixed order:
+# lab/flash-attn/logs/NVIDIA-H200-bwd-dq-rule-session24.log), dq-kernel backward / fixed order:
 # non-causal 8k B2 H32 376-388 / 430-439 (fused from 8k on), 4k B4 H32 373-385 / 373-379;
 # causal 4k B4 H32 311-317 / 303-331, 2k B8 H32 259-274 / 228-255 (the dq kernel stays).
 FUSED_DQ_MIN_N = {64: (8192, 8192)}

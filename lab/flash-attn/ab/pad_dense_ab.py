@@ -3,7 +3,7 @@ a ragged N), interleaved in one process; also checks that the gradients are bitw
 (`_pad_row_vectors` applies the switch only where it paid; set it there to A/B other shapes.)
 
     ROOT=$(pwd); PYTHONPATH=$ROOT/shared/src:$ROOT/packages/flash-attn/src \\
-        python packages/flash-attn/benchmarks/pad_dense_ab.py
+        python lab/flash-attn/ab/pad_dense_ab.py
 """
 
 from __future__ import annotations

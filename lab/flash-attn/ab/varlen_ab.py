@@ -13,7 +13,7 @@ to dense. A check first: the gradients of on and off must agree (bitwise expecte
 Non-causal padded rows see their padding, so the dense column is a timing reference only there.
 
     ROOT=$(pwd); PYTHONPATH=$ROOT/shared/src:$ROOT/packages/flash-attn/src:$ROOT/packages/flash-attn/benchmarks \\
-        python packages/flash-attn/benchmarks/varlen_ab.py --ds 64
+        python lab/flash-attn/ab/varlen_ab.py --ds 64
 
 (The whole default run, d64 and d128, took about a minute on an H100 with PEEL_RAGGED_TAIL;
 `--ds 64` is half of its cells.)

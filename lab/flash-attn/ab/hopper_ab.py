@@ -1,6 +1,6 @@
 """Issue 14 (flash-attn on Hopper at cuDNN speed): the candidates side by side in one GPU call.
 
-    PYTHONPATH=packages/flash-attn/src:shared/src python packages/flash-attn/benchmarks/hopper_ab.py
+    PYTHONPATH=packages/flash-attn/src:shared/src python lab/flash-attn/ab/hopper_ab.py
     ... hopper_ab.py --screen          # on CPU, no GPU: compile every launch below for sm_90a
     TRITON_INTERPRET=1 ... hopper_ab.py --dry-run --workers 2   # on CPU: the script's own logic
 

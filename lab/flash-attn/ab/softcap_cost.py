@@ -2,7 +2,7 @@
 call against softcap=50, forward and backward, through the public `flash_attn`.
 
     ROOT=$(pwd); PYTHONPATH=$ROOT/shared/src:$ROOT/packages/flash-attn/src \\
-        python packages/flash-attn/benchmarks/softcap_cost.py
+        python lab/flash-attn/ab/softcap_cost.py
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ flash (FA2) on the same inputs: suite 1's training shapes (B = 16384 / N, H = 20
 leaderboard's. Per kernel: mean GPU ms per backward; per provider: the sum and its TFLOP/s in
 the FlashAttention convention (2.5x the forward's 4 B H N^2 d, halved for causal).
 
-    PYTHONPATH=packages/flash-attn/src:shared/src python packages/flash-attn/benchmarks/bwd_breakdown.py
+    PYTHONPATH=packages/flash-attn/src:shared/src python lab/flash-attn/ab/bwd_breakdown.py
     ... bwd_breakdown.py --any-order      # flash_attn(deterministic=False)
 
 Dividing a kernel's time by its block products gives its rate per product (NOTES.md, session

@@ -4,7 +4,7 @@ closing sync), `do_bench`'s median (what the suites report: L2 flushed between c
 whose host path outlasts the flush shows its host time) and the summed CUDA kernel time per call
 from torch.profiler, forward and backward.
 
-    PYTHONPATH=packages/flash-attn/src:shared/src python packages/flash-attn/benchmarks/small_n_breakdown.py
+    PYTHONPATH=packages/flash-attn/src:shared/src python lab/flash-attn/ab/small_n_breakdown.py
 """
 
 import time
