@@ -125,8 +125,8 @@ GLUON_BWD_PERSISTENT_MAX_N = 4096
 
 # The Gluon dk/dv kernel's tiles go in groups of a few (batch, kv head)s (`_bwd_tile_heads`);
 # False: key-block-major over all heads (an A/B switch). H100, session 23, backward TFLOP/s
-# key-block-major / grouped (lab/flash-attn/logs/*-bwd-tile-groups-session23.log): d64 fused dq in any
-# order causal 16k (B1 H32) 394 / 428, 8k 352 / 428, 4k 225 / 372, non-causal 16k 381 / 413,
+# key-block-major / grouped (lab/flash-attn/logs/*-bwd-tile-groups-session23.log): d64 fused dq
+# in any order causal 16k (B1 H32) 394 / 428, 8k 352 / 428, 4k 225 / 372, non-causal 16k 381 / 413,
 # 4k 246 / 415, the leaderboard (B16 H1) 446 / 434; in a fixed order non-causal 16k 370 / 397,
 # 4k 219 / 344; d128 dk/dv-only non-causal 16k 441 / 454, 4k 397 / 410. Persistent causal
 # tiles stay key-block-major (d128 4k 367 / 301 grouped: each program's tiles were then all
