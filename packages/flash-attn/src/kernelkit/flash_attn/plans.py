@@ -61,7 +61,8 @@ FWD_TILES = {
 GLUON_FWD_TILES = {128: Tile(128, 128, 4, 2, tma=True, gluon=True)}
 # Causal (bottom-right diagonal), H100 A/B of 2026-11-23 (lab/flash-attn/ab/hopper_ab.py
 # --cases 64:1,128:1), TFLOP/s current / Gluon 128x128 s2 / cuDNN: d128 N16k 432 / 598 / 563,
-# N4k 365 / 474 / 561; d64 N16k 385 / 429 / 445 but N4k 361 / 323 / 422: d64 stays on the portable kernel.
+# N4k 365 / 474 / 561; d64 N16k 385 / 429 / 445 but N4k 361 / 323 / 422: d64 stays on the
+# portable kernel.
 GLUON_CAUSAL_FWD_TILES = {128: Tile(128, 128, 4, 2, tma=True, gluon=True)}
 # d = 64 forwards of at least this many query rows take the same Gluon tiles, causal and not,
 # the q tile in registers (launchers.GLUON_FWD_Q_REGS_MAX_D). H100, TFLOP/s portable / Gluon:
@@ -79,8 +80,8 @@ GLUON_FWD_MIN_N = {64: 8192}
 # query rows per step, a `stages`-deep q/do ring; dq stays with the portable dq kernel) where it
 # measured faster on an H100 (session 20, lab/flash-attn/ab/hopper_ab.py; backward TFLOP/s at
 # N = 16k / 8k / 4k, portable / Gluon): d128 non-causal 400 / 443, 396 / 439, 376 / 386 (3
-# stages; 2 stages: 428, 393, 414); causal 375 / 419, 330 / 396, 305 / 354 (2 stages). d64 measured 0.86-1.0x
-# the portable kernels (BLOCK_M 128 spills): portable.
+# stages; 2 stages: 428, 393, 414); causal 375 / 419, 330 / 396, 305 / 354 (2 stages). d64
+# measured 0.86-1.0x the portable kernels (BLOCK_M 128 spills): portable.
 GLUON_DKDV_TILES = {128: Tile(64, 128, 4, 3, tma=True, gluon=True)}
 GLUON_CAUSAL_DKDV_TILES = {128: Tile(64, 128, 4, 2, tma=True, gluon=True)}
 # As a plan's dq tile beside a Gluon dk/dv tile: dq summed in the Gluon kernel (5 block products
