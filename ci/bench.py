@@ -57,35 +57,22 @@ def smoke_run(package: str, extra: list[str]) -> int:
         f"interpreter, --benchmark-disable); nothing is timed and no results are written",
         flush=True,
     )
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-p",
-        "kernelkit.shared.pytest_plugin",
-        str(ROOT / "packages" / package / "benchmarks"),
-        "-q",
-        "--benchmark-disable",
-        *extra,
-    ]
+    cmd = _pytest(package, "--benchmark-disable", *extra)
     print("+", " ".join(cmd), flush=True)
     return subprocess.run(cmd, cwd=ROOT, env=source_env()).returncode
 
 
+def _pytest(package: str, *args: str) -> list[str]:
+    """The pytest command over a package's benchmark files, with the kernelkit plugin."""
+    benchmarks = str(ROOT / "packages" / package / "benchmarks")
+    return [sys.executable, "-m", "pytest", "-p", "kernelkit.shared.pytest_plugin", benchmarks,
+            "-q", *args]  # fmt: skip
+
+
 def run_suite(package: str, json_path: Path, extra: list[str]) -> int:
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-p",
-        "kernelkit.shared.pytest_plugin",
-        str(ROOT / "packages" / package / "benchmarks"),
-        "-q",
-        "--benchmark-json",
-        str(json_path),
-        "--benchmark-columns=median,iqr,rounds",
-        *extra,
-    ]
+    cmd = _pytest(
+        package, "--benchmark-json", str(json_path), "--benchmark-columns=median,iqr,rounds", *extra
+    )
     print("+", " ".join(cmd), flush=True)
     # On SIGINT (e.g. `timeout -s INT`) pytest stops after the current benchmark and still writes
     # the JSON of what it measured; this process waits for it and renders the partial run.

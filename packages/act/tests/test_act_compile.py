@@ -19,6 +19,7 @@ from kernelkit.act import kernels as K
 from kernelkit.act.launchers import COLS_MAX_L, ROWS_MAX_L
 from kernelkit.act.reference import act_reference
 from kernelkit.shared.testing import (
+    assert_cases_cover,
     assert_compiled_matches,
     entry_kernels,
     packing,
@@ -124,10 +125,9 @@ GPU_CASES = {
 
 def test_gpu_cases_cover_every_kernel():
     """A kernel added to kernels.py (a new plan) needs a GPU case that launches it."""
-    covered = set().union(*(case[-1] for case in GPU_CASES.values()))
-    kernels = entry_kernels(K)
-    assert kernels - covered == set(), f"kernels without a GPU compile case: {kernels - covered}"
-    assert covered - kernels == set(), f"cases name unknown kernels: {covered - kernels}"
+    assert_cases_cover(
+        [case[-1] for case in GPU_CASES.values()], entry_kernels(K), entry_kernels(K)
+    )
 
 
 @pytest.mark.gpu

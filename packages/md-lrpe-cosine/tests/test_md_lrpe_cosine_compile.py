@@ -20,6 +20,7 @@ from kernelkit.lrpe_cosine import kernels as K
 from kernelkit.md_lrpe_cosine import md_lrpe_cosine
 from kernelkit.md_lrpe_cosine.reference import md_lrpe_cosine_reference
 from kernelkit.shared.testing import (
+    assert_cases_cover,
     assert_compiled_matches,
     entry_kernels,
     run_cases_without_interpreter,
@@ -98,10 +99,7 @@ GPU_CASES = {
 
 def test_gpu_cases_cover_every_kernel():
     """A kernel added to kernelkit-lrpe-cosine's kernels.py (a new plan) needs a GPU case."""
-    covered = set().union(*(case[-1] for case in GPU_CASES.values()))
-    missing = entry_kernels(K) - covered
-    assert not missing, f"kernels without a GPU compile case: {sorted(missing)}"
-    assert covered <= FAMILY
+    assert_cases_cover([case[-1] for case in GPU_CASES.values()], entry_kernels(K), FAMILY)
 
 
 @pytest.mark.gpu

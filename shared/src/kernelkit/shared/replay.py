@@ -58,29 +58,18 @@ class _Direct:
 DIRECT = _Direct()
 
 
-class Probe:
+class Probe(_Direct):
     """`ops` that allocate as `DIRECT` does and record each launch instead of running it: what
     a host path would launch for its (fake) arguments, and the outputs' shapes. For fake
     implementations (no launch on fake tensors) and for tools and tests that ask which kernels
-    a call takes."""
+    a call takes. `outputs` is for the caller to keep what the host path returned."""
 
     def __init__(self):
         self.launches: list[tuple] = []  # (kernel, grid, args, kwargs)
-
-    @staticmethod
-    def empty(shape, dtype, device) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, device=device)
+        self.outputs = None
 
     def launch(self, kernel, grid, *args, **kwargs):
         self.launches.append((kernel, grid, args, kwargs))
-
-    @staticmethod
-    def unplannable() -> None:
-        return None
-
-    @staticmethod
-    def on_replay(fn: Callable[[], object]) -> None:
-        return None
 
     @property
     def kernels(self) -> tuple:

@@ -17,6 +17,7 @@ import torch
 
 __all__ = [
     "DTYPE_BOUND",
+    "assert_cases_cover",
     "assert_close",
     "assert_compiled_matches",
     "assert_graph_replays",
@@ -264,6 +265,16 @@ def entry_kernels(*modules) -> set[str]:
             raise ValueError(f"{m.__name__}: no Triton kernel named *_kernel")
         names |= found
     return names
+
+
+def assert_cases_cover(case_kernels, kernels: set[str], family: set[str]) -> None:
+    """Every kernel of `kernels` (`entry_kernels` of a package) is launched by some case
+    (`case_kernels`: the kernel sets of the cases), and the cases name only kernels of `family`
+    (a new plan's kernel without a case, or a stale name, fails)."""
+    covered = set().union(*case_kernels)
+    missing, unknown = kernels - covered, covered - family
+    assert not missing, f"kernels without a GPU compile case: {sorted(missing)}"
+    assert not unknown, f"cases name kernels outside the family: {sorted(unknown)}"
 
 
 def launched_kernels(fn) -> set[str]:

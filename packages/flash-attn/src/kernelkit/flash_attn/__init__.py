@@ -3,8 +3,7 @@
 16..256, deterministic gradients)."""
 
 from .adapter import FlashAttentionFunction
-from .families import explain
-from .op import flash_attn, flash_attn_varlen
+from .op import explain, flash_attn, flash_attn_varlen
 
 __version__ = "0.7.2"
 __all__ = ["FlashAttentionFunction", "__version__", "explain", "flash_attn", "flash_attn_varlen"]

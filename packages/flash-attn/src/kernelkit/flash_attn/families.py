@@ -134,23 +134,8 @@ class Explanation:
         return "\n".join(lines)
 
 
-def explain(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1), softcap=0.0,
-            deterministic=True) -> Explanation:  # fmt: skip
-    """The kernels `flash_attn(q, k, v, causal, softmax_scale, window_size=..., softcap=...,
-    deterministic=...)` launches on q's device, forward and backward, without launching or
-    reading anything (q, k, v may be meta or fake tensors). For bug reports and tuning."""
-    from .validation import check_bool, check_softcap, validate, window_for
-
-    scale = validate(q, k, v, causal, softmax_scale)
-    softcap = check_softcap(softcap)
-    check_bool("deterministic", deterministic)
-    window = window_for(window_size, causal, q.shape[1], k.shape[1])
-    if q.dim() == 3:
-        q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
-    fwd = probe_forward(q, k, v, causal, abs(scale), softcap, window)
-    o, lse = fwd.outputs
-    bwd = probe_backward(torch.empty_like(o), q, k, v, o, lse, None, causal, abs(scale), softcap,
-                         window, None, deterministic)  # fmt: skip
+def explanation(fwd: Probe, bwd: Probe) -> Explanation:
+    """The `Explanation` of a call's forward and backward probes."""
     return Explanation(
         family(fwd),
         family(bwd),

@@ -255,20 +255,40 @@ def flash_attn(
     between runs; elsewhere it changes nothing.
     Decoding shapes (few query rows, long key sequences) run a split-KV forward (`split_plan`).
     """
-    scale = validate(q, k, v, causal, softmax_scale)
-    softcap = check_softcap(softcap)
-    left, right = window_for(window_size, causal, q.shape[1], k.shape[1])
-    three_d = q.dim() == 3
-    if three_d:
-        q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
-    if scale < 0:  # the kernels assume scale >= 0 (max of the raw scores); negate q instead
-        q, scale = -q, -scale
-    check_bool("deterministic", deterministic)
     check_bool("return_lse", return_lse)
-    o, lse = attn_fwd(q, k, v, causal, scale, softcap, left, right, deterministic)
+    three_d = q.dim() == 3
+    q, k, v, args = _prepare(q, k, v, causal, softmax_scale, window_size, softcap, deterministic)
+    o, lse = attn_fwd(q, k, v, *args)
     if three_d:
         o, lse = o.squeeze(2), lse.squeeze(1)
     return (o, lse) if return_lse else o
+
+
+def _prepare(q, k, v, causal, softmax_scale, window_size, softcap, deterministic):
+    """`flash_attn`'s arguments checked and put as `attn_fwd` takes them: 4-D q, k, v and
+    (causal, scale, softcap, window_left, window_right, deterministic)."""
+    scale = validate(q, k, v, causal, softmax_scale)
+    softcap = check_softcap(softcap)
+    left, right = window_for(window_size, causal, q.shape[1], k.shape[1])
+    check_bool("deterministic", deterministic)
+    if q.dim() == 3:
+        q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
+    if scale < 0:  # the kernels assume scale >= 0 (max of the raw scores); negate q instead
+        q, scale = -q, -scale
+    return q, k, v, (causal, scale, softcap, left, right, deterministic)
+
+
+def explain(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1), softcap=0.0,
+            deterministic=True) -> families.Explanation:  # fmt: skip
+    """The kernels `flash_attn(q, k, v, causal, softmax_scale, window_size=..., softcap=...,
+    deterministic=...)` launches on q's device, forward and backward, without launching or
+    reading anything (q, k, v may be meta or fake tensors): their families and each launch's
+    grid, tile and schedule. For bug reports and tuning."""
+    q, k, v, args = _prepare(q, k, v, causal, softmax_scale, window_size, softcap, deterministic)
+    fwd = _fwd_probe(q, k, v, *args)
+    o, lse = fwd.outputs
+    bwd = _bwd_probe(torch.empty_like(o), q, k, v, o, lse, None, *args)
+    return families.explanation(fwd, bwd)
 
 
 def flash_attn_varlen(
@@ -313,6 +333,7 @@ __all__ = [
     "attn_fwd",
     "attn_varlen_bwd",
     "attn_varlen_fwd",
+    "explain",
     "flash_attn",
     "flash_attn_varlen",
 ]
