@@ -256,8 +256,8 @@ def flash_attn(
     Decoding shapes (few query rows, long key sequences) run a split-KV forward (`split_plan`).
     """
     check_bool("return_lse", return_lse)
-    three_d = q.dim() == 3
-    q, k, v, args = _prepare(q, k, v, causal, softmax_scale, window_size, softcap, deterministic)
+    q, k, v, args, three_d = _prepare(q, k, v, causal, softmax_scale, window_size, softcap,
+                                      deterministic)  # fmt: skip
     o, lse = attn_fwd(q, k, v, *args)
     if three_d:
         o, lse = o.squeeze(2), lse.squeeze(1)
@@ -265,17 +265,18 @@ def flash_attn(
 
 
 def _prepare(q, k, v, causal, softmax_scale, window_size, softcap, deterministic):
-    """`flash_attn`'s arguments checked and put as `attn_fwd` takes them: 4-D q, k, v and
-    (causal, scale, softcap, window_left, window_right, deterministic)."""
+    """`flash_attn`'s arguments checked and put as `attn_fwd` takes them: 4-D q, k, v,
+    (causal, scale, softcap, window_left, window_right, deterministic), and whether q was 3-D."""
     scale = validate(q, k, v, causal, softmax_scale)
     softcap = check_softcap(softcap)
     left, right = window_for(window_size, causal, q.shape[1], k.shape[1])
     check_bool("deterministic", deterministic)
-    if q.dim() == 3:
+    three_d = q.dim() == 3
+    if three_d:
         q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
     if scale < 0:  # the kernels assume scale >= 0 (max of the raw scores); negate q instead
         q, scale = -q, -scale
-    return q, k, v, (causal, scale, softcap, left, right, deterministic)
+    return q, k, v, (causal, scale, softcap, left, right, deterministic), three_d
 
 
 def explain(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1), softcap=0.0,
@@ -284,7 +285,8 @@ def explain(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1), 
     deterministic=...)` launches on q's device, forward and backward, without launching or
     reading anything (q, k, v may be meta or fake tensors): their families and each launch's
     grid, tile and schedule. For bug reports and tuning."""
-    q, k, v, args = _prepare(q, k, v, causal, softmax_scale, window_size, softcap, deterministic)
+    q, k, v, args, _ = _prepare(q, k, v, causal, softmax_scale, window_size, softcap,
+                                deterministic)  # fmt: skip
     fwd = _fwd_probe(q, k, v, *args)
     o, lse = fwd.outputs
     bwd = _bwd_probe(torch.empty_like(o), q, k, v, o, lse, None, *args)
