@@ -20,7 +20,10 @@ import torch
 from kernelkit.shared.replay import Probe
 from kernelkit.shared.runtime import inductor_compiles
 
-from .launchers import Varlen, _backward, _forward
+from .choose import choose_bwd, choose_fwd
+from .config import BwdConfig, FwdConfig, Target, Varlen
+from .launch import _backward, _forward, backward_problem, forward_problem
+from .strides import unit_d
 
 # The compile-time arguments that tell a kernel's families apart, by kernel name; kernels not
 # listed (the backward's preprocess, the split-KV merge, the dq conversion) go with the ones
@@ -76,35 +79,50 @@ def opaque(probe: Probe) -> bool:
     return not all(inductor_compiles(kernel) for kernel in probe.kernels)
 
 
-def probe_forward(q, k, v, causal, scale, softcap=0.0, window=(-1, -1), varlen=None) -> Probe:
-    """`launchers.forward`'s automatic plan, recorded instead of launched; `.outputs` holds its
-    (o, lse), allocated as the call would (fake tensors in, fake tensors out)."""
-    probe = Probe()
-    probe.outputs = _forward(probe, q, k, v, causal, scale, None, None, softcap, window, varlen)
+class CallProbe(Probe):
+    """A `Probe` of one direction of a call, with the config the chooser took (`config`)."""
+
+    config: FwdConfig | BwdConfig | None = None
+
+
+def probe_forward(q, k, v, causal, scale, softcap=0.0, window=(-1, -1), varlen=None,
+                  target: Target | None = None) -> CallProbe:  # fmt: skip
+    """`launch.forward`'s chosen config and launches, recorded instead of launched, for
+    `target` (None: q's device); `.outputs` holds its (o, lse), allocated as the call would
+    (fake tensors in, fake tensors out)."""
+    probe = CallProbe()
+    q, k, v = unit_d(q), unit_d(k), unit_d(v)
+    probe.config = choose_fwd(forward_problem(q, k, v, causal, softcap, window, varlen, target))
+    probe.outputs = _forward(probe, q, k, v, causal, scale, softcap, window, varlen,
+                             probe.config, target)  # fmt: skip
     return probe
 
 
 def probe_backward(do, q, k, v, o, lse, dlse, causal, scale, softcap=0.0, window=(-1, -1),
-                   varlen=None, deterministic=True) -> Probe:  # fmt: skip
-    """`launchers.backward`'s automatic plan, recorded instead of launched; `.outputs` holds its
-    (dq, dk, dv)."""
-    probe = Probe()
-    probe.outputs = _backward(probe, do, q, k, v, o, lse, dlse, causal, scale, None, softcap,
-                              window, varlen, deterministic)  # fmt: skip
+                   varlen=None, deterministic=True, target: Target | None = None) -> CallProbe:  # fmt: skip
+    """`launch.backward`'s chosen config and launches, recorded instead of launched;
+    `.outputs` holds its (dq, dk, dv)."""
+    probe = CallProbe()
+    do, q, k, v, o = (unit_d(t) for t in (do, q, k, v, o))
+    problem = backward_problem(do, q, k, v, causal, softcap, window, varlen, deterministic, target)
+    probe.config = choose_bwd(problem)
+    probe.outputs = _backward(probe, do, q, k, v, o, lse, dlse, causal, scale, softcap, window,
+                              varlen, deterministic, probe.config, target)  # fmt: skip
     return probe
 
 
 def probe_call(q, k, v, causal=False, softcap=0.0, window=(-1, -1), varlen: Varlen | None = None,
-               deterministic=True) -> tuple[Probe, Probe]:  # fmt: skip
+               deterministic=True, target: Target | None = None) -> tuple[CallProbe, CallProbe]:  # fmt: skip
     """(forward, backward) probes of a `flash_attn` (or, with `varlen`, `flash_attn_varlen`)
     call on q, k, v (real or fake tensors: nothing is read or launched), with window as
-    `validation.window_for` returns it. For tools and tests asking "which kernels run?"."""
+    `validation.window_for` returns it, on `target` (None: q's device; `config.H100` asks what
+    an H100 would run). For tools and tests asking "which kernels run?"."""
     scale = q.shape[-1] ** -0.5
-    fwd = probe_forward(q, k, v, causal, scale, softcap, window, varlen)
+    fwd = probe_forward(q, k, v, causal, scale, softcap, window, varlen, target)
     o, lse = fwd.outputs
     do = torch.empty_like(o)
     bwd = probe_backward(do, q, k, v, o, lse, None, causal, scale, softcap, window, varlen,
-                         deterministic)  # fmt: skip
+                         deterministic, target)  # fmt: skip
     return fwd, bwd
 
 
@@ -121,22 +139,32 @@ def _launch_line(kernel, grid, kwargs) -> str:
 
 @dataclass(frozen=True)
 class Explanation:
-    """What a call runs: the forward's and the backward's kernel families and launches."""
+    """What a call runs: the forward's and the backward's configs (`forward_config.why` says
+    why each was chosen), kernel families and launches."""
 
+    forward_config: FwdConfig
+    backward_config: BwdConfig
     forward: str
     backward: str
     forward_launches: tuple[str, ...]
     backward_launches: tuple[str, ...]
 
     def __str__(self) -> str:
-        lines = [f"forward: {self.forward}", *(f"  {x}" for x in self.forward_launches)]
-        lines += [f"backward: {self.backward}", *(f"  {x}" for x in self.backward_launches)]
+        lines = []
+        for name, cfg, fam, launches in (
+            ("forward", self.forward_config, self.forward, self.forward_launches),
+            ("backward", self.backward_config, self.backward, self.backward_launches),
+        ):
+            lines += [f"{name}: {cfg}", f"  why: {cfg.why}", f"  family: {fam}"]
+            lines += [f"  {x}" for x in launches]
         return "\n".join(lines)
 
 
-def explanation(fwd: Probe, bwd: Probe) -> Explanation:
+def explanation(fwd: CallProbe, bwd: CallProbe) -> Explanation:
     """The `Explanation` of a call's forward and backward probes."""
     return Explanation(
+        fwd.config,
+        bwd.config,
         family(fwd),
         family(bwd),
         tuple(_launch_line(kn, g, kw) for kn, g, _, kw in fwd.launches),

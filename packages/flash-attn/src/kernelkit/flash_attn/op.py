@@ -12,7 +12,8 @@ from kernelkit.shared.runtime import (
 )
 
 from . import families
-from .launchers import Varlen, backward, forward
+from .config import Target, Varlen
+from .launch import backward, forward
 from .reference import (
     attention_reference,
     attention_reference_grads,
@@ -280,16 +281,21 @@ def _prepare(q, k, v, causal, softmax_scale, window_size, softcap, deterministic
 
 
 def explain(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1), softcap=0.0,
-            deterministic=True) -> families.Explanation:  # fmt: skip
-    """The kernels `flash_attn(q, k, v, causal, softmax_scale, window_size=..., softcap=...,
-    deterministic=...)` launches on q's device, forward and backward, without launching or
-    reading anything (q, k, v may be meta or fake tensors): their families and each launch's
-    grid, tile and schedule. For bug reports and tuning."""
-    q, k, v, args, _ = _prepare(q, k, v, causal, softmax_scale, window_size, softcap,
-                                deterministic)  # fmt: skip
-    fwd = _fwd_probe(q, k, v, *args)
+            deterministic=True, target: Target | None = None) -> families.Explanation:  # fmt: skip
+    """What `flash_attn(q, k, v, causal, softmax_scale, window_size=..., softcap=...,
+    deterministic=...)` runs, forward and backward, without launching or reading anything
+    (q, k, v may be meta or fake tensors): the config each direction takes with one line on
+    why, their kernel families and each launch's grid, tile and schedule. target: the machine
+    (None: q's device; `kernelkit.flash_attn.config.H100` for an H100 from anywhere). For bug
+    reports and tuning; `print(explain(...))` reads as text."""
+    q, k, v, (causal, scale, softcap, left, right, det), _ = _prepare(
+        q, k, v, causal, softmax_scale, window_size, softcap, deterministic
+    )
+    window = (left, right)
+    fwd = families.probe_forward(q, k, v, causal, scale, softcap, window, target=target)
     o, lse = fwd.outputs
-    bwd = _bwd_probe(torch.empty_like(o), q, k, v, o, lse, None, *args)
+    bwd = families.probe_backward(torch.empty_like(o), q, k, v, o, lse, None, causal, scale,
+                                  softcap, window, deterministic=det, target=target)  # fmt: skip
     return families.explanation(fwd, bwd)
 
 

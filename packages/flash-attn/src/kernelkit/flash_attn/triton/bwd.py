@@ -1,83 +1,28 @@
-"""Triton kernels of flash-attn: FlashAttention-2 forward and backward, and a split-KV forward
-for decoding (its own section below).
-
-Layout: q and o are (B, Nq, H, D), k and v (B, Nk, Hkv, D), read through runtime strides with a
-unit stride along D (the host makes D contiguous); the LSE and delta are (B, H, Nq) float32.
-Query head h reads kv head h // GROUP. The backward kernels read the LSE (in log2 units) and
-delta from the preprocess's padded copies by default (ROWVEC, `attn_bwd_preprocess_kernel`):
-rows past the end hold values that make them add nothing, so those reads need no row checks.
-
-Scores are kept in log2 units, s2 = (q . k) * scale * log2(e), so that exp2 replaces exp.
-Causal masking is bottom-right aligned: query i sees key j iff j <= i + SHIFT, SHIFT = Nk - Nq.
-Sliding windows generalise it: query i sees key j iff i + SHIFT - left <= j (LOCAL) and
-j <= i + SHIFT + right (CAUSAL; right = 0 for causal attention), i.e. lo_shift <= j - i <=
-hi_shift. `_ranges` turns these bounds into the blocks a program visits: blocks outside the
-window are never loaded, blocks inside it run without a mask, and only the boundary blocks pay.
-Softcap (SOFTCAP != 0, Gemma 2): the scores become softcap * tanh(scores / softcap) before the
-softmax; the host then passes qk_scale = softcap * log2(e) and cap_scale = scale / softcap, and
-the kernels replace q . k by tanh(q . k * cap_scale) right after the product, so the rest of the
-softmax is unchanged. The backward recomputes tanh from the raw scores and multiplies dS by
-1 - tanh^2. SOFTCAP = 0 compiles none of it.
-Every kernel splits its key (or query) loop into blocks no mask can touch, walked without a
-mask, and the few blocks on the causal diagonal, the window's edges or past the end of a
-sequence, walked with one.
-
-The tiles a loop streams are read through `_head_source` / `_load_block`: a TMA descriptor per
-(program, head) when the TMA flag is set (the host checks that rows are 16-byte aligned), else
-masked pointer loads. TMA keeps no per-element addresses in registers, which lets the larger
-tiles run without spilling.
-
-Packed variable-length batches (VARLEN): the batch axis becomes the sequence index. The host
-passes zero batch strides and the longest sequence as Nq / Nk (the grid), and each program reads
-its sequence's first row and length from the cu_seqlens prefix sums (`_sequence`), moves its base
-pointers to that row and works on that sequence alone; a program whose block starts past its
-sequence's end returns at once (those rows are another sequence's, or none). The LSE and delta
-are read through (batch, head) strides: (H * Nq, Nq) for a dense batch, (0, total_q) packed; the
-padded row vectors (H * Np, Np) with Np = Nq rounded up, or (0, Np) packed with each sequence
-from a multiple of 16 (`_rowvec_start`).
-
-Offsets: per-(batch, head) bases and block starts are 64-bit; offsets inside a block are 32-bit.
-A program id enumerates (sequence block, batch * head) with the block index fastest, so the
-programs that share one head's K/V (or Q/dO) run together and hit L2.
-"""
+"""The portable backward: the preprocess (delta, the padded row vectors, zeroed dq sums), the
+dk/dv and dq kernels (7 block products per tile pair, deterministic), the conversion of fused
+dq sums; and their launches (`can_implement`, `launch_*`). Layout and conventions:
+`triton/common.py`; the padded row vectors: `attn_bwd_preprocess_kernel`."""
 
 import triton
 import triton.language as tl
 
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
+from kernelkit.shared.runtime import cdiv
 
-
-@triton.jit
-def _load_rows(ptrs, rows, n_rows, offs_d, CHECK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Load a (rows x BLOCK_D) tile; masked only where rows can pass n_rows or D is padded."""
-    if CHECK_ROWS:
-        if offs_d.shape[0] != HEAD_DIM:
-            x = tl.load(
-                ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0
-            )
-        else:
-            x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
-    else:
-        if offs_d.shape[0] != HEAD_DIM:
-            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-        else:
-            x = tl.load(ptrs)
-    return x
-
-
-@triton.jit
-def _store_rows(ptrs, x, rows, n_rows, offs_d, CHECK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    if CHECK_ROWS:
-        if offs_d.shape[0] != HEAD_DIM:
-            tl.store(ptrs, x, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
-        else:
-            tl.store(ptrs, x, mask=rows[:, None] < n_rows)
-    else:
-        if offs_d.shape[0] != HEAD_DIM:
-            tl.store(ptrs, x, mask=offs_d[None, :] < HEAD_DIM)
-        else:
-            tl.store(ptrs, x)
+from ..config import DQ_KERNEL, ROW_PAD, BwdConfig, Problem, Scores, Varlen
+from ..strides import strides
+from .common import (
+    LOG2E,
+    _head_source,
+    _load_block,
+    _load_rows,
+    _program_ids,
+    _ranges,
+    _sequence,
+    _store_rows,
+    _tanh,
+    _visible,
+    dot_precision,
+)
 
 
 @triton.jit
@@ -90,60 +35,9 @@ def _load_vec(ptrs, rows, n_rows, other, CHECK_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _head_source(base, n_rows, stride, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_D: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
-    """What the loops read one head's (n_rows x HEAD_DIM) rows from: a TMA descriptor of
-    (BLOCK_ROWS x BLOCK_D) boxes when TMA (out-of-bounds rows and columns read as zeros), else the
-    base pointer itself."""
-    src = base
-    if TMA:
-        src = tl.make_tensor_descriptor(
-            base, [n_rows, HEAD_DIM], [stride, 1], [BLOCK_ROWS, BLOCK_D]
-        )
-    return src
-
-
-@triton.jit
-def _load_block(src, start, stride, offs_rows, n_rows, offs_d, CHECK_ROWS: tl.constexpr,
-                HEAD_DIM: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
-    """Rows [start, start + BLOCK_ROWS) of a `_head_source`. The TMA path moves the tile with the
-    copy engine: no per-element address registers, which otherwise make the loops spill."""
-    if TMA:
-        x = src.load([start, 0])
-    else:
-        ptrs = (
-            src + tl.cast(start, tl.int64) * stride + offs_rows[:, None] * stride + offs_d[None, :]
-        )
-        x = _load_rows(ptrs, start + offs_rows, n_rows, offs_d, CHECK_ROWS, HEAD_DIM)
-    return x
-
-
-@triton.jit
 def _lse_log2(lse):
     """Natural-log LSE -> log2 units; an empty row (-inf) becomes +inf so its p = exp2(s - lse) = 0."""
     return tl.where(lse == -float("inf"), float("inf"), lse * LOG2E)
-
-
-@triton.jit
-def _tanh(x, FAST: tl.constexpr):
-    """tanh in float32. FAST: the tanh.approx.f32 instruction (one MUFU op; relative error
-    below 2^-10.9, what FlashAttention's softcap uses), for half-precision inputs on the GPU.
-    Else 1 - 2 / (e^2x + 1): float32-accurate to ~1e-7 absolute, +-1 at the ends, and what the
-    interpreter runs (no inline assembly there)."""
-    if FAST:
-        t = tl.inline_asm_elementwise(
-            "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
-        )
-    else:
-        t = 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
-    return t
-
-
-@triton.jit
-def _sequence(CU, b):
-    """(first row (64-bit), number of rows) of sequence b of a packed batch."""
-    start = tl.load(CU + b)
-    return start.to(tl.int64), tl.load(CU + b + 1) - start
 
 
 @triton.jit
@@ -166,456 +60,11 @@ def _load_lse2(ptrs, rows, n_rows, CHECK_ROWS: tl.constexpr, ROWVEC: tl.constexp
 
 
 @triton.jit
-def _visible(rows, cols, n_cols, lo_shift, hi_shift, LOWER: tl.constexpr, UPPER: tl.constexpr,
-             CHECK_COLS: tl.constexpr):  # fmt: skip
-    """Mask of the (row, col) pairs (broadcast) where col is visible to row:
-    row + lo_shift <= col (LOWER), col <= row + hi_shift (UPPER), col < n_cols (CHECK_COLS)."""
-    if UPPER:
-        keep = cols <= rows + hi_shift
-        if LOWER:
-            keep = keep & (cols >= rows + lo_shift)
-        if CHECK_COLS:
-            keep = keep & (cols < n_cols)
-    elif LOWER:
-        keep = cols >= rows + lo_shift
-        if CHECK_COLS:
-            keep = keep & (cols < n_cols)
-    else:
-        keep = cols < n_cols
-    return keep
-
-
-@triton.jit
-def _ranges(first, last, start, end, lo_shift, hi_shift, BLOCK: tl.constexpr,
-            LOWER: tl.constexpr, UPPER: tl.constexpr, ALIGN_END: tl.constexpr):  # fmt: skip
-    """The blocks of [start, end) (BLOCK wide, counted from `start`) that rows first..last visit
-    when row x sees y iff x + lo_shift <= y (LOWER) and y <= x + hi_shift (UPPER).
-
-    Returns (lo, mid_lo, mid_hi, hi): [lo, mid_lo) and [mid_hi, hi) need the mask, every row
-    sees all of [mid_lo, mid_hi), and no row sees anything outside [lo, hi) (so those blocks are
-    skipped). Each range is empty or starts on a block boundary. ALIGN_END: [mid_lo, mid_hi)
-    stops at a block boundary, so a ragged last block (positions past `end`) is masked too."""
-    lo = start
-    hi = end
-    full_lo = start
-    full_hi = end
-    if LOWER:
-        lo = start + tl.maximum(first + lo_shift - start, 0) // BLOCK * BLOCK
-        full_lo = start + tl.cdiv(tl.maximum(last + lo_shift - start, 0), BLOCK) * BLOCK
-    if UPPER:
-        hi = tl.minimum(end, last + hi_shift + 1)
-        # (the last full block ends at the first row's edge, or at the last whole block)
-        full_hi = tl.minimum(start + tl.maximum(first + hi_shift + 1 - start, 0) // BLOCK * BLOCK,
-                             start + (end - start) // BLOCK * BLOCK)  # fmt: skip
-    elif ALIGN_END:
-        full_hi = start + (end - start) // BLOCK * BLOCK
-    # Without a lower bound the full range starts at `start` and ends at full_hi (<= hi, or
-    # both at `start`); the clamps below are only needed with one (and keep the plain causal
-    # kernels' bounds as they were).
-    mid_lo = start
-    mid_hi = full_hi
-    if LOWER:
-        mid_lo = tl.maximum(tl.minimum(full_lo, hi), lo)
-        if UPPER or ALIGN_END:
-            mid_hi = tl.maximum(tl.minimum(full_hi, hi), mid_lo)
-    return lo, mid_lo, mid_hi, hi
-
-
-@triton.jit
 def _tail_start(lo, hi, n, BLOCK: tl.constexpr):
     """Where the blocks of [lo, hi) (block-aligned from 0) that can reach past n begin: at n's
     last block boundary, clamped to the range. A ragged length leaves one partial block, so
     the loops run [lo, tail) without the length checks and only the rest with them."""
     return tl.maximum(tl.minimum(hi, n // BLOCK * BLOCK), lo)
-
-
-@triton.jit
-def _program_ids(num_blocks, REVERSE: tl.constexpr):
-    """(block index, batch * head index) of this program; REVERSE starts with the last blocks
-    (the longest causal rows), which balances the tail of the launch."""
-    pid = tl.program_id(0)
-    blk = pid % num_blocks
-    if REVERSE:
-        blk = num_blocks - 1 - blk
-    return blk, pid // num_blocks
-
-
-# ---------------------------------------------------------------------------------------------
-# Forward
-# ---------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _fwd_steps(
-    acc,
-    l_i,
-    m_i,
-    q,
-    k_src,
-    v_src,
-    stride_kn,
-    stride_vn,
-    rows,
-    lo,
-    hi,
-    Nk,
-    lo_shift,
-    hi_shift,
-    qk_scale,
-    cap_scale,
-    MASK: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    CHECK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    TMA: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    LOCAL: tl.constexpr,
-):
-    """Online-softmax accumulation of key blocks [lo, hi). MASK: apply the window (causal) and
-    end-of-sequence masks (the scores of hidden keys are -inf)."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n
-        k = _load_block(k_src, start_n, stride_kn, offs_n, Nk, offs_d, CHECK_N, HEAD_DIM, TMA)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        if SOFTCAP:
-            qk = _tanh(qk * cap_scale, SOFTCAP == 2)
-        if MASK:
-            keep = _visible(rows[:, None], cols[None, :], Nk, lo_shift, hi_shift, LOCAL, CAUSAL,
-                            CHECK_N)  # fmt: skip
-            qk = tl.where(keep, qk * qk_scale, -float("inf"))
-            m_ij = tl.maximum(m_i, tl.max(qk, 1))
-            # A row that has seen no key yet keeps m = -inf; shift it by 0 to avoid inf - inf.
-            m_use = tl.where(m_ij == -float("inf"), 0.0, m_ij)
-            p = tl.math.exp2(qk - m_use[:, None])
-            alpha = tl.math.exp2(m_i - m_use)
-        else:
-            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
-            alpha = tl.math.exp2(m_i - m_ij)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = _load_block(v_src, start_n, stride_vn, offs_n, Nk, offs_d, CHECK_N, HEAD_DIM, TMA)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
-        m_i = m_ij
-    return acc, l_i, m_i
-
-
-@triton.jit(do_not_specialize=["Nq", "Nk", "win_left", "win_right"])
-def attn_fwd_kernel(
-    Q,
-    K,
-    V,
-    O,
-    LSE,
-    CU_Q,
-    CU_K,
-    stride_qb,
-    stride_qn,
-    stride_qh,
-    stride_kb,
-    stride_kn,
-    stride_kh,
-    stride_vb,
-    stride_vn,
-    stride_vh,
-    stride_ob,
-    stride_on,
-    stride_oh,
-    stride_lb,
-    stride_lh,
-    H,
-    GROUP,
-    Nq,
-    Nk,
-    qk_scale,
-    cap_scale,
-    win_left,
-    win_right,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    EVEN_M: tl.constexpr,
-    EVEN_N: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    TMA: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    LOCAL: tl.constexpr,
-    VARLEN: tl.constexpr,
-):
-    """o and LSE of one block of query rows of one head. CAUSAL: keys past i + shift + win_right
-    are hidden (win_right = 0: causal); LOCAL: keys before i + shift - win_left."""
-    # Scalars may arrive as float64 (torch.compile passes Python floats so): keep math float32.
-    qk_scale = tl.cast(qk_scale, tl.float32)
-    cap_scale = tl.cast(cap_scale, tl.float32)
-    pid_m, bh = _program_ids(tl.cdiv(Nq, BLOCK_M), CAUSAL)
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    hk = (h // GROUP).to(tl.int64)
-    h = h.to(tl.int64)
-    if VARLEN:
-        q0, Nq = _sequence(CU_Q, b)
-        k0, Nk = _sequence(CU_K, b)
-        if pid_m * BLOCK_M >= Nq:
-            return
-        Q += q0 * stride_qn
-        O += q0 * stride_on
-        LSE += q0
-        K += k0 * stride_kn
-        V += k0 * stride_vn
-    start_m = pid_m * BLOCK_M
-    rows = start_m + tl.arange(0, BLOCK_M)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-
-    q_ptrs = Q + b * stride_qb + h * stride_qh + start_m.to(tl.int64) * stride_qn
-    q_ptrs = q_ptrs + offs_m[:, None] * stride_qn + offs_d[None, :]
-    q = _load_rows(q_ptrs, rows, Nq, offs_d, not EVEN_M, HEAD_DIM)
-    k_src = _head_source(K + b * stride_kb + hk * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM,
-                         BLOCK_D, TMA)  # fmt: skip
-    v_src = _head_source(V + b * stride_vb + hk * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM,
-                         BLOCK_D, TMA)  # fmt: skip
-
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
-    lo_shift = Nk - Nq - win_left
-    hi_shift = Nk - Nq + win_right
-    # Key blocks cut by the window's left edge, those every row of this block sees in full, then
-    # the diagonal (right edge) and the ragged end; the rest are never loaded.
-    lo, mid_lo, mid_hi, hi = _ranges(start_m, start_m + BLOCK_M - 1, 0, Nk, lo_shift, hi_shift,
-                                     BLOCK_N, LOCAL, CAUSAL, True)  # fmt: skip
-    if LOCAL:
-        acc, l_i, m_i = _fwd_steps(
-            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, lo, mid_lo, Nk,
-            lo_shift, hi_shift, qk_scale, cap_scale, True, CAUSAL, not EVEN_N, HEAD_DIM,
-            BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, LOCAL,
-        )  # fmt: skip
-    acc, l_i, m_i = _fwd_steps(
-        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, mid_lo, mid_hi, Nk,
-        lo_shift, hi_shift, qk_scale, cap_scale, False, CAUSAL, False, HEAD_DIM, BLOCK_N,
-        BLOCK_D, DOT_PREC, TMA, SOFTCAP, LOCAL,
-    )  # fmt: skip
-    if CAUSAL or LOCAL or not EVEN_N:
-        acc, l_i, m_i = _fwd_steps(
-            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, mid_hi, hi, Nk,
-            lo_shift, hi_shift, qk_scale, cap_scale, True, CAUSAL, not EVEN_N, HEAD_DIM,
-            BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, LOCAL,
-        )  # fmt: skip
-
-    # A row that sees no key (causal with Nq > Nk, windows) has l = 0: zeros and LSE = -inf.
-    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    o_ptrs = O + b * stride_ob + h * stride_oh + start_m.to(tl.int64) * stride_on
-    o_ptrs = o_ptrs + offs_m[:, None] * stride_on + offs_d[None, :]
-    _store_rows(o_ptrs, o.to(O.dtype.element_ty), rows, Nq, offs_d, not EVEN_M, HEAD_DIM)
-    lse = (m_i + tl.math.log2(l_i)) * LN2
-    lse_ptrs = LSE + b * stride_lb + h * stride_lh + rows
-    if EVEN_M:
-        tl.store(lse_ptrs, lse)
-    else:
-        tl.store(lse_ptrs, lse, mask=rows < Nq)
-
-
-# ---------------------------------------------------------------------------------------------
-# Split-KV forward (decoding: few query rows, long key sequences)
-# ---------------------------------------------------------------------------------------------
-#
-# When the query side cannot fill the GPU (decoding: Nq = 1..16 against a long KV cache), the
-# keys are split across programs. A program owns one split of one kv head and packs the GROUP
-# query heads that read that head, times the Nq queries, into the M rows of its tile (packed row
-# r = query (r // GROUP) of query head hk * GROUP + r % GROUP), so each K/V byte is read once per
-# kv head rather than once per query head. It writes a float32 partial (o normalised by its own
-# sum, and its LSE in log2 units) per packed row; `attn_fwd_combine_kernel` merges the splits of
-# a row through their LSEs in split order (deterministic). A split in which a row sees no key
-# (causal) leaves the neutral partial o = 0, LSE = -inf, which the merge weighs by exp2(-inf) = 0.
-#
-# Partials: OP (B * Hkv, SPLITS, ROWS_PAD, BLOCK_D) and LP (B * Hkv, SPLITS, ROWS_PAD), float32
-# and contiguous, ROWS_PAD = GROUP * Nq rounded up to BLOCK_M: every program writes its whole
-# tile unmasked (rows past GROUP * Nq are padding the merge never stores).
-
-
-@triton.jit(
-    do_not_specialize=[
-        "Nq",
-        "Nk",
-        "num_splits",
-        "split_len",
-        "rows_pad",
-        "k_start",
-        "win_left",
-        "win_right",
-    ]
-)
-def attn_fwd_split_kernel(
-    Q,
-    K,
-    V,
-    OP,
-    LP,
-    stride_qb,
-    stride_qn,
-    stride_qh,
-    stride_kb,
-    stride_kn,
-    stride_kh,
-    stride_vb,
-    stride_vn,
-    stride_vh,
-    Hkv,
-    GROUP,
-    Nq,
-    Nk,
-    qk_scale,
-    cap_scale,
-    num_splits,
-    split_len,
-    rows_pad,
-    k_start,
-    win_left,
-    win_right,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    TMA: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    LOCAL: tl.constexpr,
-):
-    """Partial attention of BLOCK_M packed query rows of one kv head over the keys of one split,
-    k_start + [split * split_len, (split + 1) * split_len) (split_len and k_start: multiples of
-    BLOCK_N; k_start > 0 skips keys no window reaches)."""
-    qk_scale = tl.cast(qk_scale, tl.float32)
-    cap_scale = tl.cast(cap_scale, tl.float32)
-    # Program order: row block fastest, then split, then (batch, kv head): the row blocks that
-    # read one split's keys run together (L2).
-    pid = tl.program_id(0)
-    n_rows = GROUP * Nq
-    row_blocks = tl.cdiv(n_rows, BLOCK_M)
-    mb = pid % row_blocks
-    split = (pid // row_blocks) % num_splits
-    bhk = pid // (row_blocks * num_splits)
-    b = (bhk // Hkv).to(tl.int64)
-    hk = (bhk % Hkv).to(tl.int64)
-    start_r = mb * BLOCK_M
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    r = start_r + offs_m
-    qi = r // GROUP  # query index of each packed row (>= Nq on padding rows)
-
-    q_off = (qi.to(tl.int64) * stride_qn + (r % GROUP).to(tl.int64) * stride_qh)[:, None]
-    q_ptrs = Q + b * stride_qb + hk * GROUP * stride_qh + q_off + offs_d[None, :]
-    q = _load_rows(q_ptrs, r, n_rows, offs_d, True, HEAD_DIM)
-    k_src = _head_source(K + b * stride_kb + hk * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM,
-                         BLOCK_D, TMA)  # fmt: skip
-    v_src = _head_source(V + b * stride_vb + hk * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM,
-                         BLOCK_D, TMA)  # fmt: skip
-
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
-    lo_shift = Nk - Nq - win_left
-    hi_shift = Nk - Nq + win_right
-    # This split's keys that the real rows (first_q..last_q) see: keys past the last row's
-    # diagonal or before the first row's window are skipped (a split outside runs no step and
-    # keeps the neutral partial); only blocks on the window's edges need the mask.
-    first_q = start_r // GROUP
-    last_q = tl.minimum((start_r + BLOCK_M - 1) // GROUP, Nq - 1)
-    k_lo = k_start + split * split_len
-    lo, mid_lo, mid_hi, hi = _ranges(first_q, last_q, k_lo, tl.minimum(k_lo + split_len, Nk),
-                                     lo_shift, hi_shift, BLOCK_N, LOCAL, CAUSAL, True)  # fmt: skip
-    if LOCAL:
-        acc, l_i, m_i = _fwd_steps(
-            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, qi, lo, mid_lo, Nk, lo_shift,
-            hi_shift, qk_scale, cap_scale, True, CAUSAL, True, HEAD_DIM, BLOCK_N, BLOCK_D,
-            DOT_PREC, TMA, SOFTCAP, LOCAL,
-        )  # fmt: skip
-    acc, l_i, m_i = _fwd_steps(
-        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, qi, mid_lo, mid_hi, Nk, lo_shift,
-        hi_shift, qk_scale, cap_scale, False, CAUSAL, False, HEAD_DIM, BLOCK_N, BLOCK_D,
-        DOT_PREC, TMA, SOFTCAP, LOCAL,
-    )  # fmt: skip
-    acc, l_i, m_i = _fwd_steps(
-        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, qi, mid_hi, hi, Nk, lo_shift,
-        hi_shift, qk_scale, cap_scale, True, CAUSAL, True, HEAD_DIM, BLOCK_N, BLOCK_D,
-        DOT_PREC, TMA, SOFTCAP, LOCAL,
-    )  # fmt: skip
-
-    empty = l_i == 0.0
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse2 = tl.where(empty, -float("inf"), m_i + tl.math.log2(l_i))
-    part = (bhk.to(tl.int64) * num_splits + split) * rows_pad + start_r + offs_m
-    tl.store(OP + part[:, None] * BLOCK_D + offs_d[None, :], o)
-    tl.store(LP + part, lse2)
-
-
-@triton.jit(do_not_specialize=["Nq", "num_splits", "rows_pad"])
-def attn_fwd_combine_kernel(
-    OP,
-    LP,
-    O,
-    LSE,
-    stride_ob,
-    stride_on,
-    stride_oh,
-    H,
-    Hkv,
-    GROUP,
-    Nq,
-    num_splits,
-    rows_pad,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    """o and the natural-log LSE of BLOCK_R packed rows of one kv head: the splits' partials
-    weighted by exp2(lse_s - max_s lse_s), summed in split order. A row no split saw (all
-    partials neutral) gets o = 0, LSE = -inf."""
-    pid = tl.program_id(0)
-    n_rows = GROUP * Nq
-    row_blocks = tl.cdiv(n_rows, BLOCK_R)
-    bhk = pid // row_blocks
-    start_r = (pid % row_blocks) * BLOCK_R
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_d = tl.arange(0, BLOCK_D)
-    r = start_r + offs_r
-    base = bhk.to(tl.int64) * num_splits * rows_pad + r  # BLOCK_R divides the padded row count
-
-    m = tl.full([BLOCK_R], -float("inf"), dtype=tl.float32)
-    for s in range(num_splits):
-        m = tl.maximum(m, tl.load(LP + base + s * rows_pad))
-    m = tl.where(m == -float("inf"), 0.0, m)
-    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    for s in range(num_splits):
-        row = base + s * rows_pad
-        w = tl.math.exp2(tl.load(LP + row) - m)
-        l_i += w
-        acc += w[:, None] * tl.load(OP + row[:, None] * BLOCK_D + offs_d[None, :])
-    empty = l_i == 0.0
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, -float("inf"), (m + tl.math.log2(l_i)) * LN2)
-
-    b = (bhk // Hkv).to(tl.int64)
-    hk = bhk % Hkv
-    qi = r // GROUP
-    h = hk * GROUP + r % GROUP
-    o_off = (qi.to(tl.int64) * stride_on + h.to(tl.int64) * stride_oh)[:, None]
-    o_ptrs = O + b * stride_ob + o_off + offs_d[None, :]
-    _store_rows(o_ptrs, o.to(O.dtype.element_ty), r, n_rows, offs_d, True, HEAD_DIM)
-    tl.store(LSE + (b * H + h) * Nq + qi, lse, mask=r < n_rows)
-
-
-# ---------------------------------------------------------------------------------------------
-# Backward
-# ---------------------------------------------------------------------------------------------
 
 
 # Query rows per semaphore of the Hopper backward's ordered dq sums (kernels_gluon.SEM_ROWS).
@@ -1180,4 +629,106 @@ def attn_bwd_dq_kernel(
     _store_rows(
         dq_ptrs + offs_m[:, None] * stride_dqn + offs_d[None, :],
         dq.to(DQ.dtype.element_ty), rows, Nq, offs_d, not EVEN_M, HEAD_DIM,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Host
+# ---------------------------------------------------------------------------------------------
+
+
+def can_implement(p: Problem, cfg: BwdConfig) -> str | None:
+    """None if the portable dk/dv and dq kernels can run `cfg` for problem `p`, else why not."""
+    if cfg.dq_mode != DQ_KERNEL or cfg.dq is None:
+        return "dq is summed by the dq kernel beside the portable dk/dv kernel"
+    for t in (cfg.dkdv, cfg.dq):
+        if any(x & (x - 1) for x in (t.block_m, t.block_n)) or min(t.block_m, t.block_n) < 16:
+            return f"tile {t}: BLOCK_M and BLOCK_N must be powers of two >= 16"
+        if t.block_m > ROW_PAD:
+            return f"tile {t}: BLOCK_M above the row vectors' padding ({ROW_PAD})"
+    if cfg.dkdv_tma and not (p.tma_q and p.tma_do):
+        return "TMA loads need 16-byte aligned q and do rows on a GPU with TMA"
+    if cfg.dq_tma and not p.tma_kv:
+        return "TMA loads need 16-byte aligned K/V rows on a GPU with TMA"
+    if p.softcap and cfg.fast_tanh and p.target.interpreter:
+        return "tanh.approx does not run under the interpreter"
+    return None
+
+
+def launch_preprocess(ops, p: Problem, cfg: BwdConfig, o, do, lse, dlse, lse2, delta, dq_acc,
+                      sem, varlen: Varlen | None, block_m: int) -> None:  # fmt: skip
+    """delta = rowsum(do * o) (minus dlse), with padded row vectors also the LSE in log2 units
+    (lse2), and zeroed dq sums and semaphores (dq_acc, sem) where dq is fused. Padded: a program
+    per (padded block, sequence, head), packed batches included; else per block of rows."""
+    packed, pad = varlen is not None, cfg.pad_rows
+    rows = lse.shape[-1]  # the LSE's rows: Nq, or total_q packed
+    lse_strides = (0, lse.stride(0)) if packed else (lse.stride(0), lse.stride(1))
+    blocks = cdiv(p.nq, ROW_PAD) * (ROW_PAD // block_m) if pad else cdiv(rows, block_m)
+    ops.launch(
+        attn_bwd_preprocess_kernel, (blocks * (p.batch if pad or not packed else 1) * p.heads,),
+        O=o, DO=do, LSE=lse, DLSE=delta if dlse is None else dlse, LSE2=lse2, DELTA=delta,
+        CU_Q=varlen.cu_q if packed else None, DQACC=dq_acc, SEM=sem,
+        **strides("o", o, packed), **strides("do", do, packed),
+        stride_lb=lse_strides[0], stride_lh=lse_strides[1],
+        stride_vb=0 if packed else delta.stride(0), stride_vh=delta.stride(1),
+        H=p.heads, Nq=p.nq if pad else rows, HAS_DLSE=dlse is not None,
+        HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=block_m, ROWVEC=pad, ROW_PAD=ROW_PAD,
+        VARLEN=pad and packed, ZERO_DQ=dq_acc is not None, num_warps=4,
+    )  # fmt: skip
+
+
+def _common(p: Problem, cfg: BwdConfig, s: Scores, t, varlen: Varlen | None, delta, tma: bool):
+    """The keywords the dk/dv and dq launches share: the row vectors' (batch, head) strides (the
+    LSE read as delta is laid out), and those after the heads."""
+    packed = varlen is not None
+    return dict(
+        stride_lb=0 if packed else delta.stride(0), stride_lh=delta.stride(1),
+    ), dict(
+        Nq=p.nq, Nk=p.nk, qk_scale=s.qk_scale, sm_scale=s.sm_scale, cap_scale=s.cap_scale,
+        win_left=max(p.left, 0), win_right=p.right,
+        HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        CAUSAL=p.causal, EVEN_M=not packed and bool(p.nq % t.block_m == 0),
+        EVEN_N=not packed and bool(p.nk % t.block_n == 0), DOT_PREC=dot_precision(p.dtype),
+        TMA=tma, SOFTCAP=s.softcap, LOCAL=p.local, VARLEN=packed, PEEL_TAIL=cfg.peel_tail,
+        ROWVEC=cfg.pad_rows, ROW_PAD=ROW_PAD, num_warps=t.warps, num_stages=t.stages,
+    )  # fmt: skip
+
+
+def launch_dkdv(ops, p: Problem, cfg: BwdConfig, s: Scores, q, k, v, do, lse, delta, dk, dv,
+                varlen: Varlen | None) -> None:  # fmt: skip
+    """dk, dv: one program per (key block, batch * kv head), looping over the query blocks of
+    its group's heads."""
+    packed, t = varlen is not None, cfg.dkdv
+    vec, rest = _common(p, cfg, s, t, varlen, delta, cfg.dkdv_tma)
+    ops.launch(
+        attn_bwd_dkdv_kernel, (cdiv(p.nk, t.block_n) * p.batch * p.kv_heads,),
+        Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, DK=dk, DV=dv,
+        CU_Q=varlen.cu_q if packed else None, CU_K=varlen.cu_k if packed else None,
+        **strides("q", q, packed), **strides("k", k, packed), **strides("v", v, packed),
+        **strides("do", do, packed), **strides("dk", dk, packed), **strides("dv", dv, packed),
+        **vec, H=p.heads, Hkv=p.kv_heads, GROUP=p.heads // p.kv_heads, **rest,
+    )  # fmt: skip
+
+
+def launch_dq(ops, p: Problem, cfg: BwdConfig, s: Scores, q, k, v, do, lse, delta, dq,
+              varlen: Varlen | None) -> None:  # fmt: skip
+    """dq: one program per (query block, batch * head), looping over key blocks."""
+    packed, t = varlen is not None, cfg.dq
+    vec, rest = _common(p, cfg, s, t, varlen, delta, cfg.dq_tma)
+    ops.launch(
+        attn_bwd_dq_kernel, (cdiv(p.nq, t.block_m) * p.batch * p.heads,),
+        Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, DQ=dq,
+        CU_Q=varlen.cu_q if packed else None, CU_K=varlen.cu_k if packed else None,
+        **strides("q", q, packed), **strides("k", k, packed), **strides("v", v, packed),
+        **strides("do", do, packed), **strides("dq", dq, packed),
+        **vec, H=p.heads, GROUP=p.heads // p.kv_heads, **rest,
+    )  # fmt: skip
+
+
+def launch_dq_convert(ops, p: Problem, dq_acc, dq, width: int, block_m: int) -> None:
+    """dq from the float32 sums of the fused Gluon backward."""
+    ops.launch(
+        attn_bwd_dq_convert_kernel, (cdiv(p.nq, block_m) * p.batch * p.heads,),
+        DQACC=dq_acc, DQ=dq, **strides("q", dq), H=p.heads, Nq=p.nq, vec_stride=width,
+        HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=block_m, num_warps=4,
     )  # fmt: skip

@@ -1,401 +1,56 @@
-"""Gluon forward of flash-attn for Hopper (sm_90a): FlashAttention-3's schedule, written out.
+"""Gluon backward of flash-attn for Hopper (sm_90a): dk, dv of one 128-key block per program,
+dq by the portable dq kernel beside it (triton/bwd.py) or summed here; and its launch.
 
-Same contract as kernels.attn_fwd_kernel (layout (B, N, H, D) through runtime strides, log2
-scores, bottom-right causal mask, GQA, LSE, rows that see no key -> zeros and LSE -inf), for
-half-precision inputs and BLOCK_D in {64, 128}; the host takes it only where every tensor is
-TMA-aligned (plans.use_tma) on an sm_90 GPU. Gluon does not run under the interpreter: CI compiles
-it for sm_90a (tests) and the GPU tests run it.
+A tile = BLOCK_N = 2 x 64 keys of one kv head; one program per tile, or with PERSISTENT (the
+dk/dv-only kernel up to tables.GLUON_BWD_PERSISTENT_MAX_N rows) one per SM walking its
+share of the tiles. Three partitions:
+- a producer warp loads each tile's K and V block (once the consumers are done with the last
+  tile's), then for each (query head of the GQA group, query block) step the BLOCK_M-row
+  tiles of q and do into a STAGES-deep ring (4-D (B, N, H, D) descriptors: batch and heads
+  are coordinates, not new descriptors);
+- two consumer warpgroups own 64 keys each and run, per step, the transposed products
+  S^T = K q^T and dP^T = V do^T (both asynchronous: the softmax of S^T runs under dP^T),
+  then dV += P^T do and dK += dS^T q with P^T / dS^T as register A operands (dV runs under
+  dS^T). K and V stay in shared memory as wgmma operands; the portable dk/dv kernel holds
+  them in registers, which made its d = 128 tiles spill.
+The same 4 block products per tile pair as the portable kernel, summed in the same order
+(dk, dv bitwise equal to it on the H100).
 
-A tile = BLOCK_M = 2 x 64 query rows of one head. The kernel is persistent: one program per SM
-walks its share of the tiles (causal ones in pairs of a long and a short query block, so that
-the programs stay in step on the same heads: `_fwd_tile`), in three partitions
-(gl.warp_specialize):
-- a producer warp issues the TMA loads: each tile's q into one of two buffers, then its K and V
-  tiles into a STAGES-deep shared-memory ring, each slot guarded by a "ready" mbarrier (TMA
-  transaction bytes) and an "empty" one (both consumers arrive when their MMAs have read it);
-  so the next tile's loads run under the current tile's last products and epilogue;
-- two consumer warpgroups (the default partition and one worker, 4 warps each) own 64 query rows
-  each. Per key block j a consumer issues S_j = q K_j^T and O += P_{j-1} V_{j-1} as asynchronous
-  wgmmas, waits for S_j only, computes the online softmax of block j while the P.V product is
-  still on the tensor cores, then waits for it and rescales O (the intra-warpgroup overlap of
-  FlashAttention-3). P stays in registers as the A operand of the P.V wgmma; K^T is a transposed
-  shared-memory view. The two warpgroups are not forced into ping-pong order: the warp
-  schedulers interleave one's softmax with the other's MMAs as they come (forcing it measured
-  no faster: NOTES.md, session 22).
-Key blocks no mask can touch are walked without one; a block on the causal diagonal or past Nk
-applies it (a run-time branch: Gluon has no automatic pass to trip over).
+DQ_MODE > 0 (choose.choose_bwd, d <= 64; NOTES.md) sums dq here too: a fifth product per
+step, dq_part = dS K over all 128 keys. Both consumers write their half of dS^T into a shared
+buffer (one per step parity) and go on; a third warpgroup, which does nothing else, waits for
+both halves, runs the product and hands the part, scaled, to a reducer warp through a
+shared-memory buffer; that warp adds it into a float32 dq buffer with a TMA reduce-add
+(cp.reduce.async.bulk.tensor). DQ_MODE 1 adds in any order; DQ_MODE 2 key block after key
+block (bitwise reproducible sums): a semaphore per query block counts the parts added, and
+only the reducer warps (two, taking turns) wait on it. (Parts added with atomics by the
+consumers themselves were slower; so were parts of 64 keys, and the consumers taking turns at
+the product: NOTES.md.)
+
+Tiles go in groups of a few heads (`_bwd_tile`) so that the programs running at once share
+q, do and the dq sums in L2 (persistent causal tiles stay key-block-major over all heads:
+choose.tile_heads). Causal sums in a fixed order go from each query block's last key
+block down, and the tiles launch in that order: a program waits only on one launched before
+it, which started two query blocks below it and so is ahead.
 """
 
 from triton._C.libtriton import ir as _tt_ir
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin as _builtin
-from triton.experimental.gluon.language.nvidia.hopper import (
+
+from kernelkit.shared.runtime import cdiv
+
+from ..config import BWD_GLUON, DQ_KERNEL, BwdConfig, Problem, Scores
+from ..strides import strides, tma_strides
+from ..tables import GLUON_FUSED_DQ_MAX_D
+from .common import (
     fence_async_shared,
+    gl,
+    gluon,
     mbarrier,
     tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-
-LOG2E = gl.constexpr(1.4426950408889634)
-LN2 = gl.constexpr(0.6931471805599453)
-WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one m64 wgmma row block)
-
-
-@gluon.jit
-def _fwd_tile(u, w, num_m, H, GROUP, Nq, Nk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, PAIRS: gl.constexpr):  # fmt: skip
-    """Tile w of work unit u: (b, h, kv head, b * H + h, first query row, key blocks). A unit is
-    one tile, or with PAIRS (causal, an even number of query blocks) two: query blocks
-    num_m - 1 - j and j of a head, whose key blocks add up to the same count in every unit, so
-    that programs walking units in step stay on the same heads. Units of one head are adjacent
-    (its K/V stay in L2 while the programs share them); causal: the longest rows of each head
-    first."""
-    if PAIRS:
-        bh = u // (num_m // 2)
-        pid_m = u % (num_m // 2)
-        if w == 0:
-            pid_m = num_m - 1 - pid_m
-    else:
-        bh = u // num_m
-        pid_m = u % num_m
-        if CAUSAL:
-            pid_m = num_m - 1 - pid_m
-    b = bh // H
-    h = bh % H
-    start_m = pid_m * BLOCK_M
-    if CAUSAL:  # noqa: SIM108 (constexpr branch); the key blocks the block's last row sees
-        hi = gl.minimum(start_m + BLOCK_M + Nk - Nq, Nk)
-    else:
-        hi = Nk
-    return b, h, h // GROUP, bh, start_m, gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
-
-
-@gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-              k_empty, v_empty, num_m, n_tiles, H, GROUP, Nq, Nk, CAUSAL: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-              STAGES: gl.constexpr, PAIRS: gl.constexpr):  # fmt: skip
-    """TMA loads, tile after tile of the program's: the q tile into q buffer c % 2 (c: the
-    program's tile count) once both consumers have released it, then K_j and V_j into ring
-    slot i % STAGES (i counts key blocks over all the program's tiles) once both consumers have
-    released the slot's previous tile (a fresh barrier passes the first wait). So the next
-    tile's q and first key blocks load while the consumers finish the current one."""
-    q_tile: gl.constexpr = q_desc.layout
-    kv_tile: gl.constexpr = k_desc.layout
-    dtype: gl.constexpr = q_smem.dtype
-    i = 0
-    c = 0
-    per_unit: gl.constexpr = 2 if PAIRS else 1
-    for t in range(gl.program_id(0) * per_unit, n_tiles, gl.num_programs(0) * per_unit):
-        for w in range(per_unit):
-            b, h, hk, _, start_m, n_blocks = _fwd_tile(t // per_unit, w, num_m, H, GROUP, Nq,
-                                                       Nk, CAUSAL, BLOCK_M, BLOCK_N,
-                                                       PAIRS)  # fmt: skip
-            qb = c % 2
-            mbarrier.wait(q_empty.index(qb), ((c // 2) & 1) ^ 1)
-            mbarrier.expect(q_bar.index(qb), q_desc.block_type.nbytes)
-            q_dst = q_smem.index(qb)._reinterpret(dtype, [1, BLOCK_M, 1, BLOCK_D], q_tile)
-            tma.async_copy_global_to_shared(q_desc, [b, start_m, h, 0], q_bar.index(qb), q_dst)
-            for j in range(n_blocks):
-                s = i % STAGES
-                phase = (i // STAGES) & 1
-                mbarrier.wait(k_empty.index(s), phase ^ 1)
-                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-                k_dst = k_smem.index(s)._reinterpret(dtype, [1, BLOCK_N, 1, BLOCK_D], kv_tile)
-                tma.async_copy_global_to_shared(k_desc, [b, j * BLOCK_N, hk, 0],
-                                                k_ready.index(s), k_dst)  # fmt: skip
-                mbarrier.wait(v_empty.index(s), phase ^ 1)
-                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-                v_dst = v_smem.index(s)._reinterpret(dtype, [1, BLOCK_N, 1, BLOCK_D], kv_tile)
-                tma.async_copy_global_to_shared(v_desc, [b, j * BLOCK_N, hk, 0],
-                                                v_ready.index(s), v_dst)  # fmt: skip
-                i += 1
-            c += 1
-
-
-@gluon.jit
-def _softmax_step(s, m_i, l_i, start_n, last, full_hi, qk_scale, cap_scale,
-                  BLOCK_N: gl.constexpr, s_layout: gl.constexpr, SOFTCAP: gl.constexpr):  # fmt: skip
-    """Online softmax of one score block s (raw q.k): (p, m_new, l_new, alpha). Blocks from
-    full_hi on hide the keys past each row's `last` visible key (causal diagonal, end of Nk).
-    SOFTCAP: the scores are first capped, s -> tanh(s * cap_scale) (tanh.approx.f32, as the
-    portable kernel's SOFTCAP == 2); qk_scale then carries softcap * log2(e)."""
-    if SOFTCAP:
-        s = gl.inline_asm_elementwise(
-            "tanh.approx.f32 $0, $1;", "=f,f", [s * cap_scale], dtype=gl.float32, is_pure=True,
-            pack=1,
-        )  # fmt: skip
-    if start_n >= full_hi:
-        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        s = gl.where(cols[None, :] <= last[:, None], s * qk_scale, -float("inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        # A row that has seen no key yet keeps m = -inf; shift it by 0 to avoid inf - inf.
-        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
-        p = gl.exp2(s - m_use[:, None])
-        alpha = gl.exp2(m_i - m_use)
-    else:
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-        p = gl.exp2(s * qk_scale - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-    return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
-
-
-@gluon.jit
-def _attend_tile(q_buf, q_bar, q_empty, q_phase, k_smem, v_smem, k_ready, v_ready, k_empty,
-                 v_empty, i, n_blocks, row0, O, LSE, stride_on, Nq, Nk, qk_scale, cap_scale,
-                 CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                 BLOCK_D: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr,
-                 Q_REGS: gl.constexpr):  # fmt: skip
-    """One warpgroup's 64 query rows from row0 of one tile (its q rows in q_buf, the K/V ring at
-    position i): the pipelined loop over the tile's n_blocks key blocks, then o (O: the head's
-    base) and the LSE (LSE: the head's row vector) to global memory. Q_REGS: the q tile is the
-    S wgmma's A operand from registers, not shared memory (its buffer is released at once)."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16]
-    )
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    dtype: gl.constexpr = q_buf.dtype
-
-    rows = row0 + gl.arange(0, WG_ROWS, layout=row_s)
-    shift = Nk - Nq
-    if CAUSAL:
-        last = gl.minimum(rows + shift, Nk - 1)  # the last key each row sees
-        full_hi = gl.maximum(row0 + shift + 1, 0) // BLOCK_N * BLOCK_N
-    else:
-        last = gl.full([WG_ROWS], Nk - 1, gl.int32, layout=row_s)
-        full_hi = Nk // BLOCK_N * BLOCK_N
-    s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)
-    m_i = gl.full([WG_ROWS], -float("inf"), gl.float32, layout=row_s)
-    l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_s)
-    p = s_zero
-    o = gl.zeros([WG_ROWS, BLOCK_D], gl.float32, o_layout)
-    q = q_buf
-    mbarrier.wait(q_bar, q_phase)
-    if Q_REGS:
-        q = q_buf.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
-        mbarrier.arrive(q_empty)
-    if n_blocks > 0:  # block 0: its scores and softmax; no P.V product in flight yet
-        slot = i % STAGES
-        mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
-        s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)  # fmt: skip
-        s = warpgroup_mma_wait(0, deps=(s_tok,))
-        mbarrier.arrive(k_empty.index(slot))
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, 0, last, full_hi, qk_scale, cap_scale,
-                                           BLOCK_N, s_layout, SOFTCAP)  # fmt: skip
-    for j in range(1, n_blocks):
-        slot = (i + j) % STAGES
-        prev = (i + j - 1) % STAGES
-        mbarrier.wait(k_ready.index(slot), ((i + j) // STAGES) & 1)
-        s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)  # fmt: skip
-        mbarrier.wait(v_ready.index(prev), ((i + j - 1) // STAGES) & 1)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        o_tok = warpgroup_mma(p_op, v_smem.index(prev), o, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s_tok,))  # S_j done; P_{j-1} V_{j-1} may still run
-        mbarrier.arrive(k_empty.index(slot))
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, j * BLOCK_N, last, full_hi, qk_scale,
-                                           cap_scale, BLOCK_N, s_layout, SOFTCAP)  # fmt: skip
-        o, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
-        mbarrier.arrive(v_empty.index(prev))
-        o = o * gl.convert_layout(alpha, row_o)[:, None]
-    if not Q_REGS:  # every S product of the tile has read q
-        mbarrier.arrive(q_empty)
-    if n_blocks > 0:  # the last block's P.V product
-        last_slot = (i + n_blocks - 1) % STAGES
-        mbarrier.wait(v_ready.index(last_slot), ((i + n_blocks - 1) // STAGES) & 1)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        o_tok = warpgroup_mma(p_op, v_smem.index(last_slot), o, is_async=True)
-        o, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
-        mbarrier.arrive(v_empty.index(last_slot))
-
-    # A row that sees no key (causal, Nq > Nk) has l = 0: output zeros and LSE = -inf.
-    l_o = gl.convert_layout(l_i, row_o)
-    o = o / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
-    rows_o = row0 + gl.arange(0, WG_ROWS, layout=row_o)
-    cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
-    ptrs = O + rows_o[:, None].to(gl.int64) * stride_on + cols[None, :]
-    gl.store(ptrs, o.to(dtype), mask=(rows_o[:, None] < Nq) & (cols[None, :] < HEAD_DIM))
-    lse = (m_i + gl.log2(l_i)) * LN2
-    gl.store(LSE + rows, lse, mask=rows < Nq)
-
-
-@gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
-              stride_ob, stride_on, stride_oh, num_m, n_tiles, H, GROUP, Nq, Nk, qk_scale,
-              cap_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-              STAGES: gl.constexpr, SOFTCAP: gl.constexpr, Q_REGS: gl.constexpr,
-              PAIRS: gl.constexpr):  # fmt: skip
-    """Rows [start_m + WG * 64, +64) of each of the program's tiles, in the producer's order
-    (q buffer c % 2 for its c-th tile; the ring's position i counts key blocks)."""
-    i = 0
-    c = 0
-    per_unit: gl.constexpr = 2 if PAIRS else 1
-    for t in range(gl.program_id(0) * per_unit, n_tiles, gl.num_programs(0) * per_unit):
-        for w in range(per_unit):
-            b, h, _, bh, start_m, n_blocks = _fwd_tile(t // per_unit, w, num_m, H, GROUP, Nq,
-                                                       Nk, CAUSAL, BLOCK_M, BLOCK_N,
-                                                       PAIRS)  # fmt: skip
-            qb = c % 2
-            o_head = O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-            _attend_tile(q_smem.index(qb).slice(WG * WG_ROWS, WG_ROWS), q_bar.index(qb),
-                         q_empty.index(qb), (c // 2) & 1, k_smem, v_smem, k_ready, v_ready,
-                         k_empty, v_empty, i, n_blocks, start_m + WG * WG_ROWS, o_head,
-                         LSE + bh.to(gl.int64) * Nq, stride_on, Nq, Nk, qk_scale, cap_scale,
-                         CAUSAL, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES, SOFTCAP,
-                         Q_REGS)  # fmt: skip
-            i += n_blocks
-            c += 1
-
-
-@gluon.jit(do_not_specialize=["Nq", "Nk"])
-def attn_fwd_gluon_kernel(
-    Q,
-    K,
-    V,
-    O,
-    LSE,
-    stride_qb,
-    stride_qn,
-    stride_qh,
-    stride_kb,
-    stride_kn,
-    stride_kh,
-    stride_vb,
-    stride_vn,
-    stride_vh,
-    stride_ob,
-    stride_on,
-    stride_oh,
-    B,
-    H,
-    GROUP,
-    Nq,
-    Nk,
-    qk_scale,
-    cap_scale,
-    HEAD_DIM: gl.constexpr,
-    BLOCK_D: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    CAUSAL: gl.constexpr,
-    EVEN_M: gl.constexpr,
-    EVEN_N: gl.constexpr,
-    DOT_PREC: gl.constexpr,
-    TMA: gl.constexpr,
-    STAGES: gl.constexpr,
-    SOFTCAP: gl.constexpr,
-    Q_REGS: gl.constexpr = False,
-    PAIRS: gl.constexpr = False,
-):
-    """The B * H * cdiv(Nq, BLOCK_M) tiles of BLOCK_M (= 128) query rows of one head, tile
-    t = program_id, + num_programs, ... (persistent when launched with fewer programs than
-    tiles); launched with num_warps = 4 (the default partition), 12 warps in all. The
-    arguments are kernels.attn_fwd_kernel's (EVEN_M, EVEN_N and DOT_PREC unused: the masks are
-    run-time branches, half precision only; SOFTCAP 0 or 1: tanh.approx) plus B, STAGES,
-    Q_REGS and PAIRS (`_fwd_tile`). The TMA descriptors span the whole (B, N, H, D) tensors:
-    built once per program."""
-    gl.static_assert(BLOCK_M == 2 * WG_ROWS, "two consumer warpgroups of 64 rows")
-    gl.static_assert(TMA, "the host takes this kernel only where every tensor is TMA-aligned")
-    qk_scale = qk_scale.to(gl.float32)  # torch.compile may pass Python floats as float64
-    cap_scale = cap_scale.to(gl.float32)
-    num_m = gl.cdiv(Nq, BLOCK_M)
-    n_tiles = B * H * num_m
-    Hkv = H // GROUP
-    dtype: gl.constexpr = Q.dtype.element_ty
-    q_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, 1, BLOCK_D], dtype)
-    kv_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, 1, BLOCK_D], dtype)
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
-    q_desc = tma.make_tensor_descriptor(Q, [B, Nq, H, HEAD_DIM],
-                                        [stride_qb, stride_qn, stride_qh, 1],
-                                        [1, BLOCK_M, 1, BLOCK_D], q_tile)  # fmt: skip
-    k_desc = tma.make_tensor_descriptor(K, [B, Nk, Hkv, HEAD_DIM],
-                                        [stride_kb, stride_kn, stride_kh, 1],
-                                        [1, BLOCK_N, 1, BLOCK_D], kv_tile)  # fmt: skip
-    v_desc = tma.make_tensor_descriptor(V, [B, Nk, Hkv, HEAD_DIM],
-                                        [stride_vb, stride_vn, stride_vh, 1],
-                                        [1, BLOCK_N, 1, BLOCK_D], kv_tile)  # fmt: skip
-    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_D], q_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(q_bar.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
-
-    gl.warp_specialize(
-        [
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, O, LSE, stride_ob, stride_on, stride_oh, num_m, n_tiles, H,
-                         GROUP, Nq, Nk, qk_scale, cap_scale, gl.constexpr(0), CAUSAL, HEAD_DIM,
-                         BLOCK_M, BLOCK_N, BLOCK_D, STAGES, SOFTCAP, Q_REGS, PAIRS)),
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, O, LSE, stride_ob, stride_on, stride_oh, num_m, n_tiles, H,
-                         GROUP, Nq, Nk, qk_scale, cap_scale, gl.constexpr(1), CAUSAL, HEAD_DIM,
-                         BLOCK_M, BLOCK_N, BLOCK_D, STAGES, SOFTCAP, Q_REGS, PAIRS)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
-                         v_ready, k_empty, v_empty, num_m, n_tiles, H, GROUP, Nq, Nk, CAUSAL,
-                         BLOCK_M, BLOCK_N, BLOCK_D, STAGES, PAIRS)),
-        ],
-        [4, 1],
-        [232, 24],
-    )  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------
-# Backward: dk, dv of one 128-key block per program (dq: kernels.attn_bwd_dq_kernel, or here)
-# ---------------------------------------------------------------------------------------------
-#
-# A tile = BLOCK_N = 2 x 64 keys of one kv head; one program per tile, or with PERSISTENT (the
-# dk/dv-only kernel up to launchers.GLUON_BWD_PERSISTENT_MAX_N rows) one per SM walking its
-# share of the tiles. Three partitions:
-# - a producer warp loads each tile's K and V block (once the consumers are done with the last
-#   tile's), then for each (query head of the GQA group, query block) step the BLOCK_M-row
-#   tiles of q and do into a STAGES-deep ring (4-D (B, N, H, D) descriptors: batch and heads
-#   are coordinates, not new descriptors);
-# - two consumer warpgroups own 64 keys each and run, per step, the transposed products
-#   S^T = K q^T and dP^T = V do^T (both asynchronous: the softmax of S^T runs under dP^T),
-#   then dV += P^T do and dK += dS^T q with P^T / dS^T as register A operands (dV runs under
-#   dS^T). K and V stay in shared memory as wgmma operands; the portable dk/dv kernel holds
-#   them in registers, which made its d = 128 tiles spill.
-# The same 4 block products per tile pair as the portable kernel, summed in the same order
-# (dk, dv bitwise equal to it on the H100).
-#
-# DQ_MODE > 0 (plans.fused_dq_plan, d <= 64; NOTES.md) sums dq here too: a fifth product per
-# step, dq_part = dS K over all 128 keys. Both consumers write their half of dS^T into a shared
-# buffer (one per step parity) and go on; a third warpgroup, which does nothing else, waits for
-# both halves, runs the product and hands the part, scaled, to a reducer warp through a
-# shared-memory buffer; that warp adds it into a float32 dq buffer with a TMA reduce-add
-# (cp.reduce.async.bulk.tensor). DQ_MODE 1 adds in any order; DQ_MODE 2 key block after key
-# block (bitwise reproducible sums): a semaphore per query block counts the parts added, and
-# only the reducer warps (two, taking turns) wait on it. (Parts added with atomics by the
-# consumers themselves were slower; so were parts of 64 keys, and the consumers taking turns at
-# the product: NOTES.md.)
-#
-# Tiles go in groups of a few heads (`_bwd_tile`) so that the programs running at once share
-# q, do and the dq sums in L2 (persistent causal tiles stay key-block-major over all heads:
-# launchers._bwd_tile_order). Causal sums in a fixed order go from each query block's last key
-# block down, and the tiles launch in that order: a program waits only on one launched before
-# it, which started two query blocks below it and so is ahead.
 
 BWD_WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma row block)
 SEM_ROWS = gl.constexpr(64)  # query rows per dq semaphore (DQ_MODE 2; kernels.SEM_ROWS)
@@ -1038,3 +693,58 @@ def attn_bwd_gluon_kernel(
             [4, 1],
             [232, 24],
         )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Host
+# ---------------------------------------------------------------------------------------------
+
+
+def can_implement(p: Problem, cfg: BwdConfig) -> str | None:
+    """None if the Gluon backward can run `cfg` for problem `p`, else why not: an sm_90 GPU,
+    half precision, BLOCK_D 64 or 128, TMA-aligned q, k, v, do; dense, no window edge but the
+    causal diagonal, no softcap; 2 x 64 keys per tile; dq summed here only up to
+    GLUON_FUSED_DQ_MAX_D, and K/V in registers only then (the dq-kernel variant computed wrong
+    dk / dv with them on the H100: a miscompile not understood)."""
+    if not p.target.gluon:
+        return "not an sm_90 GPU (or under the interpreter)"
+    if not p.half:
+        return "float32 inputs"
+    if p.block_d not in (64, 128):
+        return f"head dim {p.head_dim} (BLOCK_D 64 or 128 only)"
+    if not (cfg.dkdv_tma and p.tma_q and p.tma_kv and p.tma_do):
+        return "q, k, v, do rows not 16-byte aligned for TMA"
+    if p.masked or p.right:
+        return "a window edge or a packed batch"
+    if p.softcap:
+        return "softcap"
+    if cfg.dkdv.block_n != 2 * BWD_WG_KEYS.value:
+        return f"tile {cfg.dkdv}: BLOCK_N must be {2 * BWD_WG_KEYS.value}"
+    if cfg.dq_mode != DQ_KERNEL and p.block_d > GLUON_FUSED_DQ_MAX_D:
+        return f"dq summed in the kernel only up to BLOCK_D {GLUON_FUSED_DQ_MAX_D}"
+    if cfg.dq_mode == DQ_KERNEL and (cfg.dq is None or cfg.kv_regs):
+        return "the dq-kernel variant needs a dq tile and K/V in shared memory"
+    if cfg.dq_mode != DQ_KERNEL and cfg.persistent:
+        return "the fused-dq variants run one program per tile"
+    if not cfg.pad_rows:
+        return "the Gluon backward reads the padded row vectors"
+    return None
+
+
+def launch(ops, p: Problem, cfg: BwdConfig, s: Scores, q, k, v, do, lse2, delta, dk, dv,
+           dq_acc, sem, width: int, sem_rows: int) -> None:  # fmt: skip
+    """Launch the Gluon dk/dv kernel (summing dq into dq_acc where cfg.dq_mode says so)."""
+    t = cfg.dkdv
+    tiles = cdiv(p.nk, t.block_n) * p.batch * p.kv_heads
+    ops.launch(
+        attn_bwd_gluon_kernel, (min(tiles, p.target.sms) if cfg.persistent else tiles,),
+        Q=q, K=k, V=v, DO=do, LSE2=lse2, DELTA=delta, DK=dk, DV=dv, DQACC=dq_acc, SEM=sem,
+        **tma_strides("q", q), **tma_strides("k", k), **tma_strides("v", v),
+        **tma_strides("do", do), **strides("dk", dk), **strides("dv", dv),
+        vec_stride=width, sem_stride=width // sem_rows, dq_rows=p.batch * p.heads * width,
+        tile_heads=cfg.tile_heads, B=p.batch, H=p.heads, Hkv=p.kv_heads,
+        GROUP=p.heads // p.kv_heads, Nq=p.nq, Nk=p.nk, qk_scale=s.qk_scale,
+        sm_scale=s.sm_scale, HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n, CAUSAL=p.causal, STAGES=t.stages, DQ_MODE=cfg.dq_mode,
+        KV_REGS=cfg.kv_regs, PERSISTENT=cfg.persistent, num_warps=t.warps,
+    )  # fmt: skip

@@ -1,0 +1,267 @@
+"""The chooser: a `Problem` in, a frozen `FwdConfig` / `BwdConfig` out, decided once per call
+(per layout: the launches are replayed) and never rewritten. Each backend module says whether
+it can run a config (`can_implement`: None, or the reason it cannot); where the preferred
+kernel cannot, the chooser takes the next one and says why in the config's `why`.
+
+Forward: the split-KV kernel for decoding shapes (`_split`), else the Gluon kernel where its
+table and rule ask for it and it can run, else the portable kernel with the table's tile
+(small grids: a 64-row tile). Backward: the Gluon dk/dv kernel (d128) or, from the fused-dq
+thresholds, the Gluon kernel summing dq too (d64), where it can run; else the portable dk/dv
+and dq kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kernelkit.shared.runtime import cdiv, next_power_of_2
+
+from . import tables as T
+from .config import (
+    BWD_GLUON,
+    BWD_TRITON,
+    DQ_ANY_ORDER,
+    DQ_KERNEL,
+    DQ_ORDERED,
+    FWD_GLUON,
+    FWD_SPLIT,
+    FWD_TRITON,
+    ROW_PAD,
+    BwdConfig,
+    FwdConfig,
+    Problem,
+    Split,
+    Tile,
+)
+from .gluon import bwd as gluon_bwd
+from .gluon import fwd as gluon_fwd
+from .triton import bwd as triton_bwd
+from .triton import fwd as triton_fwd
+from .triton import split_kv as triton_split_kv
+
+__all__ = ["check_bwd", "check_fwd", "choose_bwd", "choose_fwd", "split_config"]
+
+
+def _fast_tanh(p: Problem) -> bool:
+    """Softcap through tanh.approx.f32 (one MUFU op, as FlashAttention does) for half precision
+    on a GPU; float32 and the interpreter take an exact float32 formula."""
+    return p.softcap and p.half and not p.target.interpreter
+
+
+def _tables(p: Problem) -> tuple[Tile, Tile, Tile]:
+    """The portable (fwd, dk/dv, dq) tiles of the tables for this problem."""
+    bd = p.block_d
+    if p.target.interpreter:
+        return T.INTERPRETER_FWD, T.INTERPRETER_DKDV, T.INTERPRETER_DQ
+    if not p.half:
+        return T.FP32_TILES[bd]
+    fwd, dkdv, dq = T.CAUSAL_TILES.get(bd, (None,) * 3) if p.causal else (None,) * 3
+    return fwd or T.FWD_TILES[bd], dkdv or T.DKDV_TILES[bd], dq or T.DQ_TILES[bd]
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------
+
+
+def choose_fwd(p: Problem) -> FwdConfig:
+    """The forward's config for problem `p`."""
+    fast_tanh = _fast_tanh(p)
+    portable = _tables(p)[0]
+    if p.empty:
+        return FwdConfig(FWD_TRITON, portable, False, fast_tanh, why="nothing to compute")
+    if not p.packed:
+        split = split_config(p)
+        if split is not None:
+            return split
+    why = "the table's tile"
+    gluon = _gluon_fwd_wanted(p)
+    if gluon is not None:
+        cfg = FwdConfig(FWD_GLUON, T.GLUON_FWD_TILE, True, fast_tanh, persistent=True,
+                        pairs=p.causal and _even_query_blocks(p), q_regs=p.block_d <= T.GLUON_FWD_Q_REGS_MAX_D,
+                        why=gluon)  # fmt: skip
+        reason = gluon_fwd.can_implement(p, cfg)
+        if reason is None:
+            return cfg
+        why = f"the Gluon forward cannot run: {reason}"
+    elif p.half and not p.target.interpreter:
+        small = _small_grid(p, portable)
+        if small is not None:
+            portable, why = small, "a 64-row tile: the table's would not fill the GPU"
+    tma = portable.tma or (p.masked and p.block_d >= T.MASKED_FWD_TMA_MIN_D and p.half
+                           and not p.target.interpreter)  # fmt: skip
+    return FwdConfig(FWD_TRITON, portable, tma and p.tma_kv, fast_tanh, why=why)
+
+
+def _even_query_blocks(p: Problem) -> bool:
+    return cdiv(p.nq, T.GLUON_FWD_TILE.block_m) % 2 == 0
+
+
+def _gluon_fwd_wanted(p: Problem) -> str | None:
+    """Why the tables ask for the Gluon forward here, or None: half precision, no window's
+    left edge or packing, d128, or d64 from GLUON_FWD_MIN_N query rows."""
+    if not p.half or p.masked or p.target.interpreter or p.block_d not in T.GLUON_FWD_MIN_N:
+        return None
+    min_n = T.GLUON_FWD_MIN_N[p.block_d][p.causal]
+    if p.nq < min_n:
+        return None
+    if _small_grid(p, T.GLUON_FWD_TILE) is not None:
+        return None
+    return f"Gluon forward: d{p.block_d}" + (f" from {min_n} query rows" if min_n else "")
+
+
+def _small_grid(p: Problem, tile: Tile) -> Tile | None:
+    """SMALL_GRID_FWD's 64-row tile where `tile` would launch fewer programs than its waves x
+    SMs, else None. A causal Gluon tile that fills one wave is kept: the persistent Gluon forward
+    balances causal tiles itself."""
+    small, waves, causal_waves = T.SMALL_GRID_FWD.get(p.block_d, (None, 0.0, 0.0))
+    if small is None or tile.block_m <= small.block_m:
+        return None
+    programs = p.batch * p.heads * cdiv(p.nq, tile.block_m)
+    if tile == T.GLUON_FWD_TILE and p.causal and programs >= p.target.sms:
+        return None
+    return small if programs < (causal_waves if p.causal else waves) * p.target.sms else None
+
+
+def split_config(p: Problem, num_splits: int | None = None, tile: Tile | None = None):
+    """The split-KV config for a dense problem, or None for the dense forward.
+
+    Automatic (num_splits None): when T = B * Hkv * ceil(GROUP * Nq / BLOCK_M) query tiles (the
+    GROUP query heads of a kv head packed into one tile) cannot fill the GPU, the keys are split
+    into S = min(SPLIT_WAVES * SMs // T, Nk // max(SPLIT_MIN_KEYS, SPLIT_KEYS_PER_ROW * padded
+    rows), SPLIT_MAX) runs. The split path is taken when S >= 2, and always (S >= 1) for
+    Nq <= DECODE_MAX_NQ. num_splits forces at most that many splits (runs of whole key blocks of
+    equal length, so 5 blocks in 4 splits are 3 runs of 2, 2, 1); tile forces the tile. A
+    window's left edge leaves the keys before the first query's window out: only the rest is
+    split."""
+    group = p.heads // p.kv_heads
+    rows = group * p.nq
+    tile = tile or _split_tile(p, rows)
+    nk = p.nk
+    start = max(0, nk - p.nq - p.left) // tile.block_n * tile.block_n if p.local else 0
+    nk -= start
+    key_blocks = cdiv(nk, tile.block_n)
+    if num_splits is None:
+        waves, min_keys, keys_per_row, most = (
+            T.INTERPRETER_SPLIT_RULE
+            if p.target.interpreter
+            else (T.SPLIT_WAVES, T.SPLIT_MIN_KEYS, T.SPLIT_KEYS_PER_ROW, T.SPLIT_MAX)
+        )
+        row_tiles = cdiv(rows, tile.block_m)
+        tiles = p.batch * p.kv_heads * row_tiles
+        per_split = max(min_keys, keys_per_row * row_tiles * tile.block_m)
+        num_splits = min(waves * p.target.sms // tiles, nk // per_split, most)
+        if num_splits < 2 and p.nq > T.DECODE_MAX_NQ:
+            return None
+    blocks = cdiv(key_blocks, max(1, min(num_splits, key_blocks)))
+    combine = min(tile.block_m, T.COMBINE_BLOCK_R, max(2, next_power_of_2(rows)))
+    split = Split(cdiv(key_blocks, blocks), blocks * tile.block_n, start, combine)
+    why = f"split-KV: {rows} packed query rows per kv head, {split.splits} splits of the keys"
+    return FwdConfig(FWD_SPLIT, tile, tile.tma and p.tma_kv, _fast_tanh(p), split, why=why)
+
+
+def _split_tile(p: Problem, rows: int) -> Tile:
+    """The split kernel's tile for `rows` packed query rows per kv head (GROUP * Nq): the dense
+    forward's portable tile for many rows, else SPLIT_TILES' with 16..64 rows."""
+    bm = max(16, next_power_of_2(rows))
+    if p.target.interpreter:
+        return Tile(min(bm, 32), *T.INTERPRETER_SPLIT)
+    dense = (T.FWD_TILES if p.half else {d: t[0] for d, t in T.FP32_TILES.items()})[p.block_d]
+    if bm >= dense.block_m:  # many rows: the dense forward's tile
+        return dense
+    table = T.SPLIT_TILES if p.half else T.SPLIT_FP32_TILES
+    return Tile(bm, *table[p.block_d])
+
+
+def check_fwd(p: Problem, cfg: FwdConfig) -> FwdConfig:
+    """`cfg` if its kernel can run problem `p`, else a ValueError saying why."""
+    module = {FWD_TRITON: triton_fwd, FWD_SPLIT: triton_split_kv, FWD_GLUON: gluon_fwd}.get(cfg.kernel)
+    reason = f"unknown kernel {cfg.kernel!r}" if module is None else module.can_implement(p, cfg)
+    if reason is not None:
+        raise ValueError(f"config: {cfg} cannot run this call: {reason}")
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------------
+
+
+def choose_bwd(p: Problem) -> BwdConfig:
+    """The backward's config for problem `p`."""
+    _, dkdv, dq = _tables(p)
+    fast_tanh = _fast_tanh(p)
+    pad = _pad_rows(p)
+    gluon = None if p.empty else _gluon_bwd_wanted(p)
+    why = "nothing to compute" if p.empty else "the tables' tiles"
+    if gluon is not None:
+        tile, dq_mode, why = gluon
+        cfg = _gluon_schedule(p, BwdConfig(BWD_GLUON, tile, True, dq_mode, None if dq_mode else dq,
+                                           dq.tma and p.tma_kv, True, True, fast_tanh, why=why))  # fmt: skip
+        reason = gluon_bwd.can_implement(p, cfg)
+        if reason is None:
+            return cfg
+        why = f"the Gluon backward cannot run: {reason}"
+    return BwdConfig(BWD_TRITON, dkdv, dkdv.tma and p.tma_q and p.tma_do, DQ_KERNEL, dq,
+                     dq.tma and p.tma_kv, pad, True, fast_tanh, why=why)  # fmt: skip
+
+
+def _gluon_bwd_wanted(p: Problem) -> tuple[Tile, int, str] | None:
+    """(dk/dv tile, dq mode, why) of the Gluon backward where the tables ask for it: d128 with
+    the dq kernel beside it, d64 summing dq from FUSED_DQ_MIN_N query rows (ANY_ORDER_DQ_MIN_N
+    with deterministic=False); half precision, no window's left edge, no packing."""
+    if not p.half or p.masked or p.target.interpreter:
+        return None
+    table = T.FUSED_DQ_MIN_N if p.deterministic else T.ANY_ORDER_DQ_MIN_N
+    min_n = table.get(p.block_d, (None, None))[p.causal]
+    if min_n is not None and p.nq >= min_n:
+        mode = DQ_ORDERED if p.deterministic else DQ_ANY_ORDER
+        order = "in a fixed order" if p.deterministic else "in any order"
+        return T.FUSED_DQ_DKDV, mode, f"Gluon dk/dv summing dq {order}: from {min_n} query rows"
+    tiles = T.GLUON_DKDV_TILES.get(p.block_d)
+    if tiles is None:
+        return None
+    return tiles[p.causal], DQ_KERNEL, f"Gluon dk/dv at d{p.block_d}, dq kernel beside it"
+
+
+def _gluon_schedule(p: Problem, cfg: BwdConfig) -> BwdConfig:
+    """The Gluon backward's schedule: K/V in registers with dq summed here (d <= 64); one program
+    per SM for the dq-kernel variant up to GLUON_BWD_PERSISTENT_MAX_N query rows; the tile order
+    (`tile_heads`)."""
+    fused = cfg.dq_mode != DQ_KERNEL
+    persistent = not fused and p.nq <= T.GLUON_BWD_PERSISTENT_MAX_N
+    key_blocks = cdiv(p.nk, cfg.dkdv.block_n)
+    heads = tile_heads(p.batch * p.kv_heads, key_blocks, p.target.sms, p.causal, persistent,
+                       cfg.dq_mode == DQ_ORDERED)  # fmt: skip
+    return replace(cfg, kv_regs=fused and p.block_d <= T.GLUON_FUSED_DQ_MAX_D,
+                   persistent=persistent, tile_heads=heads)  # fmt: skip
+
+
+def tile_heads(bhk: int, key_blocks: int, sms: int, causal: bool, persistent: bool,
+               ordered: bool) -> int:  # fmt: skip
+    """(batch, kv head)s per tile group of the Gluon backward (`gluon.bwd._bwd_tile`): the
+    largest divisor of bhk that keeps about one wave of programs on a group, so that the
+    programs running at once share q, do and dq's sums in L2; negative (each group from its
+    last key block down) for causal dq sums in a fixed order; bhk (one group, key-block-major)
+    for persistent causal tiles, whose programs would otherwise get all-long or all-short
+    tiles."""
+    if causal and persistent and not ordered:
+        return bhk
+    want = max(1, cdiv(sms, key_blocks))
+    group = max(g for g in range(1, min(want, bhk) + 1) if bhk % g == 0)
+    return -group if causal and ordered else group
+
+
+def _pad_rows(p: Problem) -> bool:
+    """Padded row vectors for packed batches, ragged lengths and BLOCK_D <= 64 (block-multiple
+    d128 non-causal measured 3% slower with them)."""
+    return p.packed or p.nq % ROW_PAD != 0 or p.block_d <= 64
+
+
+def check_bwd(p: Problem, cfg: BwdConfig) -> BwdConfig:
+    """`cfg` if its kernels can run problem `p`, else a ValueError saying why."""
+    module = {BWD_TRITON: triton_bwd, BWD_GLUON: gluon_bwd}.get(cfg.kernel)
+    reason = f"unknown kernel {cfg.kernel!r}" if module is None else module.can_implement(p, cfg)
+    if reason is not None:
+        raise ValueError(f"config: {cfg} cannot run this call: {reason}")
+    return cfg

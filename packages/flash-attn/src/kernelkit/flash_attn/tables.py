@@ -1,0 +1,116 @@
+"""The measured tables `choose.py` reads: tiles by head dim (BLOCK_D) and dtype, and the
+thresholds of its rules. Data only: the numbers that decided each entry are in NOTES.md
+("The kernels and when each runs", "Decisions kept"); `benchmarks/tune.py` and
+`benchmarks/tune_decode.py` regenerate them."""
+
+from __future__ import annotations
+
+from .config import Tile
+
+# ---------------------------------------------------------------------------------------------
+# Portable kernels (triton/), half precision on Hopper
+# ---------------------------------------------------------------------------------------------
+
+# Forward. Screened for sm_90a (registers, spills, shared memory), timed with tune.py at
+# N = 4k..32k (H100, H200); d16/32 from the flash-table sweep. Pointer loads: TMA measured the
+# same. d256 not timed.
+FWD_TILES = {
+    16: Tile(64, 128, 4, 3),
+    32: Tile(64, 128, 4, 3),
+    64: Tile(128, 64, 8, 3),
+    128: Tile(128, 128, 8, 3),
+    256: Tile(128, 32, 8, 2),
+}
+# dk/dv: BLOCK_N keys held by the program, BLOCK_M query rows per step.
+DKDV_TILES = {
+    16: Tile(64, 128, 8, 2),
+    32: Tile(64, 128, 8, 2),
+    64: Tile(32, 64, 4, 3),
+    128: Tile(32, 128, 8, 3, tma=True),
+    256: Tile(16, 32, 8, 2),
+}
+# dq: BLOCK_M query rows held by the program, BLOCK_N keys per step.
+DQ_TILES = {
+    16: Tile(128, 64, 8, 3),
+    32: Tile(64, 128, 4, 3),
+    64: Tile(128, 64, 8, 3),
+    128: Tile(128, 64, 8, 3, tma=True),
+    256: Tile(64, 16, 4, 2),
+}
+# Causal (or right-bounded) overrides, (fwd, dk/dv, dq), None = the tables above: the diagonal's
+# masked steps and the uneven work per program favour other shapes (NOTES: "Causal tiles differ").
+CAUSAL_TILES: dict[int, tuple[Tile | None, Tile | None, Tile | None]] = {
+    64: (None, Tile(64, 64, 4, 3, tma=True), Tile(128, 64, 8, 4, tma=True)),
+    128: (None, Tile(64, 128, 8, 3, tma=True), Tile(128, 64, 8, 4, tma=True)),
+}
+# float32 inputs (tf32x3: three products per dot need about three times the operand registers),
+# (fwd, dk/dv, dq): winners of the H100 flash-table sweep.
+FP32_TILES = {
+    16: (Tile(64, 64, 4, 2), Tile(32, 32, 4, 1), Tile(32, 32, 4, 1)),
+    32: (Tile(64, 64, 4, 2), Tile(32, 64, 4, 2), Tile(64, 64, 4, 2)),
+    64: (Tile(32, 64, 4, 2), Tile(32, 32, 4, 1), Tile(32, 64, 4, 2)),
+    128: (Tile(32, 64, 8, 1), Tile(64, 32, 8, 1, tma=True), Tile(16, 32, 4, 2, tma=True)),
+    256: (Tile(16, 16, 4, 1), Tile(16, 16, 4, 1), Tile(16, 16, 4, 1)),
+}
+# Small grids: a half-precision forward whose table tile would launch fewer than `waves`
+# (non-causal) / `causal_waves` programs per SM takes the 64-row tile (twice the programs).
+# BLOCK_D -> (tile, waves, causal_waves). d128: none (the Gluon forward won everywhere).
+SMALL_GRID_FWD = {64: (Tile(64, 128, 4, 3), 2.0, 8.0)}
+# Masked forwards (a window's left edge, packed batches) at BLOCK_D >= this read K/V through
+# TMA: with pointer loads the d128 tile needs 1.7-1.9 KB of stack (register screen).
+MASKED_FWD_TMA_MIN_D = 128
+
+# Under the interpreter: small, unequal tiles, so that tests at small N walk several blocks, the
+# causal diagonal and the sequence ends in every kernel; TMA loads (the pointer path runs where
+# inputs are misaligned, and in tests that pass a config).
+INTERPRETER_FWD = Tile(32, 16, 4, 1, tma=True)
+INTERPRETER_DKDV = Tile(16, 32, 4, 1, tma=True)
+INTERPRETER_DQ = Tile(32, 16, 4, 1, tma=True)
+
+# ---------------------------------------------------------------------------------------------
+# Gluon kernels (gluon/), half precision on sm_90
+# ---------------------------------------------------------------------------------------------
+
+# Forward (2 x 64 query rows, a `stages`-deep K/V ring): d128 always; d64 from these query rows
+# (non-causal, causal).
+GLUON_FWD_TILE = Tile(128, 128, 4, 2, tma=True)
+GLUON_FWD_D = (64, 128)
+GLUON_FWD_MIN_N = {64: (8192, 2048), 128: (0, 0)}
+# The q tile in registers (the S product's A operand) up to this BLOCK_D (d128 would spill).
+GLUON_FWD_Q_REGS_MAX_D = 64
+# dk/dv with the dq kernel beside it (2 x 64 keys, BLOCK_M query rows per step): d128, (non-causal,
+# causal) tiles. One program per SM up to GLUON_BWD_PERSISTENT_MAX_N query rows.
+GLUON_DKDV_TILES = {128: (Tile(64, 128, 4, 3, tma=True), Tile(64, 128, 4, 2, tma=True))}
+GLUON_BWD_PERSISTENT_MAX_N = 4096
+# dq summed in the Gluon dk/dv kernel (d <= GLUON_FUSED_DQ_MAX_D: its dq part fits beside the
+# consumers' registers), from these query rows (non-causal, causal): in a fixed order
+# (deterministic, the default), in any order (deterministic=False). K and V in registers.
+GLUON_FUSED_DQ_MAX_D = 64
+FUSED_DQ_MIN_N = {64: (8192, 8192)}
+ANY_ORDER_DQ_MIN_N = {64: (4096, 4096)}
+FUSED_DQ_DKDV = Tile(64, 128, 4, 2, tma=True)
+
+# ---------------------------------------------------------------------------------------------
+# Split-KV forward (decoding)
+# ---------------------------------------------------------------------------------------------
+
+# By BLOCK_D: (BLOCK_N, warps, stages, tma) of the tile whose BLOCK_M rows hold the packed
+# (query head of the group, query) rows of one kv head, 16..64 of them; more rows take the
+# dense forward's tile. Memory-bound: TMA loads, two stages ahead, little shared memory.
+SPLIT_TILES = {16: (128, 4, 3, True), 32: (128, 4, 3, True), 64: (128, 4, 3, True),
+               128: (128, 4, 2, True), 256: (32, 8, 3, True)}  # fmt: skip
+SPLIT_FP32_TILES = {16: (32, 4, 2, True), 32: (32, 4, 2, True), 64: (32, 4, 2, True),
+                    128: (32, 4, 2, True), 256: (16, 8, 2, True)}  # fmt: skip
+# Splits: as many as keep the launch within SPLIT_WAVES programs per SM, at most SPLIT_MAX,
+# each of at least max(SPLIT_MIN_KEYS, SPLIT_KEYS_PER_ROW * padded rows) keys (its float32
+# partial then costs at most 1/8 of the K/V bytes it reads).
+SPLIT_WAVES, SPLIT_MIN_KEYS, SPLIT_KEYS_PER_ROW, SPLIT_MAX = 1, 256, 16, 128
+# Nq up to this always takes the split kernel (even unsplit): the dense one would read each K/V
+# byte once per query head and fill 128-row tiles with a few rows.
+DECODE_MAX_NQ = 16
+# Under the interpreter (4 stand-in SMs): small tiles and splits, so that tests with a few dozen
+# keys already take several splits.
+INTERPRETER_SPLIT = (16, 4, 1, True)
+INTERPRETER_SPLIT_RULE = (2, 32, 1, 128)
+# Packed rows per program of the merge (at most the split tile's BLOCK_M, which it divides).
+COMBINE_BLOCK_R = 16
