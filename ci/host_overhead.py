@@ -190,7 +190,7 @@ def _act_case(O, L, act, a, dim, x, xg, dy, out):
                 "+ plan lookup, empty_like",
                 lambda: L.run_elementwise(L.K.act_fwd_kernel, torch.empty_like(x), x, act=a),
             ),
-            ("+ use_triton", lambda: O.act_fwd.fn(x, a)),
+            ("+ op body", lambda: O.act_fwd.fn(x, a)),
             ("+ KernelOp checks", lambda: O.act_fwd(x, a)),
         ]
         bwd = [
@@ -199,7 +199,7 @@ def _act_case(O, L, act, a, dim, x, xg, dy, out):
                 "+ plan lookup, empty_like",
                 lambda: L.run_elementwise(L.K.act_bwd_kernel, torch.empty_like(x), x, dy, act=a),
             ),
-            ("+ use_triton", lambda: O.act_bwd.fn(x, dy, a)),
+            ("+ op body", lambda: O.act_bwd.fn(x, dy, a)),
             ("+ KernelOp checks", lambda: O.act_bwd(x, dy, a)),
         ]
     else:
@@ -209,16 +209,16 @@ def _act_case(O, L, act, a, dim, x, xg, dy, out):
         fwd = [
             ("launch (cached)", lambda: fplan(x, out, None)),
             ("+ plan lookup, empty_like", lambda: L.run_softmax_fwd(x, dim)),
-            ("+ use_triton", lambda: O.softmax_fwd.fn(x, dim)),
+            ("+ op body", lambda: O.softmax_fwd.fn(x, dim)),
             ("+ KernelOp checks", lambda: O.softmax_fwd(x, dim)),
         ]
         bwd = [
             ("launch (cached)", lambda: bplan(yd, dy, out, None)),
             ("+ plan lookup, empty_like", lambda: L.run_softmax_bwd(yd, dy, dim)),
-            ("+ use_triton", lambda: O.softmax_bwd.fn(yd, dy, dim)),
+            ("+ op body", lambda: O.softmax_bwd.fn(yd, dy, dim)),
             ("+ KernelOp checks", lambda: O.softmax_bwd(yd, dy, dim)),
         ]
-    fwd.append(("+ validate: act(x), no grad", lambda: act(x, a, dim)))
+    fwd.append(("+ validate, use_triton: act(x), no grad", lambda: act(x, a, dim)))
     col = {**_layers("fwd", fwd), **_layers("bwd", bwd)}
     col["fwd: act(x), x requires grad"] = per_call_us(lambda: act(xg, a, dim))
 
@@ -279,11 +279,11 @@ def eager_reference_us(shape, device):
 
 def flash_breakdown(shape, device):
     """{step: us} of flash_attn(x, x, x, causal=True)'s eager path, forward and backward: the
-    replayed launch sequence (buffers, launches), + its replay key and lookup (launchers), +
+    replayed launch sequence (buffers, launches), + its replay key and lookup (launch), +
     the KernelOp, + validation (flash_attn), then the autograd forward and y.backward(dy)."""
     import torch
 
-    import kernelkit.flash_attn.launchers as L
+    import kernelkit.flash_attn.launch as L
     import kernelkit.flash_attn.op as O
     from kernelkit.flash_attn import flash_attn
     from kernelkit.shared import replay
@@ -303,7 +303,7 @@ def flash_breakdown(shape, device):
         and key[1][1:5] == (True, scale, 0.0, (-1, 0))
         and key[3:5] == (x.device, x.shape)
     }
-    fwd_in, bwd_in = (x, x, x), (dy, x, x, x, o, lse, None)  # the dense inputs launchers key
+    fwd_in, bwd_in = (x, x, x), (dy, x, x, x, o, lse, None)  # the dense inputs `launch` keys
     fwd = [
         ("buffers (empty_like x2)", lambda: (torch.empty_like(x), torch.empty_like(lse))),
         ("+ launch (replayed sequence)", lambda: seqs["fwd"](fwd_in)),

@@ -10,7 +10,7 @@ halved for causal; backward 2.5x, forward+backward 3.5x of that), one column per
   torch           eager attention (the package's reference: the N x N scores in memory)
   torch_compile   torch.compile of it (static shapes)
   triton_any_order this package with deterministic=False (dq's parts added in any order where
-                  that measured faster: d64 from 4k rows on Hopper, plans.ANY_ORDER_DQ_MIN_N);
+                  that measured faster: d64 from 4k rows on Hopper, tables.ANY_ORDER_DQ_MIN_N);
                   backward and forward+backward cells of d = 64 only (elsewhere it is the
                   triton column)
 Eager/compiled cells whose score matrices cannot fit on the GPU are recorded as OOM without

@@ -34,8 +34,8 @@ from bench_flash_attn import SDPA
 from torch.nn.attention import sdpa_kernel
 
 from kernelkit.flash_attn import flash_attn
-from kernelkit.flash_attn import launchers as fa_launchers
-from kernelkit.flash_attn import plans as fa_plans
+from kernelkit.flash_attn.choose import choose_fwd, dense_fwd_config
+from kernelkit.flash_attn.launch import forward, forward_problem
 from kernelkit.shared.bench import record
 
 GPU = torch.cuda.is_available()
@@ -65,9 +65,9 @@ def inputs(nq, nk):
 
 def ours(provider, q, k, v):
     if provider == "triton_dense":
-        plan = fa_plans.plan_for(D, False, DTYPE)
+        config = dense_fwd_config(forward_problem(q, k, v, False))
         scale = 1.0 / math.sqrt(D)
-        return lambda: fa_launchers.forward(q, k, v, False, scale, plan)
+        return lambda: forward(q, k, v, False, scale, config=config)
     return functools.partial(flash_attn, q, k, v, causal=provider == "triton_causal")
 
 
@@ -101,7 +101,7 @@ def run_cell(benchmark, nq, nk, provider):
     info = {"nq": nq, "kv_bytes": kv_bytes(nk)}
     if provider.startswith("triton"):
         fn = ours(provider, q, k, v)
-        split = fa_plans.split_plan(q, k)
+        split = choose_fwd(forward_problem(q, k, v, provider == "triton_causal")).split
         info["plan"] = f"{split.splits} splits x {split.split_len} keys" if split else "dense"
     else:
         fn = sdpa(provider, q, k, v, info)

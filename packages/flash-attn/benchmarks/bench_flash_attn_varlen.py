@@ -28,7 +28,6 @@ N in {8k, 32k}, B = max(1, 16384 / N), bf16. Providers:
   triton                  plain causal (the baseline)
   triton_window4096       window_size=(4095, 0): each query sees its latest 4096 keys
   triton_softcap50        softcap=50 (Gemma 2), tanh.approx.f32
-  triton_softcap50_exact  the same with the exact float32 tanh (launchers.FAST_TANH = False): the A/B
   torch_varlen            varlen_attn over the B sequences, causal
   torch_varlen_window4096 varlen_attn, window (4095, 0)
 TFLOP/s count each cell's visible pairs (causal: N^2 / 2, the window: sum_i min(i + 1, 4096)).
@@ -49,7 +48,6 @@ from bench_flash_attn import DIRECTIONS, FLOP_FACTOR, SDPA, direction_call
 from torch.nn.attention import sdpa_kernel
 
 from kernelkit.flash_attn import flash_attn, flash_attn_varlen
-from kernelkit.flash_attn import launchers as fa_launchers
 from kernelkit.shared.bench import cu_seqlens_of, document_lengths, record, torch_compile
 
 GPU = torch.cuda.is_available()
@@ -70,7 +68,6 @@ VARIANTS = {  # provider: (flash_attn keyword arguments, or varlen_attn's window
     "triton": {},
     f"triton_window{WINDOW}": {"window_size": (WINDOW - 1, 0)},
     "triton_softcap50": {"softcap": SOFTCAP},
-    "triton_softcap50_exact": {"softcap": SOFTCAP},  # launchers.FAST_TANH off: the exact tanh
     "torch_varlen": (-1, 0),
     f"torch_varlen_window{WINDOW}": (WINDOW - 1, 0),
 }
@@ -202,10 +199,8 @@ def test_varlen(benchmark, case, direction, provider):
 @pytest.mark.parametrize("provider", list(VARIANTS))
 @pytest.mark.parametrize("direction", DIRECTIONS)
 @pytest.mark.parametrize("n", VARIANT_NS)
-def test_variants(benchmark, n, direction, provider, monkeypatch):
+def test_variants(benchmark, n, direction, provider):
     _needs_gpu(provider)
-    if provider.endswith("_exact"):
-        monkeypatch.setattr(fa_launchers, "FAST_TANH", False)
     b = max(1, VARIANT_TOKENS // n)
     option = VARIANTS[provider]
     inputs = [_randn((b, n, H, D), seed).requires_grad_() for seed in range(3)]

@@ -11,7 +11,9 @@ For each case (d, causal) at N (B = 16384 / N, H = 2048 / d) it prints ms and TF
 forward for each forward tile, of the backward for each dk/dv tile (dq tile fixed at the default)
 and each dq tile (dk/dv tile fixed), next to SDPA's flash, cuDNN and memory-efficient backends,
 then a summary with the best tiles and their ratios to SDPA flash and cuDNN. The chosen defaults
-live in plans.py (FWD_TILES, DKDV_TILES, DQ_TILES); NOTES.md keeps the measurements.
+live in tables.py (FWD_TILES, DKDV_TILES, DQ_TILES); NOTES.md keeps the measurements. The
+"default" of each case is the tables' portable tiles (`tile_screen.table_plan`); "auto" rows
+time what the chooser runs (Gluon kernels included).
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
+from tile_screen import Plan, plan_configs, table_plan
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernelkit.flash_attn import launchers as fa_launchers
-from kernelkit.flash_attn import plans as fa_plans
-from kernelkit.flash_attn.plans import Plan, Tile
+from kernelkit.flash_attn.config import H100, Target, Tile
+from kernelkit.flash_attn.launch import backward, backward_problem, forward
 from kernelkit.shared.bench import bench_ms, copy_bandwidth_gbs, matmul_tflops
 
 # Candidates per head dim: tiles that compile for sm_90a without (or with few) register
@@ -67,8 +69,8 @@ AB_PLANS = {
     (128, True): {"tma, dkdv s3, dq s4": (None, (64, 128, 8, 3, True), (128, 64, 8, 4, True))},
 }  # fmt: skip
 # --flash-table: suite 2's shapes (B = 1, H = 1, causal), head dims and dtypes whose tiles were
-# never timed. Candidates per kernel as (BM, BN, warps, stages[, tma]); plans.py's tile is always
-# timed too. Screened for sm_90a on CPU (--screen): candidates that spill more than plans.py's own
+# never timed. Candidates per kernel as (BM, BN, warps, stages[, tma]); the tables' tile is always
+# timed too. Screened for sm_90a on CPU (--screen): candidates that spill more than the tables' own
 # tile were dropped (NOTES.md, "Seed study"), except d = 128 float32, whose spill-free tiles run
 # at a third of eager PyTorch's float32 speed (suite 3): larger TMA tiles that spill a little.
 _BF16_SMALL_D = {
@@ -125,7 +127,7 @@ _FP32_SMALL_D = {
     ],
 }
 # d64/d128 bf16 at one head: 64-row forward tiles (twice the programs of the suite-1 tiles) for
-# a small-grid rule; the backward keeps plans.py's tiles.
+# a small-grid rule; the backward keeps the tables' tiles.
 _BF16_SMALL_GRID = {"fwd": [(64, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (64, 64, 4, 4)]}
 FLASH_TABLE = {
     (64, "bf16"): _BF16_SMALL_GRID,
@@ -175,12 +177,26 @@ def inputs(b, h, n, d, seed=0, dtype=torch.bfloat16):
     return r(), r(), r(), r()
 
 
-def time_plan(q, k, v, do, causal, plan, direction):
+def run_plan(q, k, v, do, causal, plan):
+    """(forward, backward) callables running `plan`'s tiles (None: the chooser's configs)."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    o, lse = fa_launchers.forward(q, k, v, causal, scale, plan)
-    if direction == "fwd":
-        return bench_ms(lambda: fa_launchers.forward(q, k, v, causal, scale, plan))
-    return bench_ms(lambda: fa_launchers.backward(do, q, k, v, o, lse, None, causal, scale, plan))
+    fwd_cfg = bwd_cfg = None
+    if plan is not None:
+        fwd_cfg, bwd_cfg = plan_configs(backward_problem(do, q, k, v, causal), plan)
+    o, lse = forward(q, k, v, causal, scale, config=fwd_cfg)
+    return (functools.partial(forward, q, k, v, causal, scale, config=fwd_cfg),
+            functools.partial(backward, do, q, k, v, o, lse, None, causal, scale, config=bwd_cfg))  # fmt: skip
+
+
+def time_plan(q, k, v, do, causal, plan, direction):
+    fwd, bwd = run_plan(q, k, v, do, causal, plan)
+    return bench_ms(fwd if direction == "fwd" else bwd)
+
+
+def default_plan(d, causal, dtype=torch.bfloat16):
+    """The tables' portable tiles for this case on this GPU (an H100's without one: --screen)."""
+    target = Target.of(torch.device("cuda")) if torch.cuda.is_available() else H100
+    return table_plan(d, causal, dtype, target)
 
 
 def time_sdpa(q, k, v, do, causal, backend):
@@ -197,7 +213,7 @@ def time_sdpa(q, k, v, do, causal, backend):
 
 
 def candidates(d, causal, kernels=("fwd", "dkdv", "dq")):
-    default = fa_plans.plan_for(d, causal, torch.bfloat16)
+    default = default_plan(d, causal)
     out = [("fwd", Plan(Tile(*t), default.dkdv, default.dq)) for t in FWD[d]]
     out += [("dkdv", Plan(default.fwd, Tile(*t), default.dq)) for t in DKDV[d]]
     out += [("dq", Plan(default.fwd, default.dkdv, Tile(*t))) for t in DQ[d]]
@@ -205,10 +221,12 @@ def candidates(d, causal, kernels=("fwd", "dkdv", "dq")):
 
 
 def ab_plans(d, causal):
-    """{name: Plan}: plans.py's plan, the same tiles with all pointer / all TMA loads, AB_PLANS."""
-    base = fa_plans.plan_for(d, causal, torch.bfloat16)
+    """{name: Plan}: the chooser's configs ("auto"), the tables' tiles, the same tiles with all
+    pointer / all TMA loads, AB_PLANS."""
+    base = default_plan(d, causal)
     tiles = (base.fwd, base.dkdv, base.dq)
     plans = {
+        "auto": None,
         "defaults": base,
         "defaults, pointer loads": Plan(*(replace(t, tma=False) for t in tiles)),
         "defaults, TMA loads": Plan(*(replace(t, tma=True) for t in tiles)),
@@ -245,19 +263,19 @@ def run_ab(cases, n, rounds, bh=None):
         torch.cuda.empty_cache()
 
 
-# --small-grid: the forward's table tile against 64-row tiles (plans.SMALL_GRID_FWD) at grids of a
+# --small-grid: the forward's table tile against 64-row tiles (tables.SMALL_GRID_FWD) at grids of a
 # few waves or less: (B, H) pairs timed at each N, causal and not.
 SMALL_GRID_TILES = [(64, 128, 4, 3), (64, 64, 4, 3)]
 SMALL_GRID_BH = [(1, 1), (1, 4), (2, 8), (1, 16), (4, 16), (8, 16)]
 
 
 def run_small_grid(cases, ns, bhs, rounds):
-    """Forward ms (median of `rounds` round-robin passes) of plans.py's table tile, each 64-row
+    """Forward ms (median of `rounds` round-robin passes) of the tables' table tile, each 64-row
     candidate and the automatic choice (the small-grid rule), with the table tile's programs
     per SM: where the rule's thresholds (SMALL_GRID_FWD) come from."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for d, causal in cases:
-        table = fa_plans.plan_for(d, causal, torch.bfloat16)
+        table = default_plan(d, causal)
         plans = {"table " + tile_str(table.fwd): table}
         for t in SMALL_GRID_TILES:
             plans[tile_str(Tile(*t))] = replace(table, fwd=Tile(*t))
@@ -265,11 +283,10 @@ def run_small_grid(cases, ns, bhs, rounds):
         for b, h in bhs:
             for n in ns:
                 q, k, v, do = inputs(b, h, n, d)
-                scale = 1.0 / math.sqrt(d)
                 times = {name: [] for name in plans}
                 for _ in range(rounds):
                     for name, plan in plans.items():
-                        f = functools.partial(fa_launchers.forward, q, k, v, causal, scale, plan)
+                        f = run_plan(q, k, v, do, causal, plan)[0]
                         f()
                         times[name].append(bench_ms(f))
                 ms = {name: _median(t) for name, t in times.items()}
@@ -288,11 +305,11 @@ def tile_str(t):
 
 
 def table_plans(d, dt):
-    """[(kind, tile, plan)]: plans.py's causal plan for (d, dtype) first (kind "default"), then each
-    FLASH_TABLE candidate of one kernel with the other two kernels at plans.py's tiles."""
-    base = fa_plans.plan_for(d, True, DTYPES[dt])
+    """[(kind, tile, plan)]: the tables' causal plan for (d, dtype) first (kind "default"), then each
+    FLASH_TABLE candidate of one kernel with the other two kernels at the tables' tiles."""
+    base = default_plan(d, True, DTYPES[dt])
     out = [("default", None, base)]
-    for kind, tiles in FLASH_TABLE.get((d, dt), {}).items():  # none: plans.py's tiles only
+    for kind, tiles in FLASH_TABLE.get((d, dt), {}).items():  # none: the tables' tiles only
         for t in map(lambda t: Tile(*t), tiles):
             if t != getattr(base, kind):
                 out.append((kind, t, replace(base, **{kind: t})))
@@ -337,14 +354,14 @@ def _vs(peer, ms):
 
 
 def run_flash_table(cases, ns, rounds, defaults_only=False):
-    """Suite-2 shapes (B = H = 1, causal): plans.py's tiles and each candidate, forward or backward
+    """Suite-2 shapes (B = H = 1, causal): the tables' tiles and each candidate, forward or backward
     ms (median of `rounds` round-robin passes), beside the best SDPA backend that takes the case;
-    per kernel the candidate with the best geometric-mean speed-up over plans.py's tile across N;
+    per kernel the candidate with the best geometric-mean speed-up over the tables' tile across N;
     then the plan of the winners against SDPA."""
     summary = []
     for d, dt in cases:
         plans = table_plans(d, dt)[: 1 if defaults_only else None]
-        ratios = {}  # (kind, tile) -> [plans.py's ms / candidate ms, per N]
+        ratios = {}  # (kind, tile) -> [the tables' ms / candidate ms, per N]
         peers = {}
         for n in ns:
             q, k, v, do = inputs(1, 1, n, d, dtype=DTYPES[dt])
@@ -356,18 +373,18 @@ def run_flash_table(cases, ns, rounds, defaults_only=False):
                     times[i].append([time_plan(q, k, v, do, True, plan, r) for r in dirs])
             f0, b0 = (_median([t[j] for t in times[0]]) for j in (0, 1))
             ff = fwd_flops(1, 1, n, d, True)
-            print(f"d{d} {dt} N{n}: plans.py tiles fwd {f0:.4f} ms ({ff / f0 / 1e9:.1f} TF, "
+            print(f"d{d} {dt} N{n}: tables.py tiles fwd {f0:.4f} ms ({ff / f0 / 1e9:.1f} TF, "
                   f"{_vs(peers[n][0], f0)}), bwd {b0:.4f} ms ({_vs(peers[n][1], b0)})", flush=True)  # fmt: skip
             for i, (kind, tile, _) in enumerate(plans[1:], start=1):
                 ms, ref = _median([t[0] for t in times[i]]), f0 if kind == "fwd" else b0
                 ratios.setdefault((kind, tile), []).append(ref / ms)
                 print(
-                    f"  {kind:4s} {tile_str(tile):18s} {ms:8.4f} ms  x{ref / ms:5.2f} vs plans.py"
+                    f"  {kind:4s} {tile_str(tile):18s} {ms:8.4f} ms  x{ref / ms:5.2f} vs tables.py"
                 )
             del q, k, v, do
             torch.cuda.empty_cache()
         print(
-            f"d{d} {dt}: best candidate per kernel (geomean speed-up over plans.py's tile; per N)"
+            f"d{d} {dt}: best candidate per kernel (geomean speed-up over the tables' tile; per N)"
         )
         win = {}
         for kind in ("fwd", "dkdv", "dq"):
@@ -377,9 +394,9 @@ def run_flash_table(cases, ns, rounds, defaults_only=False):
                 if g >= 1.03:  # beyond the noise between passes
                     win[kind] = t
                 print(f"  {kind:4s} {tile_str(t):18s} x{g:4.2f} ({' '.join(f'{x:.2f}' for x in r)})"
-                      f"{'  <- wins' if kind in win else '  (keep plans.py)'}")  # fmt: skip
+                      f"{'  <- wins' if kind in win else '  (keep tables.py)'}")  # fmt: skip
         plan = replace(plans[0][2], **win)
-        for n in ns:  # the chosen plan (plans.py's tiles if nothing won) against SDPA
+        for n in ns:  # the chosen plan (the tables' tiles if nothing won) against SDPA
             q, k, v, do = inputs(1, 1, n, d, dtype=DTYPES[dt])
             f, b = (time_plan(q, k, v, do, True, plan, r) for r in ("fwd", "bwd"))
             summary.append((f"d{d} {dt} N{n}", plan, f, b, *peers[n]))
@@ -398,7 +415,7 @@ def main():
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--shard", default="0/1")
     ap.add_argument("--leaderboard", action="store_true", help="also the (16, 16384, 64) shape")
-    ap.add_argument("--defaults-only", action="store_true", help="time only plans.py's tiles")
+    ap.add_argument("--defaults-only", action="store_true", help="time only the tables' tiles")
     ap.add_argument("--kernels", default="fwd,dkdv,dq", help="which kernels' tiles to sweep")
     ap.add_argument("--ab", type=int, default=0, help="time whole plans side by side, R rounds")
     ap.add_argument("--bh", help="B,H for --ab (default: the suite's 16384/N, 2048/d)")
@@ -430,8 +447,8 @@ def main():
             ]
             for d, dt, plan in jobs[shard::nshards]:
                 q, k, v, do = inputs(1, 1, 256, d, dtype=DTYPES[dt])
-                o, lse = fa_launchers.forward(q, k, v, True, 1.0 / math.sqrt(d), plan)
-                fa_launchers.backward(do, q, k, v, o, lse, None, True, 1.0 / math.sqrt(d), plan)
+                fwd, bwd = run_plan(q, k, v, do, True, plan)
+                bwd()
             torch.cuda.synchronize()
         else:
             print(f"GPU {torch.cuda.get_device_name()}  flash table: B 1, H 1, causal")
@@ -461,9 +478,7 @@ def main():
             if i % nshards != shard:
                 continue
             q, k, v, do = inputs(1, 2048 // d, 256, d)
-            scale = 1.0 / math.sqrt(d)
-            o, lse = fa_launchers.forward(q, k, v, causal, scale, plan)
-            fa_launchers.backward(do, q, k, v, o, lse, None, causal, scale, plan)
+            run_plan(q, k, v, do, causal, plan)[1]()
         torch.cuda.synchronize()
         return
 

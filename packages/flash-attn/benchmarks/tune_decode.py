@@ -9,7 +9,7 @@ backends (enable_gqa), our dense forward (0.2.0's path), our automatic plan, the
 for every split tile (rows: BLOCK_N, warps, stages, TMA; BLOCK_M follows from GROUP * Nq) and
 forced split count (columns), and the best cell with its % of the copy bandwidth. Every config
 is timed `--rounds` times round-robin (median), so drift hits all of them alike. The defaults
-live in plans.py (SPLIT_TILES, SPLIT_WAVES, ...); NOTES.md keeps the measurements.
+live in tables.py (SPLIT_TILES, SPLIT_WAVES, ...); NOTES.md keeps the measurements.
 """
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernelkit.flash_attn import launchers as fa_launchers
-from kernelkit.flash_attn import plans as fa_plans
-from kernelkit.flash_attn.plans import Tile
+from kernelkit.flash_attn import tables
+from kernelkit.flash_attn.choose import choose_fwd, dense_fwd_config, split_config
+from kernelkit.flash_attn.config import Tile
+from kernelkit.flash_attn.launch import forward, forward_problem
 from kernelkit.shared.bench import bench_ms, copy_bandwidth_gbs
 from kernelkit.shared.runtime import num_sms
 
-# (BLOCK_N, warps, stages, tma) at d = 128 bf16; the first is plans.SPLIT_TILES[128]. Shared memory
+# (BLOCK_N, warps, stages, tma) at d = 128 bf16; the first is tables.SPLIT_TILES[128]. Shared memory
 # / registers from the sm_90a screen (NOTES.md): 64 s3 70 KB / 80, 64 s4 102 KB, 32 s6 85 KB,
 # 128 s2 72 KB, 128 s3 136 KB / 96.
 TILES = [(64, 4, 3, True), (64, 4, 4, True), (32, 4, 4, True), (32, 4, 6, True),
@@ -74,22 +75,23 @@ def run_shape(b, nq, nk, h, hkv, d, tiles, splits, rounds, causal):
         return 100 * kv_bytes / (us * 1e-6) / 1e9 / copy
 
     peers = {name: sdpa_us(q, k, v, be) for name, be in SDPA.items()}
-    dense = fa_plans.plan_for(d, causal, q.dtype)
-    auto = fa_plans.split_plan(q, k)
+    p = forward_problem(q, k, v, causal)
+    dense = dense_fwd_config(p)
+    auto = choose_fwd(p)
     rows = (h // hkv) * nq
     bm = max(16, 1 << (rows - 1).bit_length())
-    configs = {("dense", 0): dict(plan=dense)}
-    if auto is not None:
-        configs[("auto", 0)] = dict(split=auto)
+    configs = {("dense", 0): dense}
+    if auto.split is not None:
+        configs[("auto", 0)] = auto
     for t in tiles:
         tile = Tile(bm, *t)
         for s in splits:
-            configs[(tile, s)] = dict(split=fa_plans.split_plan(q, k, num_splits=s, tile=tile))
+            configs[(tile, s)] = split_config(p, num_splits=s, tile=tile)
     times: dict = {key: [] for key in configs}
     for _ in range(rounds):
-        for key, kw in configs.items():
+        for key, cfg in configs.items():
             try:
-                ms = bench_ms(lambda kw=kw: fa_launchers.forward(q, k, v, causal, scale, **kw))
+                ms = bench_ms(lambda cfg=cfg: forward(q, k, v, causal, scale, config=cfg))
             except Exception as e:  # a tile out of resources: report it and go on
                 print(f"  {key}: {type(e).__name__}: {str(e)[:80]}")
                 ms = math.inf
@@ -143,8 +145,8 @@ def main():
     tiles, splits = (QUICK_TILES, QUICK_SPLITS) if args.quick else (TILES, SPLITS)
     print(
         f"GPU {torch.cuda.get_device_name()}, {num_sms(torch.device(DEVICE))} SMs, "
-        f"copy {copy_bandwidth_gbs():.0f} GB/s; plans.py defaults: SPLIT_TILES[128] "
-        f"{fa_plans.SPLIT_TILES[128]}, SPLIT_WAVES {fa_plans.SPLIT_WAVES}"
+        f"copy {copy_bandwidth_gbs():.0f} GB/s; tables.py defaults: SPLIT_TILES[128] "
+        f"{tables.SPLIT_TILES[128]}, SPLIT_WAVES {tables.SPLIT_WAVES}"
     )
     for nq in (int(n) for n in args.nq.split(",")):
         for nk in nks:

@@ -39,7 +39,20 @@ from .triton import bwd as triton_bwd
 from .triton import fwd as triton_fwd
 from .triton import split_kv as triton_split_kv
 
-__all__ = ["check_bwd", "check_fwd", "choose_bwd", "choose_fwd", "split_config"]
+__all__ = [
+    "check_bwd",
+    "check_fwd",
+    "choose_bwd",
+    "choose_fwd",
+    "dense_fwd_config",
+    "gluon_bwd_config",
+    "gluon_fwd_config",
+    "portable_bwd_config",
+    "portable_fwd_config",
+    "split_config",
+    "table_tiles",
+    "tile_heads",
+]
 
 
 def _fast_tanh(p: Problem) -> bool:
@@ -48,8 +61,8 @@ def _fast_tanh(p: Problem) -> bool:
     return p.softcap and p.half and not p.target.interpreter
 
 
-def _tables(p: Problem) -> tuple[Tile, Tile, Tile]:
-    """The portable (fwd, dk/dv, dq) tiles of the tables for this problem."""
+def table_tiles(p: Problem) -> tuple[Tile, Tile, Tile]:
+    """The portable kernels' (fwd, dk/dv, dq) tiles of the tables for problem `p`."""
     bd = p.block_d
     if p.target.interpreter:
         return T.INTERPRETER_FWD, T.INTERPRETER_DKDV, T.INTERPRETER_DQ
@@ -65,21 +78,26 @@ def _tables(p: Problem) -> tuple[Tile, Tile, Tile]:
 
 
 def choose_fwd(p: Problem) -> FwdConfig:
-    """The forward's config for problem `p`."""
-    fast_tanh = _fast_tanh(p)
-    portable = _tables(p)[0]
+    """The forward's config for problem `p`: split-KV for decoding shapes, else
+    `dense_fwd_config`."""
     if p.empty:
-        return FwdConfig(FWD_TRITON, portable, False, fast_tanh, why="nothing to compute")
+        return portable_fwd_config(p, table_tiles(p)[0], "nothing to compute")
     if not p.packed:
         split = split_config(p)
         if split is not None:
             return split
+    return dense_fwd_config(p)
+
+
+def dense_fwd_config(p: Problem) -> FwdConfig:
+    """The dense forward's config: the Gluon kernel where the tables ask for it and it can run,
+    else the portable kernel with the table's tile (a 64-row tile for small grids; TMA loads for
+    masked forwards at large head dims)."""
+    portable = table_tiles(p)[0]
     why = "the table's tile"
     gluon = _gluon_fwd_wanted(p)
     if gluon is not None:
-        cfg = FwdConfig(FWD_GLUON, T.GLUON_FWD_TILE, True, fast_tanh, persistent=True,
-                        pairs=p.causal and _even_query_blocks(p), q_regs=p.block_d <= T.GLUON_FWD_Q_REGS_MAX_D,
-                        why=gluon)  # fmt: skip
+        cfg = gluon_fwd_config(p, why=gluon)
         reason = gluon_fwd.can_implement(p, cfg)
         if reason is None:
             return cfg
@@ -88,13 +106,23 @@ def choose_fwd(p: Problem) -> FwdConfig:
         small = _small_grid(p, portable)
         if small is not None:
             portable, why = small, "a 64-row tile: the table's would not fill the GPU"
-    tma = portable.tma or (p.masked and p.block_d >= T.MASKED_FWD_TMA_MIN_D and p.half
-                           and not p.target.interpreter)  # fmt: skip
-    return FwdConfig(FWD_TRITON, portable, tma and p.tma_kv, fast_tanh, why=why)
+    if p.masked and p.block_d >= T.MASKED_FWD_TMA_MIN_D and p.half and not p.target.interpreter:
+        portable = replace(portable, tma=True)
+    return portable_fwd_config(p, portable, why)
 
 
-def _even_query_blocks(p: Problem) -> bool:
-    return cdiv(p.nq, T.GLUON_FWD_TILE.block_m) % 2 == 0
+def portable_fwd_config(p: Problem, tile: Tile, why: str = "a given tile") -> FwdConfig:
+    """The portable forward with `tile`, TMA loads where the tile asks for them and K/V allow."""
+    return FwdConfig(FWD_TRITON, tile, tile.tma and p.tma_kv, _fast_tanh(p), why=why)
+
+
+def gluon_fwd_config(p: Problem, tile: Tile = T.GLUON_FWD_TILE, why: str = "") -> FwdConfig:
+    """The Gluon forward's config for `p` with `tile` (2 x 64 rows, a `stages`-deep K/V ring):
+    persistent (one program per SM), causal tiles in pairs of a long and a short query block
+    where the query blocks pair up, the q tile in registers up to GLUON_FWD_Q_REGS_MAX_D."""
+    pairs = p.causal and cdiv(p.nq, tile.block_m) % 2 == 0
+    return FwdConfig(FWD_GLUON, tile, True, _fast_tanh(p), persistent=True, pairs=pairs,
+                     q_regs=p.block_d <= T.GLUON_FWD_Q_REGS_MAX_D, why=why)  # fmt: skip
 
 
 def _gluon_fwd_wanted(p: Problem) -> str | None:
@@ -175,7 +203,9 @@ def _split_tile(p: Problem, rows: int) -> Tile:
 
 def check_fwd(p: Problem, cfg: FwdConfig) -> FwdConfig:
     """`cfg` if its kernel can run problem `p`, else a ValueError saying why."""
-    module = {FWD_TRITON: triton_fwd, FWD_SPLIT: triton_split_kv, FWD_GLUON: gluon_fwd}.get(cfg.kernel)
+    module = {FWD_TRITON: triton_fwd, FWD_SPLIT: triton_split_kv, FWD_GLUON: gluon_fwd}.get(
+        cfg.kernel
+    )
     reason = f"unknown kernel {cfg.kernel!r}" if module is None else module.can_implement(p, cfg)
     if reason is not None:
         raise ValueError(f"config: {cfg} cannot run this call: {reason}")
@@ -189,21 +219,24 @@ def check_fwd(p: Problem, cfg: FwdConfig) -> FwdConfig:
 
 def choose_bwd(p: Problem) -> BwdConfig:
     """The backward's config for problem `p`."""
-    _, dkdv, dq = _tables(p)
-    fast_tanh = _fast_tanh(p)
-    pad = _pad_rows(p)
+    _, dkdv, dq = table_tiles(p)
     gluon = None if p.empty else _gluon_bwd_wanted(p)
     why = "nothing to compute" if p.empty else "the tables' tiles"
     if gluon is not None:
         tile, dq_mode, why = gluon
-        cfg = _gluon_schedule(p, BwdConfig(BWD_GLUON, tile, True, dq_mode, None if dq_mode else dq,
-                                           dq.tma and p.tma_kv, True, True, fast_tanh, why=why))  # fmt: skip
+        cfg = gluon_bwd_config(p, tile, dq_mode, dq, why)
         reason = gluon_bwd.can_implement(p, cfg)
         if reason is None:
             return cfg
         why = f"the Gluon backward cannot run: {reason}"
+    return portable_bwd_config(p, dkdv, dq, why)
+
+
+def portable_bwd_config(p: Problem, dkdv: Tile, dq: Tile, why: str = "given tiles") -> BwdConfig:
+    """The portable dk/dv and dq kernels with these tiles, TMA loads where a tile asks for them
+    and the inputs allow, padded row vectors by `_pad_rows`."""
     return BwdConfig(BWD_TRITON, dkdv, dkdv.tma and p.tma_q and p.tma_do, DQ_KERNEL, dq,
-                     dq.tma and p.tma_kv, pad, True, fast_tanh, why=why)  # fmt: skip
+                     dq.tma and p.tma_kv, _pad_rows(p), True, _fast_tanh(p), why=why)  # fmt: skip
 
 
 def _gluon_bwd_wanted(p: Problem) -> tuple[Tile, int, str] | None:
@@ -224,17 +257,21 @@ def _gluon_bwd_wanted(p: Problem) -> tuple[Tile, int, str] | None:
     return tiles[p.causal], DQ_KERNEL, f"Gluon dk/dv at d{p.block_d}, dq kernel beside it"
 
 
-def _gluon_schedule(p: Problem, cfg: BwdConfig) -> BwdConfig:
-    """The Gluon backward's schedule: K/V in registers with dq summed here (d <= 64); one program
-    per SM for the dq-kernel variant up to GLUON_BWD_PERSISTENT_MAX_N query rows; the tile order
+def gluon_bwd_config(p: Problem, tile: Tile, dq_mode: int, dq: Tile | None = None,
+                     why: str = "") -> BwdConfig:  # fmt: skip
+    """The Gluon backward's config for `p`: dk/dv `tile` (2 x 64 keys), dq by the dq kernel with
+    tile `dq` (DQ_KERNEL; default the tables') or summed in the kernel (DQ_ANY_ORDER,
+    DQ_ORDERED); K/V in registers where dq is summed here; one program per SM for the
+    dq-kernel variant up to GLUON_BWD_PERSISTENT_MAX_N query rows; the tile order
     (`tile_heads`)."""
-    fused = cfg.dq_mode != DQ_KERNEL
+    fused = dq_mode != DQ_KERNEL
+    dq = None if fused else dq or table_tiles(p)[2]
     persistent = not fused and p.nq <= T.GLUON_BWD_PERSISTENT_MAX_N
-    key_blocks = cdiv(p.nk, cfg.dkdv.block_n)
-    heads = tile_heads(p.batch * p.kv_heads, key_blocks, p.target.sms, p.causal, persistent,
-                       cfg.dq_mode == DQ_ORDERED)  # fmt: skip
-    return replace(cfg, kv_regs=fused and p.block_d <= T.GLUON_FUSED_DQ_MAX_D,
-                   persistent=persistent, tile_heads=heads)  # fmt: skip
+    heads = tile_heads(p.batch * p.kv_heads, cdiv(p.nk, tile.block_n), p.target.sms, p.causal,
+                       persistent, dq_mode == DQ_ORDERED)  # fmt: skip
+    return BwdConfig(BWD_GLUON, tile, True, dq_mode, dq, dq is not None and dq.tma and p.tma_kv,
+                     True, True, _fast_tanh(p), kv_regs=fused and p.block_d <= T.GLUON_FUSED_DQ_MAX_D,
+                     persistent=persistent, tile_heads=heads, why=why)  # fmt: skip
 
 
 def tile_heads(bhk: int, key_blocks: int, sms: int, causal: bool, persistent: bool,

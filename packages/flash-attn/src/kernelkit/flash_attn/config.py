@@ -257,7 +257,9 @@ class FwdConfig:
     why: str = field(default="", compare=False)
 
     def __str__(self) -> str:
-        flags = [n for n in ("tma", "fast_tanh", "persistent", "pairs", "q_regs") if getattr(self, n)]
+        flags = [
+            n for n in ("tma", "fast_tanh", "persistent", "pairs", "q_regs") if getattr(self, n)
+        ]
         if self.split is not None:
             flags.append(f"splits={self.split.splits}x{self.split.split_len}")
         return f"{self.kernel} {self.tile}" + "".join(f" {f}" for f in flags)

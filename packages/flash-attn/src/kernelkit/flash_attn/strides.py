@@ -18,7 +18,11 @@ def strides(name: str, t: torch.Tensor, packed: bool = False) -> dict[str, int]:
     """{stride_<name>b, stride_<name>n, stride_<name>h} of a (B, N, H, D) tensor; for a packed
     (total, H, D) one the batch stride is 0: each sequence's programs start at its own row."""
     if packed:
-        return {f"stride_{name}b": 0, f"stride_{name}n": t.stride(0), f"stride_{name}h": t.stride(1)}
+        return {
+            f"stride_{name}b": 0,
+            f"stride_{name}n": t.stride(0),
+            f"stride_{name}h": t.stride(1),
+        }
     return {f"stride_{name}b": t.stride(0), f"stride_{name}n": t.stride(1),
             f"stride_{name}h": t.stride(2)}  # fmt: skip
 
