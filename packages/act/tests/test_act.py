@@ -394,7 +394,7 @@ def test_cuda_graph_replay(a, dim, shape, direction, device):
 
 @pytest.mark.parametrize("name", ["none", "relu", "sigmoid", "silu"])
 def test_grad_reference_closed_form(name):
-    """The CPU fallback's backward (act_grad_reference, no autograd) against autograd through
+    """act_grad_reference (the closed-form backward, no autograd) against autograd through
     act_reference in float64, and its float32 result for bfloat16 inputs."""
     x = torch.randn(5, 37, dtype=torch.float64) * 3
     x[0, :3] = 0.0  # relu's kink: gradient 0 there, as torch's

@@ -1,9 +1,9 @@
 """torch.compile(fullgraph=True) of `act` on every path a call can take, forward and backward,
 against the eager call and the float64 reference:
 
-  * plain CPU tensors without the Triton interpreter (the PyTorch reference inside the ops; a
-    softmax over packed sequences reads cu_seqlens' values and goes to the ops' opaque twins),
-    in one fresh process (`run_cases_without_interpreter`);
+  * plain CPU tensors without the Triton interpreter (`act` itself takes the PyTorch reference,
+    traced inline; a softmax over packed sequences reads cu_seqlens' values and goes through
+    the opaque reference ops), in one fresh process (`run_cases_without_interpreter`);
   * on the GPU with Inductor, one case per launch plan (`GPU_CASES`): each case asserts the
     kernels it launches, eager and compiled, and together the cases launch every kernel of
     kernels.py (`test_gpu_cases_cover_every_kernel`, which runs everywhere).
@@ -65,8 +65,8 @@ CPU_BACKEND = "inductor"
 
 
 def cpu_compile_cases():
-    """Every compiled case on plain CPU tensors: the element-wise ops, softmax over the last, a
-    middle and the first dim, and softmax over packed sequences (the opaque twins)."""
+    """Every compiled case on plain CPU tensors: the element-wise acts, softmax over the last, a
+    middle and the first dim, and softmax over packed sequences (the opaque reference ops)."""
     cpu = torch.device("cpu")
     x = make((2, 33, 3, 16), torch.float32, cpu)
     for a in ("relu", "sigmoid", "silu"):
@@ -141,14 +141,14 @@ def test_torch_compile_each_plan_gpu(case, dtype, device):
     check(a, dim, x, cu, backend="inductor", kernels=kernels, name=case)
 
 
-@pytest.mark.parametrize("lengths", [[10, 23, 0, 4], None], ids=["packed", "dense"])
-def test_opaque_twins_opcheck(lengths, device):
-    """The opaque twins (what a traced CPU-reference call runs) agree with their fakes."""
-    from kernelkit.act.op import softmax_bwd, softmax_fwd
+def test_packed_reference_ops_opcheck(device):
+    """The packed softmax's reference ops (what `act` runs on CPU tensors without the
+    interpreter; torch.compile calls them as they are) agree with their fakes and autograd."""
+    from kernelkit.act.op import softmax_packed_grad_reference, softmax_packed_reference
 
-    x = make((1, 37, 3, 16), torch.float32, device)
-    cu = packing(lengths, device) if lengths is not None else None
-    torch.library.opcheck(softmax_fwd.opaque, (x, 1, cu))
-    y = softmax_fwd.opaque(x, 1, cu)
+    x = make((1, 37, 3, 16), torch.float32, device).requires_grad_()
+    cu = packing([10, 23, 0, 4], device)
+    torch.library.opcheck(softmax_packed_reference.op, (x, 1, cu))
+    y = softmax_packed_reference(x.detach(), 1, cu)
     dy = make(x.shape, x.dtype, device, seed=3)
-    torch.library.opcheck(softmax_bwd.opaque, (y, dy, 1, cu))
+    torch.library.opcheck(softmax_packed_grad_reference.op, (y, dy, 1, cu))

@@ -1,5 +1,5 @@
-"""A stand-in for Triton's CUDA driver: the eager launch path of kernelkit.shared.runtime runs,
-unchanged, on a machine without a GPU.
+"""A stand-in for Triton's CUDA driver: the eager launch paths of kernelkit.shared (the direct
+one, `fast_launch`, and Triton's own) run, unchanged, on a machine without a GPU.
 
 Inside `fake_cuda()`, Triton's `JITFunction.run` binds, specialises and keys arguments exactly as
 on a GPU, but "compiles" a `FakeCompiled` per specialisation key (no code generation) whose
@@ -135,7 +135,7 @@ def fake_cuda(record: bool = True) -> Iterator[FakeLaunches]:
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
-    from . import runtime
+    from . import fast_launch
 
     if FakeCompiled is None:
         FakeCompiled = _compiled_class()
@@ -148,12 +148,13 @@ def fake_cuda(record: bool = True) -> Iterator[FakeLaunches]:
         log.compiled.append(kernel)
         return kernel
 
-    saved = (JITFunction._do_compile, runtime._get_device, runtime._get_stream, driver._active)
+    fl = fast_launch
+    saved = (JITFunction._do_compile, fl._get_device, fl._get_stream, driver._active)
     driver.set_active(_FakeDriver(log))
     JITFunction._do_compile = do_compile
-    runtime._get_device = lambda: log.device
-    runtime._get_stream = lambda device: log.stream
+    fl._get_device = lambda: log.device
+    fl._get_stream = lambda device: log.stream
     try:
         yield log
     finally:
-        JITFunction._do_compile, runtime._get_device, runtime._get_stream, driver._active = saved
+        JITFunction._do_compile, fl._get_device, fl._get_stream, driver._active = saved

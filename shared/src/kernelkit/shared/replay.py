@@ -14,8 +14,10 @@ through a `Recorder`, which launches as usual and keeps each launch prepared
 (`runtime.launch(kernel).prepare`) with the places of its tensors (an input or a buffer the
 sequence allocated); later calls with that layout allocate the buffers and call the prepared
 launches with the new tensors, skipping the host path (and once a replay has found the compiled
-kernels' launchers in the prepared launches' caches, call those directly: `_Sequence`). A sequence that launches on any other
-tensor (a copy made on the way, say) is not replayed: it runs through `DIRECT` every time.
+kernels' launchers in the prepared launches' caches, call those directly:
+`fast_launch.fused_sequence`). A sequence that launches on any other tensor (a copy made on the
+way, say) is not replayed: it runs through `DIRECT` every time. With the direct launch path off
+(`runtime.DIRECT_LAUNCH`), the prepared launches replay through Triton's own `kernel[grid]`.
 
 `run` must depend on nothing but the layout and `options` (module constants included: call
 `clear()` after changing them).
@@ -23,13 +25,12 @@ tensor (a copy made on the way, say) is not replayed: it runs through `DIRECT` e
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections.abc import Callable, Sequence
 
 import torch
 
-from . import runtime
+from . import fast_launch, runtime
 from .runtime import PLAIN_TENSORS, PlanCache
 
 __all__ = ["DIRECT", "Probe", "Recorder", "clear", "replayed"]
@@ -87,8 +88,6 @@ def _gather(indices) -> Callable[[tuple], tuple]:
     return operator.itemgetter(*indices) if indices else lambda pool: ()
 
 
-_data_ptr = torch.Tensor.data_ptr
-_pre_run_hooks = operator.attrgetter("pre_run_hooks")
 # How a replay allocates a buffer: torch.empty, or input 0's new_empty (same device) with its
 # dtype or another.
 _EMPTY, _NEW, _NEW_DTYPE = "empty", "new", "new_dtype"
@@ -102,12 +101,10 @@ class _Sequence:
     The inputs and then the buffers form one `pool` that each launch picks its tensors from.
     Buffers on input 0's device (part of the key) are allocated with its `new_empty` (fewer
     arguments to parse than torch.empty's).
-    Where every launch is a `runtime._Prepared` one taking its tensors as leading parameters,
-    the launch functions their caches hold for this sequence's tensors (dtypes fixed by the
-    layout, every data pointer 16-byte aligned) are kept per current device (`_direct`) after
-    a replay that found them all; later replays with every tensor aligned and no launch hooks
-    call them directly, as each prepared launch's cache hit would, with one device, stream,
-    hook and alignment check for the whole sequence instead of a key per launch.
+    Where every launch is a prepared launch of the direct launch path taking its tensors as
+    leading parameters, `fast_launch.fused_sequence` runs them (after a replay that found all
+    their compiled kernels, with one device, stream, hook and alignment check for the whole
+    sequence instead of a key per launch); otherwise they run one by one.
     """
 
     def __init__(self, n_inputs, buffers, launches, outputs, before):
@@ -116,15 +113,9 @@ class _Sequence:
         self._launches = tuple((run, _gather(p)) for (run, _), p in zip(launches, places))
         self._outputs = _gather(n_inputs + i for i in outputs)
         self._before = tuple(before)
-        runs = [run for run, _ in launches]
-        fusable = bool(runs) and all(
-            isinstance(run, runtime._Prepared) and run._leading for run in runs
-        )
-        # the tensors the launches take (what the alignment check covers), their kernels
-        self._used = _gather(sorted({i for p in places for i in p})) if fusable else None
-        kernels = list(dict.fromkeys(run._kernel for run in runs)) if fusable else [None]
-        self._kernel, self._more_kernels = kernels[0], tuple(kernels[1:])
-        self._direct: dict = {}
+        # the tensors the launches take (what the fused path's alignment check covers)
+        used = _gather(sorted({i for p in places for i in p}))
+        self._fused = fast_launch.fused_sequence(self._launches, used)
 
     def __call__(self, inputs):
         for fn in self._before:
@@ -141,44 +132,13 @@ class _Sequence:
                 for shape, dtype, device, how in self._buffers
             ],
         )
-        used = self._used
-        if used is None:
+        fused = self._fused
+        if fused is not None:
+            fused(pool)
+        else:
             for run, gather in self._launches:
                 run(*gather(pool))
-            return self._outputs(pool)
-        try:
-            device = runtime._get_device()
-        except TypeError:  # no CUDA in this torch build: the prepared launches say so too
-            device = None
-        direct = self._direct.get(device)
-        aligned = not functools.reduce(operator.or_, map(_data_ptr, used(pool)), 0) & 15
-        if (
-            direct is not None
-            and aligned
-            and runtime._fast_ok(self._kernel)
-            and not any(map(_pre_run_hooks, self._more_kernels))
-        ):
-            stream = runtime._get_stream(device)
-            for call, grid, head, gather, rest in direct:
-                call(*grid, stream, *head, *gather(pool), *rest)
-            return self._outputs(pool)
-        for run, gather in self._launches:
-            run(*gather(pool))
-        if direct is None and aligned and device is not None:
-            self._keep_direct(device, pool)
         return self._outputs(pool)
-
-    def _keep_direct(self, device, pool) -> None:
-        """Keep the launch functions of the aligned replay on `device` that just ran (the
-        prepared launches' caches hold them now), where it found all of them."""
-        direct = []
-        for run, gather in self._launches:
-            entry = run.direct(device, gather(pool))
-            if entry is None:  # not cached (a launch hook, say, sent it down Triton's path)
-                return
-            call, grid, head, rest = entry
-            direct.append((call, grid, head, gather, rest))
-        self._direct[device] = tuple(direct)
 
 
 _NOT_REPLAYED = object()

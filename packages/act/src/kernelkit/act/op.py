@@ -1,21 +1,22 @@
 """Validation, torch.library registration, autograd and the public function of `act`; the
-launch plans are in launchers.py."""
+launch plans are in launchers.py.
+
+The fallback convention of every kernelkit op: the public function (`act`) validates, then
+`if not use_triton(x):` returns the PyTorch reference (traced inline by torch.compile; the one
+reference whose shapes depend on data, a softmax over packed sequences, goes through ops of
+`define_opaque_op`, which torch.compile calls as they are), and otherwise calls the registered
+ops (`act_fwd`, `softmax_fwd` and their backwards), which only launch the Triton kernels."""
 
 from __future__ import annotations
 
 import torch
 
 from kernelkit.shared.packed import check_cu_seqlens
-from kernelkit.shared.runtime import define_op, interpreting, traced, use_triton
+from kernelkit.shared.runtime import define_op, define_opaque_op, interpreting, use_triton
 
 from . import kernels as K
 from .launchers import MAX_PACKED_SEQUENCES, run_elementwise, run_softmax_bwd, run_softmax_fwd
-from .reference import (
-    act_grad_reference,
-    act_reference,
-    softmax_grad_reference,
-    softmax_reference,
-)
+from .reference import act_reference, softmax_grad_reference, softmax_reference
 
 ACTS = ("none", "relu", "sigmoid", "silu", "softmax")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -62,62 +63,63 @@ def validate(x, act: str, dim: int | None, cu_seqlens=None) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Registered ops
+# Registered ops: the Triton kernels only (the public function `act` takes the PyTorch
+# reference where `use_triton` says no)
 # ---------------------------------------------------------------------------------------------
 
 
 @define_op("kernelkit_act::act_fwd")
 def act_fwd(x: torch.Tensor, act: str) -> torch.Tensor:
-    if not use_triton(x):
-        y = act_reference(x, act)
-        return y.clone() if y is x else y
     return run_elementwise(K.act_fwd_kernel, torch.empty_like(x), x, act=act)
 
 
 @define_op("kernelkit_act::act_bwd")
 def act_bwd(x: torch.Tensor, dy: torch.Tensor, act: str) -> torch.Tensor:
-    if not use_triton(x):
-        return act_grad_reference(x, dy, act)  # closed form: torch.compile traces this body
     return run_elementwise(K.act_bwd_kernel, torch.empty_like(x), x, dy, act=act)
 
 
-# The CPU reference of a softmax over packed sequences slices x at cu_seqlens' values: shapes
-# that depend on data, which torch.compile cannot trace. A traced call on that path goes to the
-# op's opaque twin (`define_op`'s `fake`), which runs this same function on real tensors. Every
-# other path stays visible to torch.compile (the Triton kernels, the plain reference).
-
-
-def _softmax_fwd_fake(x, dim, cu_seqlens=None):
-    return torch.empty_like(x)
-
-
-def _softmax_bwd_fake(y, dy, dim, cu_seqlens=None):
-    return torch.empty_like(y)
-
-
-def _opaque(x: torch.Tensor, cu_seqlens) -> bool:
-    """Whether a call goes to the opaque twin: traced, on the CPU reference, packed."""
-    return cu_seqlens is not None and traced(x) and not use_triton(x)
-
-
-@define_op("kernelkit_act::softmax_fwd", fake=_softmax_fwd_fake)
+@define_op("kernelkit_act::softmax_fwd")
 def softmax_fwd(x: torch.Tensor, dim: int, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    if not use_triton(x):
-        if _opaque(x, cu_seqlens):
-            return softmax_fwd.opaque(x, dim, cu_seqlens)
-        return softmax_reference(x, dim, cu_seqlens)
     return run_softmax_fwd(x, dim, cu_seqlens)
 
 
-@define_op("kernelkit_act::softmax_bwd", fake=_softmax_bwd_fake)
+@define_op("kernelkit_act::softmax_bwd")
 def softmax_bwd(
     y: torch.Tensor, dy: torch.Tensor, dim: int, cu_seqlens: torch.Tensor | None = None
 ) -> torch.Tensor:
-    if not use_triton(y):
-        if _opaque(y, cu_seqlens):
-            return softmax_bwd.opaque(y, dy, dim, cu_seqlens)
-        return softmax_grad_reference(y, dy, dim, cu_seqlens)
     return run_softmax_bwd(y, dy, dim, cu_seqlens)
+
+
+# ---------------------------------------------------------------------------------------------
+# The PyTorch reference of a softmax over packed sequences (tensors `use_triton` turns down)
+# ---------------------------------------------------------------------------------------------
+# It slices x at cu_seqlens' values: shapes that depend on data, which torch.compile cannot
+# trace. These ops (`define_opaque_op`) are called as they are by torch.compile; every other
+# reference path is traced inline.
+
+
+def _like_first(t, *args):
+    return torch.empty_like(t)
+
+
+@define_opaque_op("kernelkit_act::softmax_packed_reference", fake=_like_first)
+def softmax_packed_reference(x: torch.Tensor, dim: int, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    return softmax_reference(x, dim, cu_seqlens)
+
+
+@define_opaque_op("kernelkit_act::softmax_packed_grad_reference", fake=_like_first)
+def softmax_packed_grad_reference(
+    y: torch.Tensor, dy: torch.Tensor, dim: int, cu_seqlens: torch.Tensor
+) -> torch.Tensor:
+    return softmax_grad_reference(y, dy, dim, cu_seqlens)
+
+
+def _reference(x: torch.Tensor, act: str, dim: int | None, cu_seqlens) -> torch.Tensor:
+    """`act` on tensors the Triton kernels do not take (CPU tensors without the interpreter):
+    the PyTorch reference, differentiable through torch's autograd (packed: the opaque ops)."""
+    if cu_seqlens is not None:
+        return softmax_packed_reference(x, dim, cu_seqlens)
+    return act_reference(x, act, dim)
 
 
 def _act_setup(ctx, inputs, output):
@@ -142,8 +144,14 @@ def _softmax_backward(ctx, dy):
     return softmax_bwd(y, dy, ctx.dim, cu_seqlens), None, None
 
 
+def _packed_reference_backward(ctx, dy):
+    y, cu_seqlens = ctx.saved_tensors
+    return softmax_packed_grad_reference(y, dy, ctx.dim, cu_seqlens), None, None
+
+
 act_fwd.register_autograd(_act_backward, setup_context=_act_setup)
 softmax_fwd.register_autograd(_softmax_backward, setup_context=_softmax_setup)
+softmax_packed_reference.register_autograd(_packed_reference_backward, setup_context=_softmax_setup)
 
 
 def act(
@@ -166,6 +174,8 @@ def act(
     dim = validate(x, act, dim, cu_seqlens)
     if act == "none":
         return x
+    if not use_triton(x):
+        return _reference(x, act, dim, cu_seqlens)
     if act == "softmax":
         return softmax_fwd(x, dim, cu_seqlens)
     return act_fwd(x, act)
@@ -179,4 +189,6 @@ __all__ = [
     "interpreting",
     "softmax_bwd",
     "softmax_fwd",
+    "softmax_packed_grad_reference",
+    "softmax_packed_reference",
 ]

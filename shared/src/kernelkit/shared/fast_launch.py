@@ -1,0 +1,437 @@
+"""The direct launch path: eager launches call a compiled kernel's launcher without Triton's
+`kernel[grid](...)`. The only kernelkit module that depends on Triton internals.
+
+Triton's `kernel[grid](...)` (`JITFunction.run`) spends ~10 us of Python per call before its C
+launcher runs: it binds and specialises every argument, renders the options into a string key,
+builds launch metadata and calls two (empty) launch hooks. A `_Launcher` keeps, per kernel, a
+dict from a cheap key of everything that decides Triton's specialisation to the compiled
+kernel's launcher, and calls that launcher directly; `_Prepared` launches (everything but the
+tensors fixed) and `fused_sequence` (replay's recorded launch sequences) build on it. Misses,
+launch hooks, debug mode, grid functions and tracing take Triton's own path
+(`triton_launch.TritonLauncher`).
+
+Written against Triton 3.6 (checked: `triton.__version__` major.minor must be 3.6). The Triton
+internals it uses:
+
+* `JITFunction`: `params` (each with `name`, `is_constexpr`, `do_not_specialize`,
+  `has_default`, `default`), `arg_names`, `pre_run_hooks`, and `run(*args, grid=, warmup=False,
+  **kwargs)` returning the `CompiledKernel` (the type names `JITFunction` and
+  `GluonJITFunction` select the kernels it handles); what Triton 3.6 specialises on (a tensor's
+  dtype and 16-byte alignment; an int's width, == 1 and % 16 unless in `do_not_specialize`;
+  constexpr values; floats never), which the key mirrors.
+* `CompiledKernel`: `run` (the launcher), `function`, `packed_metadata`; the launcher's call
+  convention `run(gx, gy, gz, stream, function, packed_metadata, launch_metadata,
+  enter_hook, exit_hook, *params)`.
+* `triton.backends.nvidia.driver`: `CudaLauncher` (`launch`, `launch_cooperative_grid`,
+  `launch_pdl`, `global_scratch_size`, `profile_scratch_size`) and `_BASE_ARGS_FORMAT ==
+  "iiiKKppOOOOOO"` (the C `launch` function's arguments), to call `CudaLauncher.launch` directly
+  when no scratch memory is needed.
+* `triton.knobs`: `runtime.launch_enter_hook` / `launch_exit_hook` (`.calls`), `runtime.debug`,
+  `compilation.instrumentation_mode` (any of them set: Triton's own path).
+* torch's `torch._C._cuda_getDevice` and `torch._C._cuda_getCurrentRawStream`.
+
+The switch: `KERNELKIT_TRITON_LAUNCH=1` (any value but "" and "0") in the environment when this
+module is first imported turns the direct path off; every launch then goes through Triton's own
+`kernel[grid](...)`. It is read once: `DIRECT_LAUNCH` (also `runtime.DIRECT_LAUNCH`) says which
+path this process uses and `DISABLED_BECAUSE` why it is off. Another Triton version, or internals
+that are not there (ImportError / AttributeError while setting up), turn it off too, with one
+`RuntimeWarning` saying why.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import os
+import warnings
+
+import torch
+
+from .triton_launch import PLAIN_TENSORS, TritonLauncher, eager
+
+__all__ = ["DIRECT_LAUNCH", "DISABLED_BECAUSE", "ENV", "TRITON_VERSION", "fused_sequence"]
+
+ENV = "KERNELKIT_TRITON_LAUNCH"  # set (not "" or "0"): every launch takes Triton's own path
+TRITON_VERSION = (3, 6)  # the Triton (major, minor) whose internals this module calls
+
+
+def _configure(switch: str | None, version: str, setup=None) -> tuple[bool, str | None]:
+    """(direct path on, why not) for the value of $KERNELKIT_TRITON_LAUNCH, Triton's
+    `__version__` and `setup()`, which imports the internals (ImportError / AttributeError:
+    missing). Warns (RuntimeWarning) when the version or the internals turn the path off."""
+    if switch not in (None, "", "0"):
+        return False, f"{ENV}={switch}"
+    try:
+        found = tuple(int(v) for v in version.split(".")[:2])
+    except ValueError:
+        found = None
+    if found != TRITON_VERSION:
+        why = (
+            f"Triton {version}: kernelkit's direct launch path is written against Triton "
+            f"{'.'.join(map(str, TRITON_VERSION))} internals, so kernels launch through "
+            "Triton's own kernel[grid](...) (slower host path, same results)"
+        )
+        warnings.warn(why, RuntimeWarning, stacklevel=2)
+        return False, why
+    if setup is not None:
+        try:
+            setup()
+        except (ImportError, AttributeError) as e:
+            why = (
+                f"Triton {version}: an internal the direct launch path needs is missing "
+                f"({type(e).__name__}: {e}), so kernels launch through Triton's own "
+                "kernel[grid](...) (slower host path, same results)"
+            )
+            warnings.warn(why, RuntimeWarning, stacklevel=2)
+            return False, why
+    return True, None
+
+
+_knobs = _CudaLauncher = None
+
+
+def _setup() -> None:
+    """Import the Triton internals this module calls (see the module docstring)."""
+    global _knobs, _CudaLauncher
+    from triton import knobs
+    from triton.backends.nvidia import driver
+    from triton.compiler.compiler import CompiledKernel
+    from triton.runtime.jit import JITFunction
+
+    # Class-level names (a kernel's own, `params` and the like, are checked per kernel by
+    # `_make_binder`); a missing one raises AttributeError here.
+    JITFunction.run, CompiledKernel.run  # noqa: B018
+    knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, knobs.runtime.debug  # noqa: B018
+    knobs.compilation.instrumentation_mode  # noqa: B018
+    launcher = driver.CudaLauncher
+    # The C launch function's arguments; another layout: call the launcher object instead.
+    _CudaLauncher = launcher if driver._BASE_ARGS_FORMAT == "iiiKKppOOOOOO" else None
+    _knobs = knobs
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError as e:  # pragma: no cover - torch without triton
+        return f"(not importable: {e})"
+    return str(getattr(triton, "__version__", "(unknown)"))
+
+
+DIRECT_LAUNCH, DISABLED_BECAUSE = _configure(os.environ.get(ENV), _triton_version(), _setup)
+
+# ---------------------------------------------------------------------------------------------
+# Keys and binders
+# ---------------------------------------------------------------------------------------------
+
+_T = torch.Tensor
+_I32_MIN, _I32_MAX, _I64_MAX = -(2**31), 2**31 - 1, 2**63 - 1
+_get_device = getattr(torch._C, "_cuda_getDevice", None)  # the device Triton compiles for
+_get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+class _UnkeyedArgError(Exception):
+    """An argument the cached path does not key (tensor subclass, tuple, descriptor, ...)."""
+
+
+def _other(a):
+    """Key part of a non-constexpr argument that is neither a plain tensor nor an int."""
+    if a is None:
+        return None  # Triton: constexpr None
+    t = type(a)
+    if t is bool:
+        return "u1"
+    if t is float:
+        return "fp32"  # Triton never specialises float arguments on their value
+    raise _UnkeyedArgError
+
+
+def _runtime_key(name: str, p) -> str:
+    """Source of the key part of runtime (non-constexpr) parameter `name`: what Triton's
+    specialisation depends on. Tensors: dtype and 16-byte alignment of the data pointer (kept
+    even under do_not_specialize_on_alignment: a finer key is never wrong). Ints: the i32 / i64 /
+    u64 width and, unless in do_not_specialize, equal to 1 (Triton makes it a constant) and
+    divisible by 16."""
+    tensor = f"({name}.dtype, not {name}.data_ptr() & 15)"
+    width = f"0 if {_I32_MIN} <= {name} <= {_I32_MAX} else 1 if {name} <= {_I64_MAX} else 2"
+    integer = width if p.do_not_specialize else f"({name} == 1, not {name} & 15, {width})"
+    return (
+        f"{tensor} if {name}.__class__ is _kk_T"
+        f" else ({integer}) if {name}.__class__ is int else _kk_other({name})"
+    )
+
+
+_JIT_TYPES = ("JITFunction", "GluonJITFunction")
+
+
+def _make_binder(kernel):
+    """A function `bind(device, *args, **kwargs) -> (key, params, options)` generated for this
+    kernel's signature (as Triton generates its own binder): `params` are all of the kernel's
+    arguments in order, defaults filled in (what the compiled launcher takes), `options` the
+    remaining keywords (num_warps, num_stages, ...). None for objects that are not plain
+    JITFunctions (autotuners, heuristics, interpreted kernels) and with the direct path off:
+    those always take Triton's own path."""
+    params = getattr(kernel, "params", None)
+    # Gluon kernels (GluonJITFunction) bind, specialise and launch as Triton's own do.
+    if not DIRECT_LAUNCH or params is None or type(kernel).__name__ not in _JIT_TYPES:
+        return None
+    if not (hasattr(kernel, "arg_names") and hasattr(kernel, "pre_run_hooks")):
+        return None
+    names = [p.name for p in params]
+    if any(n.startswith("_kk_") for n in names):
+        return None
+    sig, key, defaults = ["_kk_device"], ["_kk_device"], {}
+    for p in params:
+        if p.has_default:
+            defaults[f"_kk_default_{p.name}"] = p.default
+            sig.append(f"{p.name}=_kk_default_{p.name}")
+        else:
+            sig.append(p.name)
+        # A constexpr's value is its specialisation; its type too (True, 1 and 1.0 are equal).
+        key.append(f"{p.name}.__class__, {p.name}" if p.is_constexpr else _runtime_key(p.name, p))
+    # Every name of the generated code but the parameters starts with _kk_ (no clashes).
+    src = (
+        f"def bind({', '.join(sig)}, **_kk_options):\n"
+        f"    _kk_key = ({', '.join(key)}, *_kk_options.items())\n"
+        f"    return _kk_key, ({', '.join(names)},), _kk_options\n"
+    )
+    namespace = {"_kk_T": _T, "_kk_other": _other, **defaults}
+    exec(src, namespace)  # source generated from the kernel's parameter names
+    return namespace["bind"]
+
+
+def _fast_ok(kernel) -> bool:
+    """Nothing asks for Triton's own path: no launch hooks (profilers), no debug or
+    instrumentation mode (they change the compiled kernel), no pre-run hooks."""
+    rt = _knobs.runtime
+    try:
+        hooks = rt.launch_enter_hook.calls or rt.launch_exit_hook.calls
+    except AttributeError:  # a hook set as a plain function (or None)
+        hooks = rt.launch_enter_hook or rt.launch_exit_hook
+    return not (
+        hooks or rt.debug or _knobs.compilation.instrumentation_mode or kernel.pre_run_hooks
+    )
+
+
+def _entry(compiled):
+    """(launch function, the arguments it takes between the stream and the kernel's own)."""
+    run = compiled.run  # the launcher (loads the module on first use)
+    if (
+        _CudaLauncher is not None
+        and isinstance(run, _CudaLauncher)
+        and not run.global_scratch_size
+        and not run.profile_scratch_size
+    ):
+        # CudaLauncher.__call__ only allocates scratch: call its C launch function directly.
+        head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None)
+        return run.launch, (*head, compiled.packed_metadata, None, None, None)
+    # No launch metadata and no hooks: _fast_ok checked there are none.
+    return run, (compiled.function, compiled.packed_metadata, None, None, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------
+
+
+class _Launcher(TritonLauncher):
+    """`kernel[grid](...)`: the kernel itself on plain tensors, `wrap_triton` while tracing.
+
+    Eager launches look up the compiled kernel for this call's specialisation in `_cache`
+    (key: device, per argument dtype / alignment / int class / constexpr value, options) and
+    call its launcher with the current stream. A miss (or anything unusual: hooks, debug,
+    a grid function, an argument the key does not cover) goes through Triton's
+    `kernel[grid]`, which compiles when needed; the compiled kernel then fills the cache.
+    """
+
+    def __init__(self, kernel):
+        super().__init__(kernel)
+        self._bind = _make_binder(kernel)
+        self._cache: dict = {}
+
+    def _run(self, grid, *args, **kwargs):
+        bind = self._bind
+        key = None
+        if bind is not None and type(grid) is tuple and _fast_ok(self._kernel):
+            try:
+                device = _get_device()
+                key, params, _ = bind(device, *args, **kwargs)
+                entry = self._cache.get(key)
+            except (_UnkeyedArgError, TypeError):  # an uncovered argument, an unhashable constexpr
+                key = entry = None
+            if entry is not None:  # an entry implies plain tensors: not traced
+                call, head = entry
+                g = (*grid, 1, 1)[:3]
+                return call(*g, _get_stream(device), *head, *params)
+        if not eager(args, kwargs):
+            return self._wrapped[grid](*args, **kwargs)
+        compiled = self._kernel.run(*args, grid=grid, warmup=False, **kwargs)
+        if key is not None and compiled is not None:
+            self._cache[key] = _entry(compiled)
+        return compiled
+
+    def prepare(self, grid, *args, vary=(), **kwargs):
+        """`kernel[grid](*args, **kwargs)` with everything but the tensors fixed: returns a
+        function that launches it with new tensors, passed in the order the tensors appear
+        here (positional ones, then keywords), followed by the values of the `vary` arguments:
+        ints that change per call (an offset, say), allowed for parameters Triton does not
+        specialise on (do_not_specialize; only their i32/i64 width keys the compiled kernel).
+        For launches planned once per shape."""
+        if self._bind is None or type(grid) is not tuple:
+            return super().prepare(grid, *args, vary=vary, **kwargs)
+        params_by_name = {p.name: p for p in self._kernel.params}
+        if any(k not in kwargs or not params_by_name[k].do_not_specialize for k in vary):
+            return super().prepare(grid, *args, vary=vary, **kwargs)
+        try:
+            _, params, options = self._bind(None, *args, **kwargs)
+        except (_UnkeyedArgError, TypeError):
+            return super().prepare(grid, *args, vary=vary, **kwargs)
+        if any(isinstance(a, (tuple, list)) for a in params):  # may hold tensors: not keyed
+            return super().prepare(grid, *args, vary=vary, **kwargs)
+        names = self._kernel.arg_names
+        slots = [i for i, a in enumerate(args) if isinstance(a, _T)]
+        slots += [names.index(k) for k, v in kwargs.items() if isinstance(v, _T)]
+        slots += [names.index(k) for k in vary]
+        return _Prepared(self, grid, params, options, tuple(slots))
+
+
+def _slot_key(t):
+    """Key part of a prepared launch's per-call value: a tensor's dtype and alignment, or a
+    varying (do_not_specialize) int's width."""
+    if t.__class__ in PLAIN_TENSORS:
+        return t.dtype, not t.data_ptr() & 15
+    if t.__class__ is int:
+        return 0 if _I32_MIN <= t <= _I32_MAX else 1 if t <= _I64_MAX else 2
+    return _other(t)
+
+
+class _Prepared:
+    """A launch with fixed grid, sizes, constexprs and options; the tensors come per call.
+
+    The fixed arguments' specialisation never changes, so the key is the device and each
+    tensor's dtype and alignment; a hit calls the compiled launcher directly."""
+
+    def __init__(self, launcher: _Launcher, grid, params, options, slots):
+        self._launcher = launcher
+        self._kernel = launcher._kernel
+        self._grid = grid
+        self._g = (*grid, 1, 1)[:3]
+        self._slots = slots
+        self._template = [None if i in slots else a for i, a in enumerate(params)]
+        # The common layout: the tensors are the leading parameters, then `_rest`.
+        self._leading = slots == tuple(range(len(slots)))
+        self._rest = tuple(self._template[len(slots) :])
+        self._options = options
+        self._cache: dict = {}
+
+    def _params(self, tensors):
+        if self._leading:
+            return (*tensors, *self._rest)
+        params = list(self._template)
+        for i, t in zip(self._slots, tensors):
+            params[i] = t
+        return params
+
+    def direct(self, device, tensors):
+        """(launch function, grid, head, rest) of the compiled kernel cached for plain `tensors`
+        on `device`, called as `call(*grid, stream, *head, *tensors, *rest)` (what a cache hit
+        of `__call__` does); None where the tensors are not the leading parameters or no kernel
+        is cached for their key. For callers that key the tensors themselves (`fused_sequence`)."""
+        if not self._leading:
+            return None
+        try:
+            entry = self._cache.get((device, *map(_slot_key, tensors)))
+        except (_UnkeyedArgError, TypeError):
+            return None
+        return None if entry is None else (entry[0], self._g, entry[1], self._rest)
+
+    def __call__(self, *tensors):
+        key = None
+        if _fast_ok(self._kernel):
+            try:
+                device = _get_device()
+                key = (device, *map(_slot_key, tensors))
+            except (_UnkeyedArgError, TypeError):
+                key = None
+            entry = self._cache.get(key)
+            if entry is not None:  # an entry implies plain tensors: not traced
+                call, head = entry
+                g = self._g
+                if self._leading:
+                    return call(*g, _get_stream(device), *head, *tensors, *self._rest)
+                return call(*g, _get_stream(device), *head, *self._params(tensors))
+        params = self._params(tensors)
+        if key is None or not eager(params):
+            return self._launcher._run(self._grid, *params, **self._options)
+        compiled = self._kernel.run(*params, grid=self._grid, warmup=False, **self._options)
+        if compiled is not None:
+            self._cache[key] = _entry(compiled)
+        return compiled
+
+
+# ---------------------------------------------------------------------------------------------
+# Recorded launch sequences (kernelkit.shared.replay)
+# ---------------------------------------------------------------------------------------------
+
+_data_ptr = torch.Tensor.data_ptr
+_pre_run_hooks = operator.attrgetter("pre_run_hooks")
+
+
+class _FusedSequence:
+    """Runs a recorded sequence of `_Prepared` launches (each taking its tensors as leading
+    parameters) on a pool of tensors. The launch functions their caches hold for this
+    sequence's tensors (dtypes fixed by the layout, every data pointer 16-byte aligned) are
+    kept per current device (`_direct`) after a run that found them all; later runs with every
+    tensor aligned and no launch hooks call them directly, as each prepared launch's cache hit
+    would, with one device, stream, hook and alignment check for the whole sequence instead of
+    a key per launch. Otherwise the prepared launches run one by one."""
+
+    def __init__(self, launches, used):
+        self._launches = launches  # (prepared launch, pool -> its tensors)
+        self._used = used  # pool -> the tensors the launches take (what the alignment covers)
+        kernels = list(dict.fromkeys(run._kernel for run, _ in launches))
+        self._kernel, self._more_kernels = kernels[0], tuple(kernels[1:])
+        self._direct: dict = {}
+
+    def __call__(self, pool) -> None:
+        try:
+            device = _get_device()
+        except TypeError:  # no CUDA in this torch build: the prepared launches say so too
+            device = None
+        direct = self._direct.get(device)
+        aligned = not functools.reduce(operator.or_, map(_data_ptr, self._used(pool)), 0) & 15
+        if (
+            direct is not None
+            and aligned
+            and _fast_ok(self._kernel)
+            and not any(map(_pre_run_hooks, self._more_kernels))
+        ):
+            stream = _get_stream(device)
+            for call, grid, head, gather, rest in direct:
+                call(*grid, stream, *head, *gather(pool), *rest)
+            return
+        for run, gather in self._launches:
+            run(*gather(pool))
+        if direct is None and aligned and device is not None:
+            self._keep_direct(device, pool)
+
+    def _keep_direct(self, device, pool) -> None:
+        """Keep the launch functions of the aligned run on `device` that just ran (the
+        prepared launches' caches hold them now), where it found all of them."""
+        direct = []
+        for run, gather in self._launches:
+            entry = run.direct(device, gather(pool))
+            if entry is None:  # not cached (a launch hook, say, sent it down Triton's path)
+                return
+            call, grid, head, rest = entry
+            direct.append((call, grid, head, gather, rest))
+        self._direct[device] = tuple(direct)
+
+
+def fused_sequence(launches, used):
+    """A function of the pool that runs `launches` ((launch, pool -> its tensors) pairs, in
+    order) through `_FusedSequence`, where every launch is a `_Prepared` one taking its tensors
+    as leading parameters; else None (the caller runs the launches one by one). `used`: pool ->
+    every tensor the launches take."""
+    if not launches or not all(isinstance(run, _Prepared) and run._leading for run, _ in launches):
+        return None
+    return _FusedSequence(tuple(launches), used)
