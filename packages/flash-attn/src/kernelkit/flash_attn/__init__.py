@@ -5,5 +5,5 @@
 from .adapter import FlashAttentionFunction
 from .op import explain, flash_attn, flash_attn_varlen
 
-__version__ = "0.7.2"
+__version__ = "0.8.0"
 __all__ = ["FlashAttentionFunction", "__version__", "explain", "flash_attn", "flash_attn_varlen"]

@@ -1,5 +1,10 @@
 """torch.library registration, autograd and the public functions of flash-attn: `flash_attn`,
-`flash_attn_varlen` and their ops."""
+`flash_attn_varlen`, `explain` and their ops.
+
+The fallback convention of every kernelkit op: the public function validates, then
+`if not use_triton(q):` returns the PyTorch reference (traced inline by torch.compile; the packed
+reference, whose shapes depend on cu_seqlens' values, runs as opaque ops that torch.compile
+calls as they are), and otherwise calls the registered ops, which only launch kernels."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import torch
 
 from kernelkit.shared.runtime import (
     define_op,
+    define_opaque_op,
     traced,
     use_triton,
 )
@@ -16,7 +22,6 @@ from .config import Target, Varlen
 from .launch import backward, forward
 from .reference import (
     attention_reference,
-    attention_reference_grads,
     attention_varlen_reference,
     attention_varlen_reference_grads,
 )
@@ -27,12 +32,11 @@ from .validation import check_bool, check_softcap, validate, validate_varlen, wi
 # ---------------------------------------------------------------------------------------------
 
 
-# A traced call (torch.compile, export) goes to an op's opaque twin (`define_op`'s `fake`),
-# which torch.compile calls as it is, where Inductor must not trace into the body: the PyTorch
-# reference on CPU tensors (packed sequences make its shapes depend on data), and plans that
-# launch a Gluon kernel, which Inductor cannot compile (`families.opaque`). The twin runs the
-# same body on real tensors: the same kernels as an eager call. Elsewhere Inductor sees the
-# Triton kernels. The fakes record the launches instead of running them (`families.probe_*`).
+# A traced call (torch.compile, export) whose config launches a Gluon kernel, which Inductor
+# cannot compile (`families.opaque`), goes to the op's opaque twin (`define_op`'s `fake`),
+# which torch.compile calls as it is and which runs the same body on real tensors: the same
+# kernels as an eager call. Elsewhere Inductor sees the Triton kernels. The fakes record the
+# launches instead of running them (`families.probe_*`).
 
 
 def _fwd_probe(q, k, v, causal, scale, softcap=0.0, window_left=-1, window_right=-1,
@@ -73,9 +77,9 @@ def _fake(probe):
     return fake
 
 
-def _opaque(q, probe, *args) -> bool:
+def _opaque(probe, *args) -> bool:
     """Whether a traced call (`probe` over its arguments) goes to the opaque twin."""
-    return not use_triton(q) or families.opaque(probe(*args))
+    return families.opaque(probe(*args))
 
 
 @define_op("kernelkit_flash_attn::attn_fwd", fake=_fake(_fwd_probe))
@@ -92,14 +96,9 @@ def attn_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if traced(q):
         args = (q, k, v, causal, scale, softcap, window_left, window_right, deterministic)
-        if _opaque(q, _fwd_probe, *args):
+        if _opaque(_fwd_probe, *args):
             return attn_fwd.opaque(*args)
     window = (window_left, window_right)
-    if not use_triton(q):
-        o, lse = attention_reference(
-            q, k, v, causal, scale, return_lse=True, window_size=window, softcap=softcap
-        )
-        return o, lse.float()
     return forward(q, k, v, causal, scale, softcap=softcap, window=window)
 
 
@@ -122,12 +121,9 @@ def attn_bwd(
     if traced(q):
         args = (do, q, k, v, o, lse, dlse, causal, scale, softcap, window_left, window_right,
                 deterministic)  # fmt: skip
-        if _opaque(q, _bwd_probe, *args):
+        if _opaque(_bwd_probe, *args):
             return attn_bwd.opaque(*args)
     window = (window_left, window_right)
-    if not use_triton(q):
-        # The closed form, not autograd inside the op (an opaque twin's body under tracing).
-        return attention_reference_grads(do, q, k, v, causal, scale, dlse, softcap, window)
     return backward(do, q, k, v, o, lse, dlse, causal, scale, softcap=softcap, window=window,
                     deterministic=deterministic)  # fmt: skip
 
@@ -176,15 +172,9 @@ def attn_varlen_fwd(
     if traced(q):
         args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
                 softcap, window_left, window_right)  # fmt: skip
-        if _opaque(q, _varlen_fwd_probe, *args):
+        if _opaque(_varlen_fwd_probe, *args):
             return attn_varlen_fwd.opaque(*args)
     window = (window_left, window_right)
-    if not use_triton(q):
-        o, lse = attention_varlen_reference(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, softmax_scale=scale,
-            window_size=window, softcap=softcap, return_lse=True,
-        )  # fmt: skip
-        return o, lse.float()
     varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return forward(q, k, v, causal, scale, softcap=softcap, window=window, varlen=varlen)
 
@@ -211,12 +201,9 @@ def attn_varlen_bwd(
     if traced(q):
         args = (do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                 max_seqlen_k, causal, scale, softcap, window_left, window_right)  # fmt: skip
-        if _opaque(q, _varlen_bwd_probe, *args):
+        if _opaque(_varlen_bwd_probe, *args):
             return attn_varlen_bwd.opaque(*args)
     window = (window_left, window_right)
-    if not use_triton(q):
-        return attention_varlen_reference_grads(do, q, k, v, cu_seqlens_q, cu_seqlens_k, causal,
-                                                scale, dlse, softcap, window)  # fmt: skip
     varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return backward(do, q, k, v, o, lse, dlse, causal, scale, softcap=softcap, window=window,
                     varlen=varlen)  # fmt: skip
@@ -224,6 +211,70 @@ def attn_varlen_bwd(
 
 _varlen_backward, _varlen_setup = _autograd(attn_varlen_bwd, 5)
 attn_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# The PyTorch reference of a packed batch (tensors `use_triton` turns down): it slices at
+# cu_seqlens' values, shapes that depend on data, which torch.compile cannot trace. These ops
+# (`define_opaque_op`) are called as they are by torch.compile; the dense reference is traced
+# inline.
+# ---------------------------------------------------------------------------------------------
+
+
+def _varlen_reference_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, *options):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@define_opaque_op("kernelkit_flash_attn::varlen_reference", fake=_varlen_reference_fake)
+def varlen_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    causal: bool,
+    scale: float,
+    softcap: float,
+    window_left: int,
+    window_right: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    o, lse = attention_varlen_reference(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, softmax_scale=scale,
+        window_size=(window_left, window_right), softcap=softcap, return_lse=True,
+    )  # fmt: skip
+    return o, lse.float()
+
+
+def _varlen_reference_grads_fake(do, q, k, v, *rest):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@define_opaque_op("kernelkit_flash_attn::varlen_reference_grads",
+                  fake=_varlen_reference_grads_fake)  # fmt: skip
+def varlen_reference_grads(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    causal: bool,
+    scale: float,
+    softcap: float,
+    window_left: int,
+    window_right: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The packed reference's gradients in closed form (`attention_varlen_reference_grads`)."""
+    window = (window_left, window_right)
+    return attention_varlen_reference_grads(do, q, k, v, cu_seqlens_q, cu_seqlens_k, causal,
+                                            scale, dlse, softcap, window)  # fmt: skip
+
+
+_reference_backward, _reference_setup = _autograd(varlen_reference_grads, 5)
+varlen_reference.register_autograd(_reference_backward, setup_context=_reference_setup)
 
 
 def flash_attn(
@@ -259,7 +310,12 @@ def flash_attn(
     check_bool("return_lse", return_lse)
     q, k, v, args, three_d = _prepare(q, k, v, causal, softmax_scale, window_size, softcap,
                                       deterministic)  # fmt: skip
-    o, lse = attn_fwd(q, k, v, *args)
+    if use_triton(q):
+        o, lse = attn_fwd(q, k, v, *args)
+    else:  # the PyTorch reference (CPU tensors without the interpreter)
+        causal, scale, softcap, left, right, _ = args
+        o, lse = attention_reference(q, k, v, causal, scale, return_lse=True, softcap=softcap,
+                                     window_size=(left, right))  # fmt: skip
     if three_d:
         o, lse = o.squeeze(2), lse.squeeze(1)
     return (o, lse) if return_lse else o
@@ -331,8 +387,12 @@ def flash_attn_varlen(
     left, right = window_for(window_size, causal, max_seqlen_q, max_seqlen_k)
     if scale < 0:  # as in flash_attn
         q, scale = -q, -scale
-    o, lse = attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             causal, scale, softcap, left, right)  # fmt: skip
+    if use_triton(q):
+        o, lse = attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                 max_seqlen_k, causal, scale, softcap, left, right)  # fmt: skip
+    else:  # the PyTorch reference (CPU tensors without the interpreter)
+        o, lse = varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap,
+                                  left, right)  # fmt: skip
     return (o, lse) if return_lse else o
 
 
