@@ -1,12 +1,12 @@
-"""Every kernel family the plan chooser can take on an sm_90 GPU, run the three ways users run
-it: eager, `torch.compile(fullgraph=True)` with Inductor, and captured in a CUDA graph, forward
-and backward, each against the float64 reference by FlashAttention's accuracy rule.
+"""Every kernel family the chooser (choose.py) can take on an sm_90 GPU, run the three ways
+users run it: eager, `torch.compile(fullgraph=True)` with Inductor, and captured in a CUDA graph,
+forward and backward, each against the float64 reference by FlashAttention's accuracy rule.
 
 The families come from the chooser itself: `test_every_family_has_a_case` sweeps the host
 path over the options it reads (head dim, dtype, causal, window, softcap, packing, lengths,
-deterministic) as on an sm_90 GPU with 132 SMs, and fails when a family appears that no case
-in FAMILY_CASES takes. Each case states the (forward, backward) families it takes, checked
-here on CPU and again on the GPU before it runs.
+deterministic) as on an H100 (`config.H100`: sm_90, 132 SMs), and fails when a family appears
+that no case in FAMILY_CASES takes. Each case states the (forward, backward) families it takes,
+checked here on CPU (`target=H100`) and again on the GPU (its own target) before it runs.
 """
 
 from __future__ import annotations
@@ -19,12 +19,11 @@ from attn_cases import Call, check_call, fwd_bwd
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from kernelkit.flash_attn import FlashAttentionFunction, explain, families
-from kernelkit.flash_attn import launchers as fa_launchers
-from kernelkit.flash_attn import plans as fa_plans
-from kernelkit.flash_attn.launchers import Varlen
+from kernelkit.flash_attn.config import H100, Target, Varlen
 from kernelkit.flash_attn.validation import window_for
 
 SM90_SMS = 132  # H100 SXM and H200
+assert H100.sms == SM90_SMS and H100.gluon
 LENGTHS = ((300, 280), (1, 3), (0, 5), (200, 200))  # (Nq, Nk) per sequence: 1 key, no query
 WIN = (64, -1)
 DEC = dict(b=2, nq=1, nk=4096, h=8, hkv=2, d=64)  # decoding: split-KV
@@ -33,9 +32,10 @@ P128 = dict(b=2, nq=300, nk=300, h=4, hkv=2, d=128)
 E128 = dict(b=2, nq=256, nk=256, h=4, hkv=2, d=128)  # an even number of query blocks: pairs
 
 # (forward family, backward family, a call that takes them). bwd-gluon "persistent" takes at
-# most launchers.GLUON_BWD_PERSISTENT_MAX_N rows, fused dq (dq-ordered / dq-any-order) at
-# least plans.FUSED_DQ_MIN_N / ANY_ORDER_DQ_MIN_N; the d64 Gluon forward needs
-# plans.GLUON_*FWD_MIN_N rows and a grid that fills the GPU (plans.small_grid_fwd).
+# most tables.GLUON_BWD_PERSISTENT_MAX_N rows, fused dq (dq-ordered / dq-any-order) at least
+# tables.FUSED_DQ_MIN_N / ANY_ORDER_DQ_MIN_N; the d64 Gluon forward needs
+# tables.GLUON_FWD_MIN_N rows and a grid that fills the GPU (tables.SMALL_GRID_FWD,
+# choose._small_grid).
 FAMILY_CASES = [
     ("fwd", "bwd", Call(**P64)),
     ("fwd(local)", "bwd(local)", Call(**P64, window=WIN)),
@@ -97,17 +97,9 @@ FAMILY_CASES = [
 CASE_IDS = [f"{f}+{b}" for f, b, _ in FAMILY_CASES]
 
 
-def _as_sm90(monkeypatch) -> None:
-    """Plans as on an sm_90 GPU with SM90_SMS multiprocessors (also on a CPU-only machine)."""
-    for module in (fa_plans, fa_launchers):
-        monkeypatch.setattr(module, "interpreting", lambda: False)
-        monkeypatch.setattr(module, "num_sms", lambda device: SM90_SMS)
-    monkeypatch.setattr(fa_plans, "_sm90", lambda index: True)
-    monkeypatch.setattr(fa_plans, "_hopper", lambda index: True)
-
-
-def probe_families(call: Call) -> tuple[str, str]:
-    """(forward, backward) family of `call` on a CUDA device, from fake tensors."""
+def probe_families(call: Call, target: Target | None = H100) -> tuple[str, str]:
+    """(forward, backward) family of `call` on CUDA tensors as `target` runs it (None: this
+    machine's GPU), from fake tensors."""
     with FakeTensorMode():
         q, k, v, _ = (torch.empty(t.shape, dtype=call.dtype, device="cuda")
                       for t in call.inputs("cpu"))  # fmt: skip
@@ -118,7 +110,7 @@ def probe_families(call: Call) -> tuple[str, str]:
             varlen = Varlen(cu, cu, nq, nk)
         window = window_for(call.window, call.causal, nq, nk)
         fwd, bwd = families.probe_call(q, k, v, call.causal, call.softcap, window, varlen,
-                                       call.deterministic)  # fmt: skip
+                                       call.deterministic, target)  # fmt: skip
     return families.family(fwd), families.family(bwd)
 
 
@@ -147,8 +139,7 @@ def _sweep():
                        softcap=softcap, deterministic=det, dtype=dtype)  # fmt: skip
 
 
-def test_every_family_has_a_case(monkeypatch):
-    _as_sm90(monkeypatch)
+def test_every_family_has_a_case():
     covered = {f for fwd, bwd, _ in FAMILY_CASES for f in (fwd, bwd)}
     found: dict[str, Call] = {}
     for call in _sweep():
@@ -161,8 +152,7 @@ def test_every_family_has_a_case(monkeypatch):
 
 
 @pytest.mark.parametrize("fwd, bwd, call", FAMILY_CASES, ids=CASE_IDS)
-def test_cases_take_their_family(fwd, bwd, call, monkeypatch):
-    _as_sm90(monkeypatch)
+def test_cases_take_their_family(fwd, bwd, call):
     assert probe_families(call) == (fwd, bwd)
 
 
@@ -171,17 +161,24 @@ def test_cases_take_their_family(fwd, bwd, call, monkeypatch):
     [c for c in FAMILY_CASES if c[2].lengths is None],
     ids=[i for i, c in zip(CASE_IDS, FAMILY_CASES) if c[2].lengths is None],
 )
-def test_explain_names_the_families(fwd, bwd, call, monkeypatch):
-    """`explain` (the public view of the choice) agrees with the probes, from meta tensors."""
-    _as_sm90(monkeypatch)
+def test_explain_names_the_families(fwd, bwd, call):
+    """`explain` (the public view of the choice) agrees with the probes, from fake tensors, as
+    on an H100: the families, and the configs with why each was chosen."""
     with FakeTensorMode():
         q, k, v, _ = (torch.empty(t.shape, dtype=call.dtype, device="cuda")
                       for t in call.inputs("cpu"))  # fmt: skip
         e = explain(q, k, v, call.causal, window_size=call.window, softcap=call.softcap,
-                    deterministic=call.deterministic)  # fmt: skip
+                    deterministic=call.deterministic, target=H100)  # fmt: skip
+        window = window_for(call.window, call.causal, call.nq, call.nk)
+        probes = families.probe_call(q, k, v, call.causal, call.softcap, window, None,
+                                     call.deterministic, H100)  # fmt: skip
     assert (e.forward, e.backward) == (fwd, bwd)
+    assert (e.forward_config, e.backward_config) == tuple(p.config for p in probes)
+    assert e.forward_config.why and e.backward_config.why
     text = str(e)
-    assert text.startswith(f"forward: {fwd}\n") and f"backward: {bwd}\n" in text
+    assert text.startswith(f"forward: {e.forward_config}\n  why: {e.forward_config.why}\n")
+    assert f"\nbackward: {e.backward_config}\n  why: {e.backward_config.why}\n" in text
+    assert f"  family: {fwd}\n" in text and f"  family: {bwd}\n" in text
     assert len(e.forward_launches) >= 1 and len(e.backward_launches) >= 2
 
 
@@ -196,9 +193,8 @@ def _leaderboard(causal: bool) -> Call:
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_leaderboard_families(causal, monkeypatch):
+def test_leaderboard_families(causal):
     """The leaderboard shape (the course harness, README) takes the Gluon kernels both ways."""
-    _as_sm90(monkeypatch)
     assert probe_families(_leaderboard(causal)) == LEADERBOARD_FAMILIES[causal]
 
 
@@ -246,7 +242,7 @@ def test_gpu_family(fwd, bwd, call, mode, device):
     each mode."""
     if not _sm90_gpu(device):
         pytest.skip("the families are sm_90's")
-    assert probe_families(call) == (fwd, bwd)
+    assert probe_families(call, target=None) == (fwd, bwd)
     q, k, v, do = call.inputs(device)
     if mode == "eager":
         got = fwd_bwd(call, q, k, v, do)
@@ -269,7 +265,7 @@ def test_gpu_flash_attention_function_compiles_on_gluon_shapes(is_causal, device
         pytest.skip("the Gluon kernels are sm_90's")
     call = _leaderboard(is_causal)
     q, k, v, do = (t.squeeze(2) for t in call.inputs(device))
-    assert probe_families(call) == LEADERBOARD_FAMILIES[is_causal]
+    assert probe_families(call, target=None) == LEADERBOARD_FAMILIES[is_causal]
 
     def run(fn):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]

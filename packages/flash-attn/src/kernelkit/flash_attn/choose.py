@@ -3,7 +3,7 @@
 it can run a config (`can_implement`: None, or the reason it cannot); where the preferred
 kernel cannot, the chooser takes the next one and says why in the config's `why`.
 
-Forward: the split-KV kernel for decoding shapes (`_split`), else the Gluon kernel where its
+Forward: the split-KV kernel for decoding shapes (`split_config`), else the Gluon kernel where its
 table and rule ask for it and it can run, else the portable kernel with the table's tile
 (small grids: a 64-row tile). Backward: the Gluon dk/dv kernel (d128) or, from the fused-dq
 thresholds, the Gluon kernel summing dq too (d64), where it can run; else the portable dk/dv
@@ -120,7 +120,7 @@ def gluon_fwd_config(p: Problem, tile: Tile = T.GLUON_FWD_TILE, why: str = "") -
     """The Gluon forward's config for `p` with `tile` (2 x 64 rows, a `stages`-deep K/V ring):
     persistent (one program per SM), causal tiles in pairs of a long and a short query block
     where the query blocks pair up, the q tile in registers up to GLUON_FWD_Q_REGS_MAX_D."""
-    pairs = p.causal and cdiv(p.nq, tile.block_m) % 2 == 0
+    pairs = bool(p.causal and cdiv(p.nq, tile.block_m) % 2 == 0)
     return FwdConfig(FWD_GLUON, tile, True, _fast_tanh(p), persistent=True, pairs=pairs,
                      q_regs=p.block_d <= T.GLUON_FWD_Q_REGS_MAX_D, why=why)  # fmt: skip
 
@@ -266,7 +266,7 @@ def gluon_bwd_config(p: Problem, tile: Tile, dq_mode: int, dq: Tile | None = Non
     (`tile_heads`)."""
     fused = dq_mode != DQ_KERNEL
     dq = None if fused else dq or table_tiles(p)[2]
-    persistent = not fused and p.nq <= T.GLUON_BWD_PERSISTENT_MAX_N
+    persistent = bool(not fused and p.nq <= T.GLUON_BWD_PERSISTENT_MAX_N)
     heads = tile_heads(p.batch * p.kv_heads, cdiv(p.nk, tile.block_n), p.target.sms, p.causal,
                        persistent, dq_mode == DQ_ORDERED)  # fmt: skip
     return BwdConfig(BWD_GLUON, tile, True, dq_mode, dq, dq is not None and dq.tma and p.tma_kv,
@@ -276,7 +276,7 @@ def gluon_bwd_config(p: Problem, tile: Tile, dq_mode: int, dq: Tile | None = Non
 
 def tile_heads(bhk: int, key_blocks: int, sms: int, causal: bool, persistent: bool,
                ordered: bool) -> int:  # fmt: skip
-    """(batch, kv head)s per tile group of the Gluon backward (`gluon.bwd._bwd_tile`): the
+    """(batch, kv head)s per tile group of the Gluon backward (`gluon/bwd.py`, the tile walk): the
     largest divisor of bhk that keeps about one wave of programs on a group, so that the
     programs running at once share q, do and dq's sums in L2; negative (each group from its
     last key block down) for causal dq sums in a fixed order; bhk (one group, key-block-major)
@@ -292,7 +292,7 @@ def tile_heads(bhk: int, key_blocks: int, sms: int, causal: bool, persistent: bo
 def _pad_rows(p: Problem) -> bool:
     """Padded row vectors for packed batches, ragged lengths and BLOCK_D <= 64 (block-multiple
     d128 non-causal measured 3% slower with them)."""
-    return p.packed or p.nq % ROW_PAD != 0 or p.block_d <= 64
+    return bool(p.packed or p.nq % ROW_PAD != 0 or p.block_d <= 64)
 
 
 def check_bwd(p: Problem, cfg: BwdConfig) -> BwdConfig:

@@ -303,9 +303,9 @@ def flash_attn(
     softmax (Gemma 2); 0 = off.
     deterministic=True (default): the gradients are bitwise the same from run to run. False:
     where it measured faster (on Hopper, d <= 64 from 16k query rows, 8k causal: 1.02-1.15x
-    the backward; `plans.fused_dq_plan`) dq is summed in any order, so its last bits may vary
+    the backward; `choose.choose_bwd`) dq is summed in any order, so its last bits may vary
     between runs; elsewhere it changes nothing.
-    Decoding shapes (few query rows, long key sequences) run a split-KV forward (`split_plan`).
+    Decoding shapes (few query rows, long key sequences) run a split-KV forward (`choose.split_config`).
     """
     check_bool("return_lse", return_lse)
     q, k, v, args, three_d = _prepare(q, k, v, causal, softmax_scale, window_size, softcap,

@@ -67,7 +67,7 @@ def _tail_start(lo, hi, n, BLOCK: tl.constexpr):
     return tl.maximum(tl.minimum(hi, n // BLOCK * BLOCK), lo)
 
 
-# Query rows per semaphore of the Hopper backward's ordered dq sums (kernels_gluon.SEM_ROWS).
+# Query rows per semaphore of the Hopper backward's ordered dq sums (gluon/bwd.py, SEM_ROWS).
 SEM_ROWS = tl.constexpr(64)
 
 
