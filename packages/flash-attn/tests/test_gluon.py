@@ -1,0 +1,442 @@
+"""flash-attn: the Gluon kernels on Hopper (gluon/fwd.py, gluon/bwd.py: the FWD_GLUON /
+BWD_GLUON configs), and the config checks and rules around them: their launches probed as on an
+H100 and compile-checked on CPU, the chooser's fallback where they cannot run, check_fwd /
+check_bwd errors naming the reason, the chooser's rules (Gluon kernels, tile groups, dq summed
+in the kernel, the deterministic option).
+
+Gluon has no interpreter: tests that run these kernels need an sm_90 GPU (`need_sm90`); the GPU
+sizes are in test_gpu_sizes.py, the helpers in fa_testing.py.
+"""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from fa_testing import (
+    INTERPRETER,
+    NO_GLUON,
+    check_launches,
+    check_with_configs,
+    launch_names,
+    meta_problem,
+    need_sm90,
+    problems,
+    qkv,
+)
+
+from kernelkit.flash_attn import families, flash_attn
+from kernelkit.flash_attn import launch as fa_launch
+from kernelkit.flash_attn import tables as T
+from kernelkit.flash_attn import validation as fa_validation
+from kernelkit.flash_attn.choose import (
+    check_bwd,
+    check_fwd,
+    choose_bwd,
+    choose_fwd,
+    gluon_bwd_config,
+    gluon_fwd_config,
+    portable_bwd_config,
+    portable_fwd_config,
+    split_config,
+    tile_heads,
+)
+from kernelkit.flash_attn.config import (
+    BWD_GLUON,
+    BWD_TRITON,
+    DQ_ANY_ORDER,
+    DQ_KERNEL,
+    DQ_ORDERED,
+    FWD_GLUON,
+    FWD_TRITON,
+    H100,
+    FwdConfig,
+    Split,
+    Target,
+    Tile,
+)
+from kernelkit.flash_attn.families import kernel_name
+from kernelkit.shared import replay
+from kernelkit.shared.testing import assert_close
+
+# ------------------------------------------------------------------------------------------
+# The Gluon kernels on Hopper (gluon/fwd.py, gluon/bwd.py: the FWD_GLUON / BWD_GLUON configs).
+# GPU-only: Gluon has no interpreter; their launches are compile-checked on CPU below, from the
+# host path probed as on an H100 (`target=H100`).
+# ------------------------------------------------------------------------------------------
+
+
+def _probe_backward_as_on_h100(cfg, do, q, k, v, causal, deterministic=True) -> replay.Probe:
+    """The backward's launches with config `cfg` for CPU tensors taken as on an H100 (TMA-aligned
+    on sm_90), recorded instead of run; q stands in for the output, zeros for the LSE."""
+    probe = replay.Probe()
+    lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+    fa_launch._backward(probe, do, q, k, v, q, lse, None, causal, 0.125, 0.0, (-1, -1), None,
+                        deterministic, cfg, H100)  # fmt: skip
+    return probe
+
+
+def test_gluon_forward_launches_are_compile_checked():
+    """The Gluon forward (gluon/fwd.py) runs only on an sm_90 GPU (Gluon has no interpreter):
+    here its launches are probed as on an H100 (`target=H100`: CPU tensors taken as TMA-aligned
+    on Hopper, softcap through tanh.approx as for half precision on a GPU) and recorded for the
+    end-of-session compile check, which lowers them to TTGIR for sm_90. GQA, Nq != Nk, ragged
+    ends, a padded head dim, causal (single tiles, and pairs of a long and a short query block)
+    and softcap."""
+    from kernelkit.shared.compile_check import record_launch
+
+    launches = []
+    cases = [(64, False, (128, 64, 3), 0.0, 300), (80, False, (128, 128, 2), 0.0, 300),
+             (128, True, (128, 128, 2), 30.0, 300), (64, True, (128, 128, 2), 0.0, 256)]  # fmt: skip
+    for d, causal, tile, softcap, nq in cases:
+        q, k, v = qkv(2, nq, 260, 4, 2, d, torch.bfloat16, "cpu")
+        p = fa_launch.forward_problem(q, k, v, causal, softcap, target=H100)
+        cfg = check_fwd(p, gluon_fwd_config(p, Tile(*tile[:2], 4, tile[2], tma=True)))
+        assert cfg.fast_tanh == (softcap > 0) and cfg.pairs == (causal and nq == 256)
+        probe = replay.Probe()
+        fa_launch._forward(probe, q, k, v, causal, 0.125, softcap, (-1, -1), None, cfg, H100)
+        launches += probe.launches
+    assert [kernel_name(kernel) for kernel, *_ in launches] == ["attn_fwd_gluon_kernel"] * 4
+    assert launches[2][3]["SOFTCAP"] and not launches[0][3]["SOFTCAP"]
+    assert [kw["PAIRS"] for *_, kw in launches] == [False, False, False, True]
+    for kernel, _, args, kwargs in launches:
+        record_launch(kernel, args, kwargs)
+
+
+def test_gluon_backward_launches_are_compile_checked():
+    """The Gluon dk/dv kernel (gluon/bwd.py, attn_bwd_gluon_kernel) runs only on an sm_90 GPU:
+    its launches are probed as on an H100 and recorded for the compile check, as the forward's
+    above. GQA with ragged ends and Nq != Nk (causal), a padded head dim, both ring depths; dq
+    summed in the kernel in both orders."""
+    from kernelkit.shared.compile_check import record_launch
+
+    gluon = []
+    cases = [(64, True, 2, (300, 260)), (80, False, 3, (300, 300)), (128, True, 2, (260, 300)),
+             (128, False, 3, (256, 256))]  # fmt: skip
+    for d, causal, stages, (nq, nk) in cases:
+        q, k, v = qkv(2, nq, nk, 4, 2, d, torch.bfloat16, "cpu")
+        do = torch.randn_like(q)
+        p = fa_launch.backward_problem(do, q, k, v, causal, target=H100)
+        tile = Tile(64, 128, 4, stages, tma=True)
+        cfg = check_bwd(p, gluon_bwd_config(p, tile, DQ_KERNEL, T.INTERPRETER_DQ))
+        assert cfg.persistent and not cfg.kv_regs and cfg.dq == T.INTERPRETER_DQ
+        probe = _probe_backward_as_on_h100(cfg, do, q, k, v, causal)
+        assert launch_names(probe) == ["attn_bwd_preprocess_kernel", "attn_bwd_gluon_kernel",
+                                 "attn_bwd_dq_kernel"]  # fmt: skip
+        gluon.append(probe.launches[1])
+    assert [kw["CAUSAL"] for *_, kw in gluon] == [True, False, True, False]
+    assert [kw["STAGES"] for *_, kw in gluon] == [2, 3, 2, 3]
+    # dq summed in the Gluon kernel: its launches run only there, the portable preprocess
+    # (ZERO_DQ) and dq conversion included.
+    fused = []
+    for deterministic in (True, False):
+        q, k, v = qkv(2, 300, 260, 4, 2, 64, torch.bfloat16, "cpu")
+        do = torch.randn_like(q)
+        p = fa_launch.backward_problem(do, q, k, v, True, deterministic=deterministic,
+                                       target=H100)  # fmt: skip
+        mode = DQ_ORDERED if deterministic else DQ_ANY_ORDER
+        cfg = check_bwd(p, gluon_bwd_config(p, T.FUSED_DQ_DKDV, mode))
+        fused += _probe_backward_as_on_h100(cfg, do, q, k, v, True, deterministic).launches
+    names = [kernel_name(kernel) for kernel, *_ in fused]
+    assert names == ["attn_bwd_preprocess_kernel", "attn_bwd_gluon_kernel",
+                     "attn_bwd_dq_convert_kernel"] * 2  # fmt: skip
+    assert [kw["DQ_MODE"] for *_, kw in fused[1::3]] == [2, 1]
+    assert [kw["KV_REGS"] for *_, kw in fused[1::3]] == [True, True]
+    assert [kw["ZERO_DQ"] for *_, kw in fused[::3]] == [True, True]
+    for kernel, _, args, kwargs in gluon + fused:
+        record_launch(kernel, args, kwargs)
+
+
+def test_chooser_falls_back_where_gluon_cannot_run(device):
+    """Where the tables ask for a Gluon kernel that cannot run (a GPU other than sm_90, inputs
+    not TMA-aligned), the chooser takes the portable kernels with the table's tiles, and `why`
+    says so; that config runs correctly (here too: the CPU runs it under the interpreter)."""
+    q, k, v = qkv(1, 70, 90, 2, 1, 128, torch.bfloat16, device)
+    pf, pb = problems(q, k, v, True, target=NO_GLUON)
+    fwd, bwd = choose_fwd(pf), choose_bwd(pb)
+    assert fwd.kernel == FWD_TRITON and fwd.tile == T.FWD_TILES[128]
+    assert fwd.why == "the Gluon forward cannot run: not an sm_90 GPU (or under the interpreter)"
+    assert bwd.kernel == BWD_TRITON and bwd.dq_mode == DQ_KERNEL
+    assert (bwd.dkdv, bwd.dq) == T.CAUSAL_TILES[128][1:] and bwd.dkdv_tma and bwd.dq_tma
+    assert bwd.why == "the Gluon backward cannot run: not an sm_90 GPU (or under the interpreter)"
+    # On an H100: q starting 2 bytes past an aligned address cannot be read through TMA.
+    buf = torch.empty(q.numel() + 1, dtype=q.dtype, device=device)
+    q1 = buf[1:].view(q.shape).copy_(q)
+    for cfg in (choose_fwd(problems(q1, k, v, True, target=H100)[0]),
+                choose_bwd(problems(q1, k, v, True, target=H100)[1])):  # fmt: skip
+        assert cfg.kernel == "triton" and cfg.why.endswith("rows not 16-byte aligned for TMA")
+    # float32 inputs: the tables never ask for the Gluon kernels; the float32 tiles.
+    cfg = choose_bwd(meta_problem(1, 100, 100, 2, 2, 128, torch.float32, causal=True))
+    assert cfg.kernel == BWD_TRITON and cfg.dkdv == T.FP32_TILES[128][1] and cfg.dkdv_tma
+    assert cfg.why == "the tables' tiles"
+    check_launches(fwd, bwd, q, k, v, True)
+    # d64: the portable causal dk/dv tile (what a Gluon one fell back to before configs), with
+    # the interpreter's forward and dq tiles, on any device.
+    q, k, v = qkv(1, 70, 90, 2, 1, 64, torch.bfloat16, device)
+    pf, pb = problems(q, k, v, True)
+    fwd = portable_fwd_config(pf, T.INTERPRETER_FWD)
+    check_launches(
+        fwd, portable_bwd_config(pb, T.CAUSAL_TILES[64][1], T.INTERPRETER_DQ), q, k, v, True
+    )
+
+
+def test_explicit_gluon_configs_raise_where_they_cannot_run(device):
+    """A config passed in runs as given or not at all: the H100's Gluon configs for this call
+    are a ValueError naming the reason wherever the Gluon kernels cannot run (the interpreter,
+    a GPU other than sm_90), not a silent fallback; on an sm_90 GPU they run, correctly."""
+    q, k, v = qkv(1, 70, 90, 2, 1, 128, torch.bfloat16, device)
+    pf, pb = problems(q, k, v, True, target=H100)
+    fwd, bwd = choose_fwd(pf), choose_bwd(pb)
+    assert fwd.kernel == FWD_GLUON and bwd.kernel == BWD_GLUON
+    if Target.of(device).gluon:
+        check_launches(fwd, bwd, q, k, v, True)
+        return
+    scale = 1 / math.sqrt(128)
+    reason = r"cannot run this call: not an sm_90 GPU \(or under the interpreter\)"
+    with pytest.raises(ValueError, match=f"config: gluon 128x128 w4 s2 tma .*{reason}"):
+        fa_launch.forward(q, k, v, True, scale, config=fwd)
+    o, lse = fa_launch.forward(q, k, v, True, scale)
+    with pytest.raises(ValueError, match=f"config: gluon 64x128 w4 s2 tma, dq .*{reason}"):
+        fa_launch.backward(torch.ones_like(q), q, k, v, o, lse, None, True, scale, config=bwd)
+
+
+def _check_error_cases():
+    """(check function, problem, config, the reason the error names)."""
+    p = meta_problem(2, 1024, 1024, 8, 2, 128, causal=True)
+    p64 = replace(p, head_dim=64)
+    fwd, bwd = choose_fwd(p), choose_bwd(p)
+    fused = gluon_bwd_config(p64, T.FUSED_DQ_DKDV, DQ_ORDERED)
+    portable = portable_bwd_config(p, *T.CAUSAL_TILES[128][1:])
+    interp = meta_problem(1, 100, 100, 2, 1, 32, torch.float32, causal=True, softcap=5.0,
+                          target=INTERPRETER)  # fmt: skip
+    packed = meta_problem(2, 100, 100, 2, 1, 64, packed=True)
+    split = split_config(meta_problem(2, 1, 4096, 8, 2, 64))
+    return [
+        # Gluon forward
+        (check_fwd, replace(p, dtype=torch.float32), fwd, "float32 inputs"),
+        (check_fwd, replace(p, head_dim=256), fwd, "head dim 256 (BLOCK_D 64 or 128 only)"),
+        (check_fwd, replace(p, tma_q=False), fwd, "q, k, v rows not 16-byte aligned for TMA"),
+        (check_fwd, replace(p, left=256), fwd, "a window edge or a packed batch"),
+        (check_fwd, replace(p, packed=True), fwd, "a window edge or a packed batch"),
+        (check_fwd, replace(p, right=3), fwd, "a window edge or a packed batch"),
+        (check_fwd, replace(p, softcap=True), fwd, "softcap only through tanh.approx"),
+        (check_fwd, p, replace(fwd, tile=Tile(64, 128, 4, 2, tma=True)), "BLOCK_M must be 128"),
+        (check_fwd, replace(p, target=NO_GLUON), fwd, "not an sm_90 GPU"),
+        # Gluon backward
+        (check_bwd, replace(p, dtype=torch.float32), bwd, "float32 inputs"),
+        (check_bwd, replace(p, tma_do=False), bwd, "q, k, v, do rows not 16-byte aligned"),
+        (check_bwd, p, replace(bwd, dkdv_tma=False), "q, k, v, do rows not 16-byte aligned"),
+        (check_bwd, replace(p, softcap=True), bwd, "softcap"),
+        (check_bwd, replace(p, left=100), bwd, "a window edge or a packed batch"),
+        (check_bwd, p, replace(bwd, dkdv=Tile(64, 64, 4, 2, tma=True)), "BLOCK_N must be 128"),
+        (check_bwd, p, replace(fused, dkdv=bwd.dkdv), "dq summed in the kernel only up to BLOCK_D 64"),
+        (check_bwd, p, replace(bwd, kv_regs=True), "a dq tile and K/V in shared memory"),
+        (check_bwd, p, replace(bwd, dq=None), "a dq tile and K/V in shared memory"),
+        (check_bwd, p64, replace(fused, persistent=True), "run one program per tile"),
+        (check_bwd, p, replace(bwd, pad_rows=False), "reads the padded row vectors"),
+        (check_bwd, replace(p, target=NO_GLUON), bwd, "not an sm_90 GPU"),
+        # portable kernels
+        (check_fwd, p, FwdConfig(FWD_TRITON, Tile(48, 64, 4, 2), False), "powers of two >= 16"),
+        (check_fwd, p, FwdConfig(FWD_TRITON, Tile(64, 8, 4, 2), False), "powers of two >= 16"),
+        (check_fwd, replace(p, tma_kv=False), FwdConfig(FWD_TRITON, T.FWD_TILES[128], True),
+         "TMA loads need 16-byte aligned K/V rows"),
+        (check_fwd, interp, FwdConfig(FWD_TRITON, T.INTERPRETER_FWD, True, fast_tanh=True),
+         "tanh.approx does not run under the interpreter"),
+        (check_fwd, p, replace(fwd, kernel="cutlass"), "unknown kernel 'cutlass'"),
+        (check_bwd, p, replace(portable, dkdv=Tile(256, 64, 4, 2)), "above the row vectors' padding (128)"),
+        (check_bwd, p, replace(portable, dq=Tile(128, 24, 4, 2)), "powers of two >= 16"),
+        (check_bwd, replace(p, tma_do=False), portable, "TMA loads need 16-byte aligned q and do rows"),
+        (check_bwd, replace(p, tma_kv=False), portable, "TMA loads need 16-byte aligned K/V rows"),
+        (check_bwd, p, replace(portable, dq_mode=DQ_ORDERED), "by the dq kernel beside the portable"),
+        (check_bwd, p, replace(portable, dq=None), "by the dq kernel beside the portable"),
+        (check_bwd, interp, replace(portable_bwd_config(interp, T.INTERPRETER_DKDV, T.INTERPRETER_DQ),
+                                    fast_tanh=True), "tanh.approx does not run under the interpreter"),
+        (check_bwd, p, replace(portable, kernel="cutlass"), "unknown kernel 'cutlass'"),
+        # split-KV
+        (check_fwd, packed, split, "packed batches take the dense forward"),
+        (check_fwd, p, replace(split, split=None), "no split given"),
+        (check_fwd, p, replace(split, split=Split(0, 128)), "no split given"),
+        (check_fwd, replace(p, tma_kv=False), split, "TMA loads need 16-byte aligned K/V rows"),
+        (check_fwd, interp, replace(split_config(interp, num_splits=2), fast_tanh=True),
+         "tanh.approx does not run under the interpreter"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", range(39))
+def test_check_errors_name_the_reason(case):
+    """check_fwd / check_bwd (what launch.forward / backward do with a config passed in) accept
+    a config only where its kernels can run the call, else raise a ValueError naming the config
+    and the reason (the backend's `can_implement`)."""
+    cases = _check_error_cases()
+    assert len(cases) == 39
+    check, p, cfg, reason = cases[case]
+    with pytest.raises(ValueError) as error:
+        check(p, cfg)
+    message = str(error.value)
+    assert message.startswith(f"config: {cfg} cannot run this call: "), message
+    assert reason in message, message
+
+
+def test_check_accepts_the_chosen_configs():
+    """Every config the chooser returns passes its own check (launch.forward / backward run
+    them through check_* when passed in), as on an H100 and under the interpreter."""
+    for target in (H100, NO_GLUON, INTERPRETER):
+        for d, causal, nq, extra in ((128, True, 1024, {}), (64, False, 8192, {}),
+                                     (64, True, 1, {}), (64, False, 300, dict(packed=True)),
+                                     (128, True, 300, dict(window_size=(64, -1), softcap=5.0)),
+                                     (32, False, 300, dict(dtype=torch.float32))):  # fmt: skip
+            p = meta_problem(2, nq, 4096 if nq == 1 else nq, 8, 2, d, causal=causal,
+                             target=target, **extra)  # fmt: skip
+            assert check_fwd(p, choose_fwd(p)) == choose_fwd(p)
+            assert check_bwd(p, choose_bwd(p)) == choose_bwd(p)
+
+
+def test_chooser_takes_the_gluon_kernels_by_rule():
+    """Where the Gluon kernels ship (choose.py, tables.py; H100 A/B), as on an H100: the d128
+    dk/dv kernel, causal or not, not for a window's left edge or a packed batch, nor d64 at
+    these lengths or float32; the d64 forward from GLUON_FWD_MIN_N query rows on (causal: fewer)
+    for a grid that fills the GPU."""
+    for causal in (False, True):
+        cfg = choose_bwd(meta_problem(2, 1024, 1024, 8, 2, 128, causal=causal))
+        assert cfg.kernel == BWD_GLUON and cfg.dq_mode == DQ_KERNEL
+        assert cfg.dkdv == T.GLUON_DKDV_TILES[128][causal] and cfg.why
+        for masked in (dict(window_size=(256, -1)), dict(packed=True)):
+            p = meta_problem(2, 1024, 1024, 8, 2, 128, causal=causal, **masked)
+            assert choose_bwd(p).kernel == BWD_TRITON
+        assert choose_bwd(meta_problem(2, 1024, 1024, 8, 2, 64, causal=causal)).kernel == BWD_TRITON
+        p = meta_problem(2, 1024, 1024, 8, 2, 128, torch.float32, causal=causal)
+        assert choose_bwd(p).kernel == BWD_TRITON
+
+    def fwd(bh, nq, causal, dtype=torch.bfloat16):
+        return choose_fwd(meta_problem(1, nq, nq, bh, bh, 64, dtype, causal=causal)).kernel
+
+    n = T.GLUON_FWD_MIN_N[64][True]
+    assert fwd(256, n, True) == FWD_GLUON
+    assert fwd(256, n // 2, True) == FWD_TRITON
+    n = T.GLUON_FWD_MIN_N[64][False]
+    assert fwd(64, n, False) == FWD_GLUON
+    assert fwd(64, n // 2, False) == FWD_TRITON
+    assert fwd(64, n, False, torch.float32) == FWD_TRITON
+    assert T.GLUON_FWD_MIN_N[64][True] < T.GLUON_FWD_MIN_N[64][False]
+
+
+def test_bwd_tile_heads():
+    """The Gluon dk/dv kernel's tile groups (`choose.tile_heads`): the largest divisor of the
+    (batch, kv head) count that keeps about one wave of programs (sms / key blocks) on a group;
+    one group where persistent causal tiles stay key-block-major; negative (each group from its
+    last key block down) for causal dq sums in a fixed order."""
+    assert tile_heads(16, 128, 132, False, False, False) == 2  # 16k rows: 2 heads x 128
+    assert tile_heads(128, 32, 132, False, False, False) == 4  # 4k: want 5, divides 128
+    assert tile_heads(7, 32, 132, False, False, False) == 1  # a prime count
+    assert tile_heads(3, 8, 132, False, False, False) == 3  # all heads fit one wave
+    assert tile_heads(128, 32, 132, True, True, False) == 128  # persistent causal
+    assert tile_heads(128, 32, 132, False, True, False) == 4  # persistent, not causal
+    assert tile_heads(128, 32, 132, True, False, False) == 4  # causal, dq in any order
+    assert tile_heads(128, 32, 132, True, False, True) == -4  # causal, dq in a fixed order
+    assert tile_heads(128, 32, 132, False, False, True) == 4
+    # The chooser's: bhk = 2 x 2 kv heads, 8 key blocks at 1024 rows.
+    assert choose_bwd(meta_problem(2, 1024, 1024, 8, 2, 128, causal=True)).tile_heads == 4
+    assert choose_bwd(meta_problem(2, 8192, 8192, 8, 2, 64, causal=True)).tile_heads == -2
+
+
+def test_fused_dq_rule():
+    """Half-precision d64 backwards from FUSED_DQ_MIN_N query rows on sum dq in the Gluon kernel
+    in a fixed order; with deterministic=False from ANY_ORDER_DQ_MIN_N rows on (fewer); shorter
+    ones keep the portable kernels and d128 its Gluon dk/dv kernel with the dq kernel beside.
+    As on an H100."""
+    for deterministic, table, mode in ((True, T.FUSED_DQ_MIN_N, DQ_ORDERED),
+                                       (False, T.ANY_ORDER_DQ_MIN_N, DQ_ANY_ORDER)):  # fmt: skip
+        for causal in (False, True):
+            opts = dict(causal=causal, deterministic=deterministic)
+            n = table[64][causal]
+            if n is None:
+                long = meta_problem(1, 1 << 20, 1 << 20, 2, 1, 64, **opts)
+                assert choose_bwd(long).kernel == BWD_TRITON
+                continue
+            p = meta_problem(1, n, n, 2, 1, 64, **opts)
+            cfg = choose_bwd(p)
+            assert cfg == gluon_bwd_config(p, T.FUSED_DQ_DKDV, mode)
+            assert (cfg.kernel, cfg.dkdv, cfg.dq_mode, cfg.dq) == (BWD_GLUON, T.FUSED_DQ_DKDV,
+                                                                   mode, None)  # fmt: skip
+            assert cfg.kv_regs and not cfg.persistent and f"from {n} query rows" in cfg.why
+            shorter = choose_bwd(meta_problem(1, n - 1, n - 1, 2, 1, 64, **opts))
+            tables = T.CAUSAL_TILES[64][1:] if causal else (T.DKDV_TILES[64], T.DQ_TILES[64])
+            assert shorter.kernel == BWD_TRITON and (shorter.dkdv, shorter.dq) == tables
+            cfg128 = choose_bwd(meta_problem(1, 1 << 20, 1 << 20, 2, 1, 128, **opts))
+            assert (cfg128.kernel, cfg128.dq_mode) == (BWD_GLUON, DQ_KERNEL)
+            assert cfg128.dkdv == T.GLUON_DKDV_TILES[128][causal]
+            # The forward does not read `deterministic`.
+            assert choose_fwd(p) == choose_fwd(replace(p, deterministic=not deterministic))
+    for causal in (False, True):
+        assert T.ANY_ORDER_DQ_MIN_N[64][causal] < T.FUSED_DQ_MIN_N[64][causal]
+
+
+def test_deterministic_option_launches():
+    """As on an H100: a d64 causal backward of ANY_ORDER_DQ_MIN_N rows runs the Gluon kernel
+    summing dq in any order (DQ_MODE 1, K/V in registers) and no dq kernel with
+    deterministic=False, the dq kernel by default; from FUSED_DQ_MIN_N rows on the default sums
+    dq in the Gluon kernel in a fixed order (DQ_MODE 2). A window's left edge keeps the dq
+    kernel. Probed on meta tensors (nothing allocated or launched)."""
+
+    def backward(n, window, deterministic):
+        q = torch.empty(1, n, 2, 64, dtype=torch.bfloat16, device="meta")
+        k = torch.empty(1, n, 1, 64, dtype=torch.bfloat16, device="meta")
+        lse = torch.empty(1, 2, n, device="meta")
+        w = fa_validation.window_for(window, True, n, n)
+        probe = families.probe_backward(q, q, k, k, q, lse, None, True, 0.125, 0.0, w, None,
+                                        deterministic, H100)  # fmt: skip
+        gluon = [kw for kernel, _, _, kw in probe.launches
+                 if kernel_name(kernel) == "attn_bwd_gluon_kernel"]  # fmt: skip
+        return launch_names(probe), [(kw["DQ_MODE"], kw["KV_REGS"]) for kw in gluon]
+
+    n = T.ANY_ORDER_DQ_MIN_N[64][1]
+    names, modes = backward(n, (-1, -1), False)
+    assert "attn_bwd_dq_kernel" not in names and "attn_bwd_dq_convert_kernel" in names
+    assert modes == [(1, True)]
+    names, modes = backward(n, (-1, -1), True)
+    assert "attn_bwd_dq_kernel" in names and modes == []  # (d64 dk/dv: the portable kernel)
+    names, modes = backward(T.FUSED_DQ_MIN_N[64][1], (-1, -1), True)
+    assert "attn_bwd_dq_kernel" not in names and modes == [(2, True)]
+    names, modes = backward(n, (100, 0), False)
+    assert "attn_bwd_dq_kernel" in names and modes == []
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_option(causal, device):
+    """The public option: deterministic=False gives the same gradients within rounding (on CPU
+    and under the interpreter it runs the same kernels); a non-bool is an error naming it."""
+    q, k, v = (t.requires_grad_() for t in qkv(2, 70, 90, 4, 2, 64, torch.float32, device))
+    grads = []
+    for deterministic in (True, False):
+        o = flash_attn(q, k, v, causal=causal, deterministic=deterministic)
+        grads.append(torch.autograd.grad(o.square().sum(), (q, k, v)))
+    for a, b, name in zip(*grads, ("dq", "dk", "dv")):
+        assert_close(b, a, bound=1e-5, name=name)
+    with pytest.raises(ValueError, match="deterministic"):
+        flash_attn(q, k, v, deterministic=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [True, False], ids=["ordered", "any-order"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_fused_dq_by_rule(causal, deterministic, device):
+    """The Gluon kernel summing dq (K/V in registers) where the chooser takes it: from
+    FUSED_DQ_MIN_N / ANY_ORDER_DQ_MIN_N query rows on (probed at that length, as on an H100);
+    that config (gluon_bwd_config) run at a test's size through the op's autograd path, with GQA,
+    Nq != Nk and the LSE's gradient; deterministic: bitwise the same gradients on a second
+    run."""
+    table, mode = ((T.FUSED_DQ_MIN_N, DQ_ORDERED) if deterministic
+                   else (T.ANY_ORDER_DQ_MIN_N, DQ_ANY_ORDER))  # fmt: skip
+    n = table[64][causal]
+    rule = meta_problem(2, n, n + 100, 8, 2, 64, causal=causal, deterministic=deterministic)
+    assert choose_bwd(rule) == gluon_bwd_config(rule, T.FUSED_DQ_DKDV, mode)
+    need_sm90(device)
+    q, k, v = qkv(2, 1000, 1100, 8, 2, 64, torch.bfloat16, device)
+    pb = problems(q, k, v, causal, deterministic=deterministic)[1]
+    cfg = check_bwd(pb, gluon_bwd_config(pb, T.FUSED_DQ_DKDV, mode))
+    assert cfg.kv_regs and cfg.dq is None and choose_bwd(pb).kernel == BWD_TRITON
+    _, _, grads = check_with_configs(q, k, v, causal, bwd=cfg, deterministic=deterministic)
+    if deterministic:
+        _, _, again = check_with_configs(q, k, v, causal, bwd=cfg, deterministic=deterministic)
+        for g, h, name in zip(grads, again, ("dq", "dk", "dv")):
+            assert torch.equal(g, h), name
