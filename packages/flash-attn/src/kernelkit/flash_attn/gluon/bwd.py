@@ -27,7 +27,7 @@ only the reducer warps (two, taking turns) wait on it. (Parts added with atomics
 consumers themselves were slower; so were parts of 64 keys, and the consumers taking turns at
 the product: NOTES.md.)
 
-Tiles go in groups of a few heads (`_bwd_tile`) so that the programs running at once share
+Tiles go in groups of a few heads (`BwdArgs.tile`) so that the programs running at once share
 q, do and the dq sums in L2 (persistent causal tiles stay key-block-major over all heads:
 choose.tile_heads). Causal sums in a fixed order go from each query block's last key
 block down, and the tiles launch in that order: a program waits only on one launched before
@@ -39,13 +39,16 @@ from triton.experimental.gluon.language._core import builtin as _builtin
 
 from kernelkit.shared.runtime import cdiv
 
-from ..config import BWD_GLUON, DQ_KERNEL, BwdConfig, Problem, Scores
+from ..config import DQ_KERNEL, BwdConfig, Problem, Scores
 from ..strides import strides, tma_strides
 from ..tables import GLUON_FUSED_DQ_MAX_D
 from .common import (
+    MaybeConstexpr,
+    aggregate,
     fence_async_shared,
     gl,
     gluon,
+    maybe_constexpr,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -105,67 +108,213 @@ def _red_release_add(ptr):
     )  # fmt: skip
 
 
-@gluon.jit
-def _bwd_tile(u, tile_heads, Hkv, GROUP, Nq, Nk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr):  # fmt: skip
-    """Tile u: (b, kv head, key block, its first key, first query block, query blocks, steps =
-    GROUP x query blocks). The (batch, kv head)s go in groups of |tile_heads| (a divisor of
-    B * Hkv); within a group the tiles of one key block are adjacent, the first key blocks
-    first (causal: the longest), or with tile_heads < 0 the last first (`_bwd_reduce_tile`).
-    The programs running at once then walk the q / do tiles and add into the dq sums of a few
-    heads, which stay in L2."""
-    n_kb = gl.cdiv(Nk, BLOCK_N)
-    heads = gl.abs(tile_heads)
-    group = u // (heads * n_kb)
-    r = u % (heads * n_kb)
-    pid_n = r // heads
-    if tile_heads < 0:
-        pid_n = n_kb - 1 - pid_n
-    bhk = group * heads + r % heads
-    start_n = pid_n * BLOCK_N
-    # (causal: the first query block with a row that sees a key of this block)
-    if CAUSAL:  # noqa: SIM108 (constexpr branch)
-        m_lo = gl.maximum(start_n - (Nk - Nq), 0) // BLOCK_M
-    else:
-        m_lo = 0
-    n_m = gl.cdiv(Nq, BLOCK_M) - m_lo
-    return bhk // Hkv, bhk % Hkv, pid_n, start_n, m_lo, n_m, GROUP * n_m
+@aggregate
+class BwdTile:
+    """One tile of the program's (`BwdArgs.tile`): batch b, kv head hk, key block pid_n and its
+    first key start_n, the first query block m_lo (causal: the first with a row that sees a key
+    of the block), n_m query blocks from it and n_iter = GROUP x n_m steps."""
+
+    b: gl.tensor
+    hk: gl.tensor
+    pid_n: gl.tensor
+    start_n: gl.tensor
+    m_lo: gl.tensor
+    n_m: gl.tensor
+    n_iter: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, b, hk, pid_n, start_n, m_lo, n_m, n_iter):
+        self.b, self.hk, self.pid_n, self.start_n = b, hk, pid_n, start_n
+        self.m_lo, self.n_m, self.n_iter = m_lo, n_m, n_iter
+
+
+@aggregate
+class BwdArgs:
+    """What the partitions share, built once per program by the kernel: the TMA descriptors,
+    shared memory and mbarriers, the row vectors, outputs and their strides, the problem's
+    scalars and the compile-time switches (`attn_bwd_gluon_kernel`'s). Keep the fields' order:
+    a worker partition captures the fields it reads in this order (the compiler flattens an
+    aggregate into its fields), and another order gives an equivalent but different kernel."""
+
+    # TMA descriptors over the whole (B, N, H, D) tensors (the producer's) and over the float32
+    # dq sums (the reducer warps'; DQ_MODE > 0, else a stand-in).
+    q_desc: tma.tensor_descriptor
+    do_desc: tma.tensor_descriptor
+    k_desc: tma.tensor_descriptor
+    v_desc: tma.tensor_descriptor
+    dq_desc: tma.tensor_descriptor
+    # Shared memory: STAGES-deep rings of q and do tiles (BLOCK_M rows each), the tile's K and
+    # V (BLOCK_N keys); with DQ_MODE > 0 two dS^T buffers (one per step parity) and DQ_BUFFERS
+    # dq parts (else stand-ins, never read). Barriers: kv_bar (K, V landed) / kv_empty (every
+    # warpgroup reading them is done), ready[s] / empty[s] (the ring's slots), ds_ready /
+    # ds_free and dq_ready / dq_free (the dq warpgroup's hand-offs).
+    q_smem: gl.shared_memory_descriptor
+    do_smem: gl.shared_memory_descriptor
+    k_smem: gl.shared_memory_descriptor
+    v_smem: gl.shared_memory_descriptor
+    ds_smem: gl.shared_memory_descriptor
+    dq_smem: gl.shared_memory_descriptor
+    kv_bar: gl.shared_memory_descriptor
+    kv_empty: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+    ds_ready: gl.shared_memory_descriptor
+    ds_free: gl.shared_memory_descriptor
+    dq_ready: gl.shared_memory_descriptor
+    dq_free: gl.shared_memory_descriptor
+    # The padded row vectors; dk, dv (outputs) and K, V (KV_REGS: read into registers) as
+    # (B, Nk, Hkv, D) with their strides; the row vectors' row length.
+    LSE2: gl.tensor
+    DELTA: gl.tensor
+    DK: gl.tensor
+    DV: gl.tensor
+    K: gl.tensor
+    V: gl.tensor
+    stride_dkb: MaybeConstexpr
+    stride_dkn: MaybeConstexpr
+    stride_dkh: MaybeConstexpr
+    stride_dvb: MaybeConstexpr
+    stride_dvn: MaybeConstexpr
+    stride_dvh: MaybeConstexpr
+    stride_kb: MaybeConstexpr
+    stride_kn: MaybeConstexpr
+    stride_kh: MaybeConstexpr
+    stride_vb: MaybeConstexpr
+    stride_vn: MaybeConstexpr
+    stride_vh: MaybeConstexpr
+    vec_stride: MaybeConstexpr
+    # Heads, kv heads, query heads per kv head; lengths; tiles in all and their grouping
+    # (`tile`); scales.
+    H: MaybeConstexpr
+    Hkv: MaybeConstexpr
+    GROUP: MaybeConstexpr
+    Nq: gl.tensor
+    Nk: gl.tensor
+    n_tiles: gl.tensor
+    tile_heads: MaybeConstexpr
+    qk_scale: gl.tensor
+    sm_scale: gl.tensor
+    # The reducer warps' semaphores (DQ_MODE 2, else None).
+    SEM: MaybeConstexpr
+    sem_stride: MaybeConstexpr
+    CAUSAL: gl.constexpr
+    HEAD_DIM: gl.constexpr
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    BLOCK_D: gl.constexpr
+    STAGES: gl.constexpr
+    DQ_MODE: gl.constexpr
+    KV_REGS: gl.constexpr
+    PERSISTENT: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem,
+                 ds_smem, dq_smem, kv_bar, kv_empty, ready, empty, ds_ready, ds_free, dq_ready,
+                 dq_free, LSE2, DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh,
+                 stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn, stride_kh, stride_vb,
+                 stride_vn, stride_vh, vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads,
+                 qk_scale, sm_scale, SEM, sem_stride, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
+                 STAGES, DQ_MODE, KV_REGS, PERSISTENT):  # fmt: skip
+        self.q_desc, self.do_desc, self.k_desc, self.v_desc = q_desc, do_desc, k_desc, v_desc
+        self.dq_desc = dq_desc
+        self.q_smem, self.do_smem, self.k_smem, self.v_smem = q_smem, do_smem, k_smem, v_smem
+        self.ds_smem, self.dq_smem = ds_smem, dq_smem
+        self.kv_bar, self.kv_empty, self.ready, self.empty = kv_bar, kv_empty, ready, empty
+        self.ds_ready, self.ds_free = ds_ready, ds_free
+        self.dq_ready, self.dq_free = dq_ready, dq_free
+        self.LSE2, self.DELTA, self.DK, self.DV, self.K, self.V = LSE2, DELTA, DK, DV, K, V
+        self.stride_dkb = maybe_constexpr(stride_dkb)
+        self.stride_dkn = maybe_constexpr(stride_dkn)
+        self.stride_dkh = maybe_constexpr(stride_dkh)
+        self.stride_dvb = maybe_constexpr(stride_dvb)
+        self.stride_dvn = maybe_constexpr(stride_dvn)
+        self.stride_dvh = maybe_constexpr(stride_dvh)
+        self.stride_kb = maybe_constexpr(stride_kb)
+        self.stride_kn = maybe_constexpr(stride_kn)
+        self.stride_kh = maybe_constexpr(stride_kh)
+        self.stride_vb = maybe_constexpr(stride_vb)
+        self.stride_vn = maybe_constexpr(stride_vn)
+        self.stride_vh = maybe_constexpr(stride_vh)
+        self.vec_stride = maybe_constexpr(vec_stride)
+        self.H = maybe_constexpr(H)
+        self.Hkv = maybe_constexpr(Hkv)
+        self.GROUP = maybe_constexpr(GROUP)
+        self.Nq, self.Nk, self.n_tiles = Nq, Nk, n_tiles
+        self.tile_heads = maybe_constexpr(tile_heads)
+        self.qk_scale, self.sm_scale = qk_scale, sm_scale
+        self.SEM, self.sem_stride = maybe_constexpr(SEM), maybe_constexpr(sem_stride)
+        self.CAUSAL, self.HEAD_DIM = gl.constexpr(CAUSAL), gl.constexpr(HEAD_DIM)
+        self.BLOCK_M, self.BLOCK_N = gl.constexpr(BLOCK_M), gl.constexpr(BLOCK_N)
+        self.BLOCK_D, self.STAGES = gl.constexpr(BLOCK_D), gl.constexpr(STAGES)
+        self.DQ_MODE, self.KV_REGS = gl.constexpr(DQ_MODE), gl.constexpr(KV_REGS)
+        self.PERSISTENT = gl.constexpr(PERSISTENT)
+
+    @gluon.jit
+    def tile(self, u):
+        """Tile u (a `BwdTile`). The (batch, kv head)s go in groups of |tile_heads| (a divisor
+        of B * Hkv); within a group the tiles of one key block are adjacent, the first key
+        blocks first (causal: the longest), or with tile_heads < 0 the last first
+        (`_bwd_reduce_tile`). The programs running at once then walk the q / do tiles and add
+        into the dq sums of a few heads, which stay in L2."""
+        BLOCK_M: gl.constexpr = self.BLOCK_M
+        BLOCK_N: gl.constexpr = self.BLOCK_N
+        n_kb = gl.cdiv(self.Nk, BLOCK_N)
+        heads = gl.abs(self.tile_heads)
+        group = u // (heads * n_kb)
+        r = u % (heads * n_kb)
+        pid_n = r // heads
+        if self.tile_heads < 0:
+            pid_n = n_kb - 1 - pid_n
+        bhk = group * heads + r % heads
+        start_n = pid_n * BLOCK_N
+        # (causal: the first query block with a row that sees a key of this block)
+        if self.CAUSAL:  # noqa: SIM108 (constexpr branch)
+            m_lo = gl.maximum(start_n - (self.Nk - self.Nq), 0) // BLOCK_M
+        else:
+            m_lo = 0
+        n_m = gl.cdiv(self.Nq, BLOCK_M) - m_lo
+        return BwdTile(bhk // self.Hkv, bhk % self.Hkv, pid_n, start_n, m_lo, n_m, self.GROUP * n_m)
 
 
 @gluon.jit
-def _bwd_reduce_tile(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_stride, bhq0,
-                     pid_n, m_lo, n_m, n_iter, i0, descending, Nq, Nk, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, ORDERED: gl.constexpr,
-                     LANE: gl.constexpr, REDUCERS: gl.constexpr):  # fmt: skip
-    """Reducer warp LANE's steps of one tile, i = LANE mod REDUCERS (i0: the program's steps
-    before it): adds step i's dq part (in dq_smem[i % DQ_BUFFERS], from the dq warpgroup) into
-    the float32 sums with a TMA reduce-add; ORDERED: once the parts of the key blocks before
-    pid_n are in (the semaphore counts 32 per part: one per thread of a warp); key blocks 0, 1,
-    ..., or with `descending` from the last one that reaches the query block down (causal: key
-    block j then finds block j + 1's part in, as that one started two query blocks below it).
-    A part is counted once its add is performed: the next key block waits on that (counting it
-    a step late, once the next add was issued, cost 4-5% on the H100: NOTES.md)."""
-    for it in range((LANE - i0 % REDUCERS + REDUCERS) % REDUCERS, n_iter, REDUCERS):
+def _bwd_reduce_tile(a, t, bhq0, i0, descending, ORDERED: gl.constexpr, LANE: gl.constexpr,
+                     REDUCERS: gl.constexpr):  # fmt: skip
+    """Reducer warp LANE's steps of tile t, i = LANE mod REDUCERS (bhq0: the row of its first
+    query head in the row vectors; i0: the program's steps before it): adds step i's dq part (in
+    dq_smem[i % DQ_BUFFERS], from the dq warpgroup) into the float32 sums with a TMA reduce-add;
+    ORDERED: once the parts of the key blocks before pid_n are in (the semaphore counts 32 per
+    part: one per thread of a warp); key blocks 0, 1, ..., or with `descending` (tile_heads < 0,
+    a constexpr where tile_heads is) from the last one that reaches the query block down
+    (causal: key block j then finds block j + 1's part in, as that one started two query blocks
+    below it). A part is counted once its add is performed: the next key block waits on
+    that (counting it a step late, once the next add was issued, cost 4-5% on the H100:
+    NOTES.md)."""
+    BLOCK_M: gl.constexpr = a.BLOCK_M
+    BLOCK_N: gl.constexpr = a.BLOCK_N
+    dq_smem = a.dq_smem
+    Nq, Nk, pid_n, n_m = a.Nq, a.Nk, t.pid_n, t.n_m
+    for it in range((LANE - i0 % REDUCERS + REDUCERS) % REDUCERS, t.n_iter, REDUCERS):
         i = i0 + it
         par = i % dq_smem.shape[0]
         g = it // n_m
-        m0 = (m_lo + it - g * n_m) * BLOCK_M
+        m0 = (t.m_lo + it - g * n_m) * BLOCK_M
         bhq = bhq0 + g
-        mbarrier.wait(dq_ready.index(par), (i // dq_smem.shape[0]) & 1)
+        mbarrier.wait(a.dq_ready.index(par), (i // dq_smem.shape[0]) & 1)
         if ORDERED:
-            sem = SEM + bhq.to(gl.int64) * sem_stride + m0 // SEM_ROWS
+            sem = a.SEM + bhq.to(gl.int64) * a.sem_stride + m0 // SEM_ROWS
             ahead = pid_n
             if descending:  # the key blocks after pid_n with a tile on this query block
                 last = gl.cdiv(Nk, BLOCK_N) - 1
-                if CAUSAL:
+                if a.CAUSAL:
                     last = gl.minimum(last, gl.cdiv(m0 + BLOCK_M + Nk - Nq, BLOCK_N) - 1)
                 ahead = last - pid_n
             while _ld_acquire(sem) != ahead * 32:
                 pass
             _asm_with_effect("fence.proxy.async.global;", pid_n)  # then the async proxy's add
-        _tma_reduce_add(dq_desc, [(bhq * vec_stride + m0).to(gl.int32), 0], dq_smem.index(par))
+        _tma_reduce_add(a.dq_desc, [(bhq * a.vec_stride + m0).to(gl.int32), 0],
+                        dq_smem.index(par))  # fmt: skip
         tma.store_wait(0)  # its source read: the buffer is free
-        mbarrier.arrive(dq_free.index(par))
+        mbarrier.arrive(a.dq_free.index(par))
         if ORDERED:  # the add performed, then counted
             _asm_with_effect("cp.async.bulk.wait_group 0;", pid_n)
             _asm_with_effect("fence.proxy.async.global;", pid_n)
@@ -173,109 +322,87 @@ def _bwd_reduce_tile(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_s
 
 
 @gluon.jit
-def _bwd_dq_reducer(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_stride, H, Hkv,
-                    GROUP, Nq, Nk, n_tiles, tile_heads, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, ORDERED: gl.constexpr,
-                    PERSISTENT: gl.constexpr, LANE: gl.constexpr,
-                    REDUCERS: gl.constexpr):  # fmt: skip
+def _bwd_dq_reducer(a, ORDERED: gl.constexpr, LANE: gl.constexpr, REDUCERS: gl.constexpr):
     """Reducer warp LANE of REDUCERS: `_bwd_reduce_tile` for the program's tile, or with
     PERSISTENT tile after tile of its share."""
-    if PERSISTENT:
+    if a.PERSISTENT:
         i = 0
-        for u in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            b, hk, pid_n, _, m_lo, n_m, n_iter = _bwd_tile(u, tile_heads, Hkv, GROUP, Nq, Nk,
-                                                           CAUSAL, BLOCK_M, BLOCK_N)  # fmt: skip
-            _bwd_reduce_tile(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_stride,
-                             b * H + hk * GROUP, pid_n, m_lo, n_m, n_iter, i, tile_heads < 0, Nq,
-                             Nk, BLOCK_M, BLOCK_N, CAUSAL, ORDERED, LANE, REDUCERS)  # fmt: skip
-            i += n_iter
+        for u in range(gl.program_id(0), a.n_tiles, gl.num_programs(0)):
+            t = a.tile(u)
+            _bwd_reduce_tile(a, t, t.b * a.H + t.hk * a.GROUP, i, a.tile_heads < 0, ORDERED, LANE,
+                             REDUCERS)  # fmt: skip
+            i += t.n_iter
     else:
-        b, hk, pid_n, _, m_lo, n_m, n_iter = _bwd_tile(gl.program_id(0), tile_heads, Hkv, GROUP,
-                                                       Nq, Nk, CAUSAL, BLOCK_M, BLOCK_N)  # fmt: skip
-        _bwd_reduce_tile(dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride, vec_stride,
-                         b * H + hk * GROUP, pid_n, m_lo, n_m, n_iter, 0, tile_heads < 0, Nq, Nk,
-                         BLOCK_M, BLOCK_N, CAUSAL, ORDERED, LANE, REDUCERS)  # fmt: skip
+        t = a.tile(gl.program_id(0))
+        _bwd_reduce_tile(a, t, t.b * a.H + t.hk * a.GROUP, 0, a.tile_heads < 0, ORDERED, LANE,
+                         REDUCERS)  # fmt: skip
 
 
 @gluon.jit
-def _bwd_load_tile(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
-                   kv_empty, kv_phase, ready, empty, b, hk, GROUP, start_n, m_lo, n_m, n_iter,
-                   i0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                   STAGES: gl.constexpr):  # fmt: skip
-    """The producer's loads of one tile: K and V of its key block once both consumers are done
-    with the previous tile's (kv_phase: the program's tiles before it, mod 2); then q and do of
-    each step (query head hq0 + it // n_m, query block m_lo + it % n_m) into ring slot
-    i % STAGES (i = i0 + it: the program's steps) once both consumers have released its
-    previous tiles (a fresh barrier passes the first wait)."""
-    tile4: gl.constexpr = q_desc.layout
-    kv4: gl.constexpr = k_desc.layout
-    dtype: gl.constexpr = q_smem.dtype
-    mbarrier.wait(kv_empty, kv_phase ^ 1)
-    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
-    k_dst = k_smem._reinterpret(dtype, [1, BLOCK_N, 1, BLOCK_D], kv4)
-    v_dst = v_smem._reinterpret(dtype, [1, BLOCK_N, 1, BLOCK_D], kv4)
-    tma.async_copy_global_to_shared(k_desc, [b, start_n, hk, 0], kv_bar, k_dst)
-    tma.async_copy_global_to_shared(v_desc, [b, start_n, hk, 0], kv_bar, v_dst)
-    hq0 = hk * GROUP
-    for it in range(n_iter):
+def _bwd_load_tile(a, t, c, i0):
+    """The producer's loads of tile t: K and V of its key block once both consumers are done
+    with the previous tile's (c: the program's tiles before it); then q and do of each step
+    (query head hq0 + it // n_m, query block m_lo + it % n_m) into ring slot i % STAGES
+    (i = i0 + it: the program's steps) once both consumers have released its previous tiles (a
+    fresh barrier passes the first wait)."""
+    tile4: gl.constexpr = a.q_desc.layout
+    kv4: gl.constexpr = a.k_desc.layout
+    dtype: gl.constexpr = a.q_smem.dtype
+    BLOCK_M: gl.constexpr = a.BLOCK_M
+    BLOCK_D: gl.constexpr = a.BLOCK_D
+    STAGES: gl.constexpr = a.STAGES
+    q_desc, do_desc, ready = a.q_desc, a.do_desc, a.ready
+    b, start_n, n_m = t.b, t.start_n, t.n_m
+    mbarrier.wait(a.kv_empty, (c & 1) ^ 1)
+    mbarrier.expect(a.kv_bar, 2 * a.k_desc.block_type.nbytes)
+    k_dst = a.k_smem._reinterpret(dtype, [1, a.BLOCK_N, 1, BLOCK_D], kv4)
+    v_dst = a.v_smem._reinterpret(dtype, [1, a.BLOCK_N, 1, BLOCK_D], kv4)
+    tma.async_copy_global_to_shared(a.k_desc, [b, start_n, t.hk, 0], a.kv_bar, k_dst)
+    tma.async_copy_global_to_shared(a.v_desc, [b, start_n, t.hk, 0], a.kv_bar, v_dst)
+    hq0 = t.hk * a.GROUP
+    for it in range(t.n_iter):
         i = i0 + it
         s = i % STAGES
         g = it // n_m
-        m0 = (m_lo + it - g * n_m) * BLOCK_M
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        m0 = (t.m_lo + it - g * n_m) * BLOCK_M
+        mbarrier.wait(a.empty.index(s), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        q_dst = q_smem.index(s)._reinterpret(dtype, [1, BLOCK_M, 1, BLOCK_D], tile4)
-        do_dst = do_smem.index(s)._reinterpret(dtype, [1, BLOCK_M, 1, BLOCK_D], tile4)
+        q_dst = a.q_smem.index(s)._reinterpret(dtype, [1, BLOCK_M, 1, BLOCK_D], tile4)
+        do_dst = a.do_smem.index(s)._reinterpret(dtype, [1, BLOCK_M, 1, BLOCK_D], tile4)
         tma.async_copy_global_to_shared(q_desc, [b, m0, hq0 + g, 0], ready.index(s), q_dst)
         tma.async_copy_global_to_shared(do_desc, [b, m0, hq0 + g, 0], ready.index(s), do_dst)
 
 
 @gluon.jit
-def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
-                  kv_empty, ready, empty, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads,
-                  CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
-                  PERSISTENT: gl.constexpr):  # fmt: skip
+def _bwd_producer(a):
     """TMA loads (`_bwd_load_tile`) of the program's tile, or with PERSISTENT tile after tile of
     its share: the next tile's K/V and first q / do tiles then load while the consumers finish
     the current one."""
-    if PERSISTENT:
+    if a.PERSISTENT:
         i = 0
         c = 0
-        for u in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            b, hk, _, start_n, m_lo, n_m, n_iter = _bwd_tile(u, tile_heads, Hkv, GROUP, Nq, Nk,
-                                                             CAUSAL, BLOCK_M,
-                                                             BLOCK_N)  # fmt: skip
-            _bwd_load_tile(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
-                           kv_bar, kv_empty, c & 1, ready, empty, b, hk, GROUP, start_n, m_lo,
-                           n_m, n_iter, i, BLOCK_M, BLOCK_N, BLOCK_D, STAGES)  # fmt: skip
-            i += n_iter
+        for u in range(gl.program_id(0), a.n_tiles, gl.num_programs(0)):
+            t = a.tile(u)
+            _bwd_load_tile(a, t, c, i)
+            i += t.n_iter
             c += 1  # noqa: SIM113 (Gluon loops have no enumerate)
     else:
-        b, hk, _, start_n, m_lo, n_m, n_iter = _bwd_tile(gl.program_id(0), tile_heads, Hkv, GROUP,
-                                                         Nq, Nk, CAUSAL, BLOCK_M,
-                                                         BLOCK_N)  # fmt: skip
-        _bwd_load_tile(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
-                       kv_empty, 0, ready, empty, b, hk, GROUP, start_n, m_lo, n_m, n_iter, 0,
-                       BLOCK_M, BLOCK_N, BLOCK_D, STAGES)  # fmt: skip
+        _bwd_load_tile(a, a.tile(gl.program_id(0)), 0, 0)
 
 
 @gluon.jit
-def _bwd_tile_steps(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, kv_phase,
-                    kv_empty, ready, empty, ds_ready, ds_free, dq_ready, dq_free, LSE2, DELTA,
-                    DK, DV, K, V, stride_dkn, stride_dvn, stride_kn, stride_vn, vec_stride, bhq0,
-                    i0, start_n, Nq, Nk, m_lo, n_m, n_iter, qk_scale, sm_scale, WG: gl.constexpr,
-                    CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_D: gl.constexpr, STAGES: gl.constexpr, DQ_MODE: gl.constexpr,
-                    KV_REGS: gl.constexpr):  # fmt: skip
-    """Keys [start_n + WG * 64, +64) of one tile: the step loop (the ring and dq buffers at the
-    program's step i0), then dk (scaled) and dv to global memory (DK, DV, K, V: the kv head's
-    bases). Row vectors (LSE2 in log2 units, DELTA) are the preprocess's padded copies: +inf / 0
-    past Nq, so query rows past the end add nothing and need no check. KV_REGS: the
-    warpgroup's K and V rows are the S^T / dP^T wgmmas' A operands in registers (loaded from
-    global memory), which halves those products' shared-memory reads; used with DQ_MODE > 0
-    only (the dk/dv-only variant gave wrong dk / dv with them on the H100, loaded from global
-    or from the shared tile: launchers.GLUON_BWD_KV_REGS_MAX_D)."""
+def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
+    """Keys [start_n + WG * 64, +64) of tile t: the step loop (the ring and dq buffers at the
+    program's step i0; c: its tiles before this one), then dk (scaled) and dv to global memory.
+    Row vectors (LSE2 in log2 units, DELTA) are the preprocess's padded copies: +inf / 0 past
+    Nq, so query rows past the end add nothing and need no check. KV_REGS: the warpgroup's K and
+    V rows are the S^T / dP^T wgmmas' A operands in registers (loaded from global memory), which
+    halves those products' shared-memory reads; used with DQ_MODE > 0 only (the dk/dv-only
+    variant gave wrong dk / dv with them on the H100, loaded from global or from the shared
+    tile: launchers.GLUON_BWD_KV_REGS_MAX_D)."""
+    BLOCK_M: gl.constexpr = a.BLOCK_M
+    BLOCK_D: gl.constexpr = a.BLOCK_D
+    STAGES: gl.constexpr = a.STAGES
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
     )
@@ -285,182 +412,150 @@ def _bwd_tile_steps(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, k
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     per_query: gl.constexpr = gl.SliceLayout(0, st_layout)
     per_key: gl.constexpr = gl.SliceLayout(1, st_layout)
-    dtype: gl.constexpr = q_smem.dtype
+    dtype: gl.constexpr = a.q_smem.dtype
+    Nq, Nk, n_m = a.Nq, a.Nk, t.n_m
 
-    kw0 = start_n + WG * BWD_WG_KEYS
-    k_w = k_smem.slice(WG * BWD_WG_KEYS, BWD_WG_KEYS)
-    v_w = v_smem.slice(WG * BWD_WG_KEYS, BWD_WG_KEYS)
+    # The kv head's bases of dk, dv, K and V; its first query head's row in the row vectors.
+    b64 = t.b.to(gl.int64)
+    hk64 = t.hk.to(gl.int64)
+    kv_phase = c & 1  # the K/V barrier's phase
+    DK = a.DK + b64 * a.stride_dkb + hk64 * a.stride_dkh
+    DV = a.DV + b64 * a.stride_dvb + hk64 * a.stride_dvh
+    K = a.K + b64 * a.stride_kb + hk64 * a.stride_kh
+    V = a.V + b64 * a.stride_vb + hk64 * a.stride_vh
+    bhq0 = t.b * a.H + t.hk * a.GROUP
+    kw0 = t.start_n + WG * BWD_WG_KEYS
+    k_w = a.k_smem.slice(WG * BWD_WG_KEYS, BWD_WG_KEYS)
+    v_w = a.v_smem.slice(WG * BWD_WG_KEYS, BWD_WG_KEYS)
     keys = kw0 + gl.arange(0, BWD_WG_KEYS, layout=per_key)
     shift = Nk - Nq
     ragged = kw0 + BWD_WG_KEYS > Nk
     zero_st = gl.zeros([BWD_WG_KEYS, BLOCK_M], gl.float32, st_layout)
     dk = gl.zeros([BWD_WG_KEYS, BLOCK_D], gl.float32, acc_layout)
     dv = gl.zeros([BWD_WG_KEYS, BLOCK_D], gl.float32, acc_layout)
-    if KV_REGS:
+    if a.KV_REGS:
         kv_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2)
         rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
         kv_r = kw0 + gl.arange(0, BWD_WG_KEYS, layout=gl.SliceLayout(1, rows_l))
         kv_c = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, rows_l))
-        kv_in = (kv_r[:, None] < Nk) & (kv_c[None, :] < HEAD_DIM)
-        kv_off = kv_r[:, None].to(gl.int64) * stride_kn + kv_c[None, :]
+        kv_in = (kv_r[:, None] < Nk) & (kv_c[None, :] < a.HEAD_DIM)
+        kv_off = kv_r[:, None].to(gl.int64) * a.stride_kn + kv_c[None, :]
         k_w = gl.convert_layout(gl.load(K + kv_off, mask=kv_in, other=0.0), kv_op)
-        kv_off = kv_r[:, None].to(gl.int64) * stride_vn + kv_c[None, :]
+        kv_off = kv_r[:, None].to(gl.int64) * a.stride_vn + kv_c[None, :]
         v_w = gl.convert_layout(gl.load(V + kv_off, mask=kv_in, other=0.0), kv_op)
-    mbarrier.wait(kv_bar, kv_phase)
-    for it in range(n_iter):
+    mbarrier.wait(a.kv_bar, kv_phase)
+    for it in range(t.n_iter):
         i = i0 + it
         s = i % STAGES
         g = it // n_m
-        m0 = (m_lo + it - g * n_m) * BLOCK_M
-        q_s = q_smem.index(s)
-        do_s = do_smem.index(s)
+        m0 = (t.m_lo + it - g * n_m) * BLOCK_M
+        q_s = a.q_smem.index(s)
+        do_s = a.do_smem.index(s)
         bhq = bhq0 + g
         queries = m0 + gl.arange(0, BLOCK_M, layout=per_query)
-        lse2 = gl.load(LSE2 + bhq.to(gl.int64) * vec_stride + queries)
-        delta = gl.load(DELTA + bhq.to(gl.int64) * vec_stride + queries)
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        lse2 = gl.load(a.LSE2 + bhq.to(gl.int64) * a.vec_stride + queries)
+        delta = gl.load(a.DELTA + bhq.to(gl.int64) * a.vec_stride + queries)
+        mbarrier.wait(a.ready.index(s), (i // STAGES) & 1)
         st_tok = warpgroup_mma(k_w, q_s.permute((1, 0)), zero_st, use_acc=False, is_async=True)
         dpt_tok = warpgroup_mma(v_w, do_s.permute((1, 0)), zero_st, use_acc=False,
                                 is_async=True)  # fmt: skip
         s_t = warpgroup_mma_wait(1, deps=(st_tok,))  # S^T done; dP^T may still run
         masked = ragged
-        if CAUSAL:  # some key of this warpgroup's block lies right of some row's diagonal
+        if a.CAUSAL:  # some key of this warpgroup's block lies right of some row's diagonal
             masked = masked | (m0 + shift < kw0 + BWD_WG_KEYS - 1)
         if masked:
             keep = keys[:, None] < Nk
-            if CAUSAL:
+            if a.CAUSAL:
                 keep = keep & (keys[:, None] <= queries[None, :] + shift)
-            p_t = gl.where(keep, gl.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
+            p_t = gl.where(keep, gl.exp2(s_t * a.qk_scale - lse2[None, :]), 0.0)
         else:
-            p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
+            p_t = gl.exp2(s_t * a.qk_scale - lse2[None, :])
         p_op = gl.convert_layout(p_t.to(dtype), op_layout)
         dv_tok = warpgroup_mma(p_op, do_s, dv, is_async=True)
         dp_t = warpgroup_mma_wait(1, deps=(dpt_tok,))  # dP^T done; dV may still run
         ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
         ds_op = gl.convert_layout(ds_t, op_layout)
         dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-        if DQ_MODE > 0:  # this warpgroup's half of dS^T to the dq warpgroup
+        if a.DQ_MODE > 0:  # this warpgroup's half of dS^T to the dq warpgroup
             par = i % 2
-            mbarrier.wait(ds_free.index(par), ((i // 2) & 1) ^ 1)  # step i - 2's dq read it
-            ds_smem.index(par).slice(WG * BWD_WG_KEYS, BWD_WG_KEYS).store(ds_t)
+            mbarrier.wait(a.ds_free.index(par), ((i // 2) & 1) ^ 1)  # step i - 2's dq read it
+            a.ds_smem.index(par).slice(WG * BWD_WG_KEYS, BWD_WG_KEYS).store(ds_t)
             fence_async_shared()
             gl.thread_barrier()  # every warp's rows are written before the arrival
-            mbarrier.arrive(ds_ready.index(par))
+            mbarrier.arrive(a.ds_ready.index(par))
         dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
-        mbarrier.arrive(empty.index(s))
-    mbarrier.arrive(kv_empty)  # every product of the tile has read K and V
+        mbarrier.arrive(a.empty.index(s))
+    mbarrier.arrive(a.kv_empty)  # every product of the tile has read K and V
 
     rows = kw0 + gl.arange(0, BWD_WG_KEYS, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
-    keep = (rows[:, None] < Nk) & (cols[None, :] < HEAD_DIM)
-    gl.store(DK + rows[:, None].to(gl.int64) * stride_dkn + cols[None, :],
-             (dk * sm_scale).to(dtype), mask=keep)  # fmt: skip
-    gl.store(DV + rows[:, None].to(gl.int64) * stride_dvn + cols[None, :], dv.to(dtype),
+    keep = (rows[:, None] < Nk) & (cols[None, :] < a.HEAD_DIM)
+    gl.store(DK + rows[:, None].to(gl.int64) * a.stride_dkn + cols[None, :],
+             (dk * a.sm_scale).to(dtype), mask=keep)  # fmt: skip
+    gl.store(DV + rows[:, None].to(gl.int64) * a.stride_dvn + cols[None, :], dv.to(dtype),
              mask=keep)  # fmt: skip
 
 
 @gluon.jit
-def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, kv_empty, ready,
-                  empty, ds_ready, ds_free, dq_ready, dq_free, LSE2, DELTA, DK, DV, K, V,
-                  stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                  stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H,
-                  Hkv, GROUP, Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale, WG: gl.constexpr,
-                  CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
-                  DQ_MODE: gl.constexpr, KV_REGS: gl.constexpr,
-                  PERSISTENT: gl.constexpr):  # fmt: skip
+def _bwd_consumer(a, WG: gl.constexpr):
     """Keys [start_n + WG * 64, +64) of the program's tile (`_bwd_tile_steps`), or with
     PERSISTENT of each tile of its share in the producer's order (i: the program's steps so
-    far; c: its tiles so far, the K/V barrier's phase)."""
-    if PERSISTENT:
+    far; c: its tiles so far, whose parity is the K/V barrier's phase)."""
+    if a.PERSISTENT:
         i = 0
         c = 0
-        for u in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            b, hk, _, start_n, m_lo, n_m, n_iter = _bwd_tile(u, tile_heads, Hkv, GROUP, Nq, Nk,
-                                                             CAUSAL, BLOCK_M,
-                                                             BLOCK_N)  # fmt: skip
-            b64 = b.to(gl.int64)
-            hk64 = hk.to(gl.int64)
-            _bwd_tile_steps(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, c & 1,
-                            kv_empty, ready, empty, ds_ready, ds_free, dq_ready, dq_free, LSE2,
-                            DELTA, DK + b64 * stride_dkb + hk64 * stride_dkh,
-                            DV + b64 * stride_dvb + hk64 * stride_dvh,
-                            K + b64 * stride_kb + hk64 * stride_kh,
-                            V + b64 * stride_vb + hk64 * stride_vh, stride_dkn, stride_dvn,
-                            stride_kn, stride_vn, vec_stride, b * H + hk * GROUP, i, start_n, Nq,
-                            Nk, m_lo, n_m, n_iter, qk_scale, sm_scale, WG, CAUSAL, HEAD_DIM,
-                            BLOCK_M, BLOCK_D, STAGES, DQ_MODE, KV_REGS)  # fmt: skip
-            i += n_iter
+        for u in range(gl.program_id(0), a.n_tiles, gl.num_programs(0)):
+            t = a.tile(u)
+            _bwd_tile_steps(a, t, c, i, WG)
+            i += t.n_iter
             c += 1  # noqa: SIM113 (Gluon loops have no enumerate)
     else:
-        b, hk, _, start_n, m_lo, n_m, n_iter = _bwd_tile(gl.program_id(0), tile_heads, Hkv, GROUP,
-                                                         Nq, Nk, CAUSAL, BLOCK_M,
-                                                         BLOCK_N)  # fmt: skip
-        b64 = b.to(gl.int64)
-        hk64 = hk.to(gl.int64)
-        _bwd_tile_steps(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, 0, kv_empty,
-                        ready, empty, ds_ready, ds_free, dq_ready, dq_free, LSE2, DELTA,
-                        DK + b64 * stride_dkb + hk64 * stride_dkh,
-                        DV + b64 * stride_dvb + hk64 * stride_dvh,
-                        K + b64 * stride_kb + hk64 * stride_kh,
-                        V + b64 * stride_vb + hk64 * stride_vh, stride_dkn, stride_dvn,
-                        stride_kn, stride_vn, vec_stride, b * H + hk * GROUP, 0, start_n, Nq, Nk,
-                        m_lo, n_m, n_iter, qk_scale, sm_scale, WG, CAUSAL, HEAD_DIM, BLOCK_M,
-                        BLOCK_D, STAGES, DQ_MODE, KV_REGS)  # fmt: skip
+        _bwd_tile_steps(a, a.tile(gl.program_id(0)), 0, 0, WG)
 
 
 @gluon.jit
-def _bwd_dq_tile(k_smem, ds_smem, dq_smem, kv_bar, kv_phase, kv_empty, ds_ready, ds_free,
-                 dq_ready, dq_free, i0, n_iter, sm_scale, BLOCK_M: gl.constexpr,
-                 BLOCK_D: gl.constexpr):  # fmt: skip
-    """The dq warpgroup's steps of one tile: once both consumers have written their halves of
-    step i's dS^T (ds_smem[i % 2]), dq's part = dS (BLOCK_M x 128 keys) K, scaled, into
-    dq_smem[i % DQ_BUFFERS] for the reducer warp. The consumers never wait for it, only for a dS^T
-    buffer it has read two steps back."""
+def _bwd_dq_tile(a, t, c, i0):
+    """The dq warpgroup's steps of tile t (i0, c: the program's steps and tiles before it):
+    once both consumers have written their halves of step i's dS^T (ds_smem[i % 2]), dq's part
+    = dS (BLOCK_M x 128 keys) K, scaled, into dq_smem[i % DQ_BUFFERS] for the reducer warp. The
+    consumers never wait for it, only for a dS^T buffer it has read two steps back."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, a.BLOCK_D, 16]
     )
-    zero_dq = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_layout)
-    mbarrier.wait(kv_bar, kv_phase)
-    for it in range(n_iter):
+    dq_smem = a.dq_smem
+    zero_dq = gl.zeros([a.BLOCK_M, a.BLOCK_D], gl.float32, acc_layout)
+    mbarrier.wait(a.kv_bar, c & 1)
+    for it in range(t.n_iter):
         i = i0 + it
         par = i % 2
-        ds_buf = ds_smem.index(par)
-        mbarrier.wait(ds_ready.index(par), (i // 2) & 1)
-        dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, zero_dq, use_acc=False,
+        ds_buf = a.ds_smem.index(par)
+        mbarrier.wait(a.ds_ready.index(par), (i // 2) & 1)
+        dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), a.k_smem, zero_dq, use_acc=False,
                                is_async=True)  # fmt: skip
         dq = warpgroup_mma_wait(0, deps=(dq_tok,))
-        mbarrier.arrive(ds_free.index(par))
+        mbarrier.arrive(a.ds_free.index(par))
         buf = i % dq_smem.shape[0]  # free once the reducer's add of its last part has read it
-        mbarrier.wait(dq_free.index(buf), ((i // dq_smem.shape[0]) & 1) ^ 1)
-        dq_smem.index(buf).store(dq * sm_scale)
+        mbarrier.wait(a.dq_free.index(buf), ((i // dq_smem.shape[0]) & 1) ^ 1)
+        dq_smem.index(buf).store(dq * a.sm_scale)
         fence_async_shared()
         gl.thread_barrier()
-        mbarrier.arrive(dq_ready.index(buf))
-    mbarrier.arrive(kv_empty)  # its last product has read K
+        mbarrier.arrive(a.dq_ready.index(buf))
+    mbarrier.arrive(a.kv_empty)  # its last product has read K
 
 
 @gluon.jit
-def _bwd_dq_warpgroup(k_smem, ds_smem, dq_smem, kv_bar, kv_empty, ds_ready, ds_free, dq_ready,
-                      dq_free, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads, sm_scale,
-                      CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      BLOCK_D: gl.constexpr, PERSISTENT: gl.constexpr):  # fmt: skip
+def _bwd_dq_warpgroup(a):
     """`_bwd_dq_tile` for the program's tile, or with PERSISTENT tile after tile of its share."""
-    if PERSISTENT:
+    if a.PERSISTENT:
         i = 0
         c = 0
-        for u in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            _, _, _, _, _, _, n_iter = _bwd_tile(u, tile_heads, Hkv, GROUP, Nq, Nk, CAUSAL,
-                                                 BLOCK_M, BLOCK_N)  # fmt: skip
-            _bwd_dq_tile(k_smem, ds_smem, dq_smem, kv_bar, c & 1, kv_empty, ds_ready, ds_free,
-                         dq_ready, dq_free, i, n_iter, sm_scale, BLOCK_M, BLOCK_D)  # fmt: skip
-            i += n_iter
+        for u in range(gl.program_id(0), a.n_tiles, gl.num_programs(0)):
+            t = a.tile(u)
+            _bwd_dq_tile(a, t, c, i)
+            i += t.n_iter
             c += 1  # noqa: SIM113 (Gluon loops have no enumerate)
     else:
-        _, _, _, _, _, _, n_iter = _bwd_tile(gl.program_id(0), tile_heads, Hkv, GROUP, Nq, Nk,
-                                             CAUSAL, BLOCK_M, BLOCK_N)  # fmt: skip
-        _bwd_dq_tile(k_smem, ds_smem, dq_smem, kv_bar, 0, kv_empty, ds_ready, ds_free, dq_ready,
-                     dq_free, 0, n_iter, sm_scale, BLOCK_M, BLOCK_D)  # fmt: skip
+        _bwd_dq_tile(a, a.tile(gl.program_id(0)), 0, 0)
 
 
 @gluon.jit(do_not_specialize=["Nq", "Nk"])
@@ -517,11 +612,11 @@ def attn_bwd_gluon_kernel(
 ):
     """dk, dv of the B * Hkv * cdiv(Nk, BLOCK_N) tiles of 128 keys of one kv head (bottom-right
     causal mask or none, GQA, any Nq and Nk): tile program_id, or with PERSISTENT tiles
-    program_id, + num_programs, ... (one program per SM; `_bwd_tile` orders them); launched
+    program_id, + num_programs, ... (one program per SM; `BwdArgs.tile` orders them); launched
     with num_warps = 4 (the default partition), 9 warps in all (14 with DQ_MODE 1, 15 with 2,
     whose reducer warps take turns). LSE2 / DELTA: (B * H, vec_stride) padded row vectors
     (kernels.attn_bwd_preprocess_kernel with ROWVEC). tile_heads: (batch, kv head)s per tile
-    group, negative for descending key blocks (`_bwd_tile`). DQ_MODE > 0 (BLOCK_D <= 64): also
+    group, negative for descending key blocks (`BwdArgs.tile`). DQ_MODE > 0 (BLOCK_D <= 64): also
     dq's float32 sums, scaled, into DQACC ((dq_rows = B * H * vec_stride, BLOCK_D), zeroed
     before, as is SEM: (B * H, sem_stride)), one program per tile: a third warpgroup computes
     each step's dq part from the consumers' dS^T (`_bwd_dq_tile`), a reducer warp adds it
@@ -579,120 +674,59 @@ def attn_bwd_gluon_kernel(
         for i in gl.static_range(DQ_BUFFERS):
             mbarrier.init(dq_ready.index(i), count=1)
             mbarrier.init(dq_free.index(i), count=1)
+        dq_desc = tma.make_tensor_descriptor(DQACC, [dq_rows, BLOCK_D], [BLOCK_D, 1],
+                                             [BLOCK_M, BLOCK_D], dq_layout)  # fmt: skip
     else:  # unused: stand-ins, so that the dk/dv-only kernel allocates nothing more
         ds_smem, dq_smem = k_smem, v_smem
         ds_ready, ds_free, dq_ready, dq_free = kv_bar, kv_bar, kv_bar, kv_bar
+        dq_desc = q_desc
 
-    # The three warp_specialize calls (fixed-order dq: two reducer warps; any order: one; dk/dv
-    # only) spell their partitions out: Gluon takes (function, args) pairs only as literals, and
-    # a constexpr packed into a shared args tuple loses its constness. (One list with a second
-    # reducer warp idle in any order would do, but that variant was never timed.)
+    a = BwdArgs(q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem,
+                dq_smem, kv_bar, kv_empty, ready, empty, ds_ready, ds_free, dq_ready, dq_free, LSE2,
+                DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
+                stride_dvh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale, SEM,
+                sem_stride, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, DQ_MODE, KV_REGS,
+                PERSISTENT)  # fmt: skip
+    # Three partition lists (fixed-order dq: two reducer warps; any order: one; dk/dv only):
+    # Gluon takes the (function, args) pairs as a literal list. (One list with a second reducer
+    # warp idle in any order would do, but that variant was never timed.)
     if DQ_MODE == 2:
         gl.static_assert(ORDERED_DQ_REDUCERS == 2, "the list below spells out two reducer warps")
-        dq_desc = tma.make_tensor_descriptor(DQACC, [dq_rows, BLOCK_D], [BLOCK_D, 1],
-                                             [BLOCK_M, BLOCK_D], dq_layout)  # fmt: skip
         gl.warp_specialize(
             [
-                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
-                                 kv_empty, ready, empty, ds_ready, ds_free, dq_ready, dq_free,
-                                 LSE2, DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh,
-                                 stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn,
-                                 stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv,
-                                 GROUP, Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale,
-                                 gl.constexpr(0), CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
-                                 STAGES, DQ_MODE, KV_REGS, PERSISTENT)),
-                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
-                                 kv_empty, ready, empty, ds_ready, ds_free, dq_ready, dq_free,
-                                 LSE2, DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh,
-                                 stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn,
-                                 stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv,
-                                 GROUP, Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale,
-                                 gl.constexpr(1), CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
-                                 STAGES, DQ_MODE, KV_REGS, PERSISTENT)),
-                (_bwd_dq_warpgroup, (k_smem, ds_smem, dq_smem, kv_bar, kv_empty, ds_ready,
-                                     ds_free, dq_ready, dq_free, Hkv, GROUP, Nq, Nk, n_tiles,
-                                     tile_heads, sm_scale, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D,
-                                     PERSISTENT)),
-                (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
-                                 kv_bar, kv_empty, ready, empty, Hkv, GROUP, Nq, Nk, n_tiles,
-                                 tile_heads, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, STAGES,
-                                 PERSISTENT)),
-                (_bwd_dq_reducer, (dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride,
-                                   vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads,
-                                   BLOCK_M, BLOCK_N, CAUSAL, gl.constexpr(True), PERSISTENT,
-                                   gl.constexpr(0), ORDERED_DQ_REDUCERS)),
-                (_bwd_dq_reducer, (dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride,
-                                   vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads,
-                                   BLOCK_M, BLOCK_N, CAUSAL, gl.constexpr(True), PERSISTENT,
-                                   gl.constexpr(1), ORDERED_DQ_REDUCERS)),
+                (_bwd_consumer, (a, gl.constexpr(0))),
+                (_bwd_consumer, (a, gl.constexpr(1))),
+                (_bwd_dq_warpgroup, (a,)),
+                (_bwd_producer, (a,)),
+                (_bwd_dq_reducer, (a, gl.constexpr(True), gl.constexpr(0), ORDERED_DQ_REDUCERS)),
+                (_bwd_dq_reducer, (a, gl.constexpr(True), gl.constexpr(1), ORDERED_DQ_REDUCERS)),
             ],
             [4, 4, 1, 1, 1],
             [FUSED_CONSUMER_REGS, DQ_WARPGROUP_REGS, 24, REDUCER_WARP_REGS, REDUCER_WARP_REGS],
-        )  # fmt: skip
+        )
     elif DQ_MODE == 1:
-        dq_desc = tma.make_tensor_descriptor(DQACC, [dq_rows, BLOCK_D], [BLOCK_D, 1],
-                                             [BLOCK_M, BLOCK_D], dq_layout)  # fmt: skip
         gl.warp_specialize(
             [
-                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
-                                 kv_empty, ready, empty, ds_ready, ds_free, dq_ready, dq_free,
-                                 LSE2, DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh,
-                                 stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn,
-                                 stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv,
-                                 GROUP, Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale,
-                                 gl.constexpr(0), CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
-                                 STAGES, DQ_MODE, KV_REGS, PERSISTENT)),
-                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
-                                 kv_empty, ready, empty, ds_ready, ds_free, dq_ready, dq_free,
-                                 LSE2, DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh,
-                                 stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn,
-                                 stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv,
-                                 GROUP, Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale,
-                                 gl.constexpr(1), CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
-                                 STAGES, DQ_MODE, KV_REGS, PERSISTENT)),
-                (_bwd_dq_warpgroup, (k_smem, ds_smem, dq_smem, kv_bar, kv_empty, ds_ready,
-                                     ds_free, dq_ready, dq_free, Hkv, GROUP, Nq, Nk, n_tiles,
-                                     tile_heads, sm_scale, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D,
-                                     PERSISTENT)),
-                (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
-                                 kv_bar, kv_empty, ready, empty, Hkv, GROUP, Nq, Nk, n_tiles,
-                                 tile_heads, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, STAGES,
-                                 PERSISTENT)),
-                (_bwd_dq_reducer, (dq_desc, dq_smem, dq_ready, dq_free, SEM, sem_stride,
-                                   vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads,
-                                   BLOCK_M, BLOCK_N, CAUSAL, gl.constexpr(False), PERSISTENT,
-                                   gl.constexpr(0), gl.constexpr(1))),
+                (_bwd_consumer, (a, gl.constexpr(0))),
+                (_bwd_consumer, (a, gl.constexpr(1))),
+                (_bwd_dq_warpgroup, (a,)),
+                (_bwd_producer, (a,)),
+                (_bwd_dq_reducer, (a, gl.constexpr(False), gl.constexpr(0), gl.constexpr(1))),
             ],
             [4, 4, 1, 1],
             [FUSED_CONSUMER_REGS, DQ_WARPGROUP_REGS, 24, REDUCER_WARP_REGS],
-        )  # fmt: skip
+        )
     else:
         gl.warp_specialize(
             [
-                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
-                                 kv_empty, ready, empty, ds_ready, ds_free, dq_ready, dq_free,
-                                 LSE2, DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh,
-                                 stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn,
-                                 stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv,
-                                 GROUP, Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale,
-                                 gl.constexpr(0), CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
-                                 STAGES, DQ_MODE, KV_REGS, PERSISTENT)),
-                (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
-                                 kv_empty, ready, empty, ds_ready, ds_free, dq_ready, dq_free,
-                                 LSE2, DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh,
-                                 stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn,
-                                 stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv,
-                                 GROUP, Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale,
-                                 gl.constexpr(1), CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
-                                 STAGES, DQ_MODE, KV_REGS, PERSISTENT)),
-                (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
-                                 kv_bar, kv_empty, ready, empty, Hkv, GROUP, Nq, Nk, n_tiles,
-                                 tile_heads, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, STAGES,
-                                 PERSISTENT)),
+                (_bwd_consumer, (a, gl.constexpr(0))),
+                (_bwd_consumer, (a, gl.constexpr(1))),
+                (_bwd_producer, (a,)),
             ],
             [4, 1],
             [232, 24],
-        )  # fmt: skip
+        )
 
 
 # ---------------------------------------------------------------------------------------------

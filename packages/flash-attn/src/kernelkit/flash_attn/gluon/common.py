@@ -1,5 +1,13 @@
-"""What the Gluon kernels (sm_90a) share: the Hopper language imports and constants. Gluon has
-no interpreter: CI compiles these kernels for sm_90a on CPU (tests) and the GPU tests run them."""
+"""What the Gluon kernels (sm_90a) share: the Hopper language imports, constants and `aggregate`.
+Gluon has no interpreter: CI compiles these kernels for sm_90a on CPU (tests) and the GPU tests
+run them.
+
+The partitions of a kernel (gl.warp_specialize) take its shared memory, barriers, descriptors
+and scalars as one `@aggregate` value (as Triton's Gluon tutorials do), not as long argument
+lists: a class with annotated fields and a `@gluon.constexpr_function` `__init__`, whose
+methods may be `@gluon.jit`. The compiler flattens an aggregate into its fields, so passing one
+costs nothing; a worker partition captures only the fields it reads (in the order they first
+appear in the workers' arguments; the partition ops drop unused and duplicate captures)."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -11,8 +19,23 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+# Triton 3.6 has no public name for it yet (newer versions export gluon.aggregate).
+from triton.language.core import _aggregate as aggregate
+
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
 
-__all__ = ["LN2", "LOG2E", "fence_async_shared", "gl", "gluon", "mbarrier", "tma",
-           "warpgroup_mma", "warpgroup_mma_wait"]  # fmt: skip
+# The annotation of an aggregate field holding a kernel argument that Triton may have turned
+# into a constexpr: an integer equal to 1 (value specialization) or None (an unused pointer).
+MaybeConstexpr = (gl.tensor, gl.constexpr)
+
+
+@gluon.constexpr_function  # (a plain function would break the kernels' cache keys)
+def maybe_constexpr(x):
+    """A `MaybeConstexpr` field's value from a constexpr_function's argument (which unwraps
+    constexprs)."""
+    return x if isinstance(x, gl.tensor) else gl.constexpr(x)
+
+
+__all__ = ["LN2", "LOG2E", "MaybeConstexpr", "aggregate", "fence_async_shared", "gl", "gluon",
+           "maybe_constexpr", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait"]  # fmt: skip

@@ -8,7 +8,7 @@ it for sm_90a (tests) and the GPU tests run it.
 
 A tile = BLOCK_M = 2 x 64 query rows of one head. The kernel is persistent: one program per SM
 walks its share of the tiles (causal ones in pairs of a long and a short query block, so that
-the programs stay in step on the same heads: `_fwd_tile`), in three partitions
+the programs stay in step on the same heads: `FwdArgs.tile`), in three partitions
 (gl.warp_specialize):
 - a producer warp issues the TMA loads: each tile's q into one of two buffers, then its K and V
   tiles into a STAGES-deep shared-memory ring, each slot guarded by a "ready" mbarrier (TMA
@@ -28,79 +28,161 @@ applies it (a run-time branch: Gluon has no automatic pass to trip over).
 
 from kernelkit.shared.runtime import cdiv
 
-from ..config import FWD_GLUON, FwdConfig, Problem, Scores
+from ..config import FwdConfig, Problem, Scores
 from ..strides import strides, tma_strides
-from .common import LN2, gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from .common import (
+    LN2,
+    MaybeConstexpr,
+    aggregate,
+    gl,
+    gluon,
+    maybe_constexpr,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one m64 wgmma row block)
 
 
-@gluon.jit
-def _fwd_tile(u, w, num_m, H, GROUP, Nq, Nk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, PAIRS: gl.constexpr):  # fmt: skip
-    """Tile w of work unit u: (b, h, kv head, b * H + h, first query row, key blocks). A unit is
-    one tile, or with PAIRS (causal, an even number of query blocks) two: query blocks
-    num_m - 1 - j and j of a head, whose key blocks add up to the same count in every unit, so
-    that programs walking units in step stay on the same heads. Units of one head are adjacent
-    (its K/V stay in L2 while the programs share them); causal: the longest rows of each head
-    first."""
-    if PAIRS:
-        bh = u // (num_m // 2)
-        pid_m = u % (num_m // 2)
-        if w == 0:
-            pid_m = num_m - 1 - pid_m
-    else:
-        bh = u // num_m
-        pid_m = u % num_m
-        if CAUSAL:
-            pid_m = num_m - 1 - pid_m
-    b = bh // H
-    h = bh % H
-    start_m = pid_m * BLOCK_M
-    if CAUSAL:  # noqa: SIM108 (constexpr branch); the key blocks the block's last row sees
-        hi = gl.minimum(start_m + BLOCK_M + Nk - Nq, Nk)
-    else:
-        hi = Nk
-    return b, h, h // GROUP, bh, start_m, gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
+@aggregate
+class FwdArgs:
+    """What the partitions share, built once per program by the kernel: the TMA descriptors,
+    shared memory and mbarriers, the output, the problem's scalars and the compile-time switches
+    (`attn_fwd_gluon_kernel`'s). Keep the fields' order: a worker partition captures the fields
+    it reads in this order (the compiler flattens an aggregate into its fields), and another
+    order gives an equivalent but different kernel."""
+
+    # The producer's TMA descriptors over the whole (B, N, H, D) tensors.
+    q_desc: tma.tensor_descriptor
+    k_desc: tma.tensor_descriptor
+    v_desc: tma.tensor_descriptor
+    # Shared memory: two q tiles (BLOCK_M rows each) and a STAGES-deep ring of K and V tiles;
+    # q_bar[b] / k_ready[s] / v_ready[s]: the TMA's bytes have landed; q_empty[b] / k_empty[s] /
+    # v_empty[s]: both consumer warpgroups are done with the buffer.
+    q_smem: gl.shared_memory_descriptor
+    k_smem: gl.shared_memory_descriptor
+    v_smem: gl.shared_memory_descriptor
+    q_bar: gl.shared_memory_descriptor
+    q_empty: gl.shared_memory_descriptor
+    k_ready: gl.shared_memory_descriptor
+    v_ready: gl.shared_memory_descriptor
+    k_empty: gl.shared_memory_descriptor
+    v_empty: gl.shared_memory_descriptor
+    # The output (B, Nq, H, D) and its strides; the LSE rows (B * H, Nq).
+    O: gl.tensor
+    LSE: gl.tensor
+    stride_ob: MaybeConstexpr
+    stride_on: MaybeConstexpr
+    stride_oh: MaybeConstexpr
+    # Query blocks per head, tiles in all; heads, query heads per kv head; lengths; scales.
+    num_m: gl.tensor
+    n_tiles: gl.tensor
+    H: MaybeConstexpr
+    GROUP: MaybeConstexpr
+    Nq: gl.tensor
+    Nk: gl.tensor
+    qk_scale: gl.tensor
+    cap_scale: gl.tensor
+    CAUSAL: gl.constexpr
+    HEAD_DIM: gl.constexpr
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    BLOCK_D: gl.constexpr
+    STAGES: gl.constexpr
+    SOFTCAP: gl.constexpr
+    Q_REGS: gl.constexpr
+    PAIRS: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+                 v_ready, k_empty, v_empty, O, LSE, stride_ob, stride_on, stride_oh, num_m,
+                 n_tiles, H, GROUP, Nq, Nk, qk_scale, cap_scale, CAUSAL, HEAD_DIM, BLOCK_M,
+                 BLOCK_N, BLOCK_D, STAGES, SOFTCAP, Q_REGS, PAIRS):  # fmt: skip
+        self.q_desc, self.k_desc, self.v_desc = q_desc, k_desc, v_desc
+        self.q_smem, self.k_smem, self.v_smem = q_smem, k_smem, v_smem
+        self.q_bar, self.q_empty = q_bar, q_empty
+        self.k_ready, self.v_ready, self.k_empty, self.v_empty = k_ready, v_ready, k_empty, v_empty
+        self.O, self.LSE = O, LSE
+        self.stride_ob = maybe_constexpr(stride_ob)
+        self.stride_on = maybe_constexpr(stride_on)
+        self.stride_oh = maybe_constexpr(stride_oh)
+        self.num_m, self.n_tiles = num_m, n_tiles
+        self.H, self.GROUP = maybe_constexpr(H), maybe_constexpr(GROUP)
+        self.Nq, self.Nk, self.qk_scale, self.cap_scale = Nq, Nk, qk_scale, cap_scale
+        self.CAUSAL, self.HEAD_DIM = gl.constexpr(CAUSAL), gl.constexpr(HEAD_DIM)
+        self.BLOCK_M, self.BLOCK_N = gl.constexpr(BLOCK_M), gl.constexpr(BLOCK_N)
+        self.BLOCK_D, self.STAGES = gl.constexpr(BLOCK_D), gl.constexpr(STAGES)
+        self.SOFTCAP, self.Q_REGS = gl.constexpr(SOFTCAP), gl.constexpr(Q_REGS)
+        self.PAIRS = gl.constexpr(PAIRS)
+
+    @gluon.jit
+    def tile(self, u, w):
+        """Tile w of work unit u: (b, h, kv head, b * H + h, first query row, key blocks). A
+        unit is one tile, or with PAIRS (causal, an even number of query blocks) two: query
+        blocks num_m - 1 - j and j of a head, whose key blocks add up to the same count in every
+        unit, so that programs walking units in step stay on the same heads. Units of one head
+        are adjacent (its K/V stay in L2 while the programs share them); causal: the longest
+        rows of each head first."""
+        num_m = self.num_m
+        if self.PAIRS:
+            bh = u // (num_m // 2)
+            pid_m = u % (num_m // 2)
+            if w == 0:
+                pid_m = num_m - 1 - pid_m
+        else:
+            bh = u // num_m
+            pid_m = u % num_m
+            if self.CAUSAL:
+                pid_m = num_m - 1 - pid_m
+        b = bh // self.H
+        h = bh % self.H
+        start_m = pid_m * self.BLOCK_M
+        if self.CAUSAL:  # the key blocks the tile's last row sees
+            hi = gl.minimum(start_m + self.BLOCK_M + self.Nk - self.Nq, self.Nk)
+        else:
+            hi = self.Nk
+        return b, h, h // self.GROUP, bh, start_m, gl.cdiv(gl.maximum(hi, 0), self.BLOCK_N)
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-              k_empty, v_empty, num_m, n_tiles, H, GROUP, Nq, Nk, CAUSAL: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-              STAGES: gl.constexpr, PAIRS: gl.constexpr):  # fmt: skip
+def _producer(a):
     """TMA loads, tile after tile of the program's: the q tile into q buffer c % 2 (c: the
     program's tile count) once both consumers have released it, then K_j and V_j into ring
     slot i % STAGES (i counts key blocks over all the program's tiles) once both consumers have
     released the slot's previous tile (a fresh barrier passes the first wait). So the next
     tile's q and first key blocks load while the consumers finish the current one."""
-    q_tile: gl.constexpr = q_desc.layout
-    kv_tile: gl.constexpr = k_desc.layout
-    dtype: gl.constexpr = q_smem.dtype
+    q_tile: gl.constexpr = a.q_desc.layout
+    kv_tile: gl.constexpr = a.k_desc.layout
+    dtype: gl.constexpr = a.q_smem.dtype
+    BLOCK_N: gl.constexpr = a.BLOCK_N
+    BLOCK_D: gl.constexpr = a.BLOCK_D
+    STAGES: gl.constexpr = a.STAGES
+    q_desc, k_desc, v_desc = a.q_desc, a.k_desc, a.v_desc
+    q_bar, k_ready, v_ready = a.q_bar, a.k_ready, a.v_ready
     i = 0
     c = 0
-    per_unit: gl.constexpr = 2 if PAIRS else 1
-    for t in range(gl.program_id(0) * per_unit, n_tiles, gl.num_programs(0) * per_unit):
+    per_unit: gl.constexpr = 2 if a.PAIRS else 1
+    for t in range(gl.program_id(0) * per_unit, a.n_tiles, gl.num_programs(0) * per_unit):
         for w in range(per_unit):
-            b, h, hk, _, start_m, n_blocks = _fwd_tile(t // per_unit, w, num_m, H, GROUP, Nq,
-                                                       Nk, CAUSAL, BLOCK_M, BLOCK_N,
-                                                       PAIRS)  # fmt: skip
+            b, h, hk, _, start_m, n_blocks = a.tile(t // per_unit, w)
             qb = c % 2
-            mbarrier.wait(q_empty.index(qb), ((c // 2) & 1) ^ 1)
+            mbarrier.wait(a.q_empty.index(qb), ((c // 2) & 1) ^ 1)
             mbarrier.expect(q_bar.index(qb), q_desc.block_type.nbytes)
-            q_dst = q_smem.index(qb)._reinterpret(dtype, [1, BLOCK_M, 1, BLOCK_D], q_tile)
+            q_dst = a.q_smem.index(qb)._reinterpret(dtype, [1, a.BLOCK_M, 1, BLOCK_D], q_tile)
             tma.async_copy_global_to_shared(q_desc, [b, start_m, h, 0], q_bar.index(qb), q_dst)
             for j in range(n_blocks):
                 s = i % STAGES
                 phase = (i // STAGES) & 1
-                mbarrier.wait(k_empty.index(s), phase ^ 1)
+                mbarrier.wait(a.k_empty.index(s), phase ^ 1)
                 mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-                k_dst = k_smem.index(s)._reinterpret(dtype, [1, BLOCK_N, 1, BLOCK_D], kv_tile)
+                k_dst = a.k_smem.index(s)._reinterpret(dtype, [1, BLOCK_N, 1, BLOCK_D], kv_tile)
                 tma.async_copy_global_to_shared(k_desc, [b, j * BLOCK_N, hk, 0],
                                                 k_ready.index(s), k_dst)  # fmt: skip
-                mbarrier.wait(v_empty.index(s), phase ^ 1)
+                mbarrier.wait(a.v_empty.index(s), phase ^ 1)
                 mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-                v_dst = v_smem.index(s)._reinterpret(dtype, [1, BLOCK_N, 1, BLOCK_D], kv_tile)
+                v_dst = a.v_smem.index(s)._reinterpret(dtype, [1, BLOCK_N, 1, BLOCK_D], kv_tile)
                 tma.async_copy_global_to_shared(v_desc, [b, j * BLOCK_N, hk, 0],
                                                 v_ready.index(s), v_dst)  # fmt: skip
                 i += 1
@@ -108,19 +190,19 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, start_n, last, full_hi, qk_scale, cap_scale,
-                  BLOCK_N: gl.constexpr, s_layout: gl.constexpr, SOFTCAP: gl.constexpr):  # fmt: skip
+def _softmax_step(a, s, m_i, l_i, start_n, last, full_hi, s_layout: gl.constexpr):
     """Online softmax of one score block s (raw q.k): (p, m_new, l_new, alpha). Blocks from
     full_hi on hide the keys past each row's `last` visible key (causal diagonal, end of Nk).
     SOFTCAP: the scores are first capped, s -> tanh(s * cap_scale) (tanh.approx.f32, as the
     portable kernel's SOFTCAP == 2); qk_scale then carries softcap * log2(e)."""
-    if SOFTCAP:
+    qk_scale = a.qk_scale
+    if a.SOFTCAP:
         s = gl.inline_asm_elementwise(
-            "tanh.approx.f32 $0, $1;", "=f,f", [s * cap_scale], dtype=gl.float32, is_pure=True,
-            pack=1,
+            "tanh.approx.f32 $0, $1;", "=f,f", [s * a.cap_scale], dtype=gl.float32,
+            is_pure=True, pack=1,
         )  # fmt: skip
     if start_n >= full_hi:
-        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        cols = start_n + gl.arange(0, a.BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s = gl.where(cols[None, :] <= last[:, None], s * qk_scale, -float("inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         # A row that has seen no key yet keeps m = -inf; shift it by 0 to avoid inf - inf.
@@ -135,15 +217,15 @@ def _softmax_step(s, m_i, l_i, start_n, last, full_hi, qk_scale, cap_scale,
 
 
 @gluon.jit
-def _attend_tile(q_buf, q_bar, q_empty, q_phase, k_smem, v_smem, k_ready, v_ready, k_empty,
-                 v_empty, i, n_blocks, row0, O, LSE, stride_on, Nq, Nk, qk_scale, cap_scale,
-                 CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                 BLOCK_D: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr,
-                 Q_REGS: gl.constexpr):  # fmt: skip
-    """One warpgroup's 64 query rows from row0 of one tile (its q rows in q_buf, the K/V ring at
-    position i): the pipelined loop over the tile's n_blocks key blocks, then o (O: the head's
-    base) and the LSE (LSE: the head's row vector) to global memory. Q_REGS: the q tile is the
-    S wgmma's A operand from registers, not shared memory (its buffer is released at once)."""
+def _attend_tile(a, q_buf, q_bar, q_empty, q_phase, i, n_blocks, row0, O, LSE):
+    """One warpgroup's 64 query rows from row0 of one tile (its q rows in q_buf, with the q
+    buffer's barriers and phase; the K/V ring at position i): the pipelined loop over the
+    tile's n_blocks key blocks, then o (O: the head's base) and the LSE (LSE: the head's row
+    vector) to global memory. Q_REGS: the q tile is the S wgmma's A operand from registers, not
+    shared memory (its buffer is released at once)."""
+    BLOCK_N: gl.constexpr = a.BLOCK_N
+    BLOCK_D: gl.constexpr = a.BLOCK_D
+    STAGES: gl.constexpr = a.STAGES
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -154,10 +236,13 @@ def _attend_tile(q_buf, q_bar, q_empty, q_phase, k_smem, v_smem, k_ready, v_read
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_buf.dtype
+    k_smem, v_smem = a.k_smem, a.v_smem
+    k_ready, v_ready, k_empty, v_empty = a.k_ready, a.v_ready, a.k_empty, a.v_empty
+    Nq, Nk = a.Nq, a.Nk
 
     rows = row0 + gl.arange(0, WG_ROWS, layout=row_s)
     shift = Nk - Nq
-    if CAUSAL:
+    if a.CAUSAL:
         last = gl.minimum(rows + shift, Nk - 1)  # the last key each row sees
         full_hi = gl.maximum(row0 + shift + 1, 0) // BLOCK_N * BLOCK_N
     else:
@@ -170,7 +255,7 @@ def _attend_tile(q_buf, q_bar, q_empty, q_phase, k_smem, v_smem, k_ready, v_read
     o = gl.zeros([WG_ROWS, BLOCK_D], gl.float32, o_layout)
     q = q_buf
     mbarrier.wait(q_bar, q_phase)
-    if Q_REGS:
+    if a.Q_REGS:
         q = q_buf.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
         mbarrier.arrive(q_empty)
     if n_blocks > 0:  # block 0: its scores and softmax; no P.V product in flight yet
@@ -180,8 +265,7 @@ def _attend_tile(q_buf, q_bar, q_empty, q_phase, k_smem, v_smem, k_ready, v_read
                               is_async=True)  # fmt: skip
         s = warpgroup_mma_wait(0, deps=(s_tok,))
         mbarrier.arrive(k_empty.index(slot))
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, 0, last, full_hi, qk_scale, cap_scale,
-                                           BLOCK_N, s_layout, SOFTCAP)  # fmt: skip
+        p, m_i, l_i, alpha = _softmax_step(a, s, m_i, l_i, 0, last, full_hi, s_layout)
     for j in range(1, n_blocks):
         slot = (i + j) % STAGES
         prev = (i + j - 1) % STAGES
@@ -193,12 +277,11 @@ def _attend_tile(q_buf, q_bar, q_empty, q_phase, k_smem, v_smem, k_ready, v_read
         o_tok = warpgroup_mma(p_op, v_smem.index(prev), o, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok,))  # S_j done; P_{j-1} V_{j-1} may still run
         mbarrier.arrive(k_empty.index(slot))
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, j * BLOCK_N, last, full_hi, qk_scale,
-                                           cap_scale, BLOCK_N, s_layout, SOFTCAP)  # fmt: skip
+        p, m_i, l_i, alpha = _softmax_step(a, s, m_i, l_i, j * BLOCK_N, last, full_hi, s_layout)
         o, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
         mbarrier.arrive(v_empty.index(prev))
         o = o * gl.convert_layout(alpha, row_o)[:, None]
-    if not Q_REGS:  # every S product of the tile has read q
+    if not a.Q_REGS:  # every S product of the tile has read q
         mbarrier.arrive(q_empty)
     if n_blocks > 0:  # the last block's P.V product
         last_slot = (i + n_blocks - 1) % STAGES
@@ -213,37 +296,27 @@ def _attend_tile(q_buf, q_bar, q_empty, q_phase, k_smem, v_smem, k_ready, v_read
     o = o / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
     rows_o = row0 + gl.arange(0, WG_ROWS, layout=row_o)
     cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
-    ptrs = O + rows_o[:, None].to(gl.int64) * stride_on + cols[None, :]
-    gl.store(ptrs, o.to(dtype), mask=(rows_o[:, None] < Nq) & (cols[None, :] < HEAD_DIM))
+    ptrs = O + rows_o[:, None].to(gl.int64) * a.stride_on + cols[None, :]
+    gl.store(ptrs, o.to(dtype), mask=(rows_o[:, None] < Nq) & (cols[None, :] < a.HEAD_DIM))
     lse = (m_i + gl.log2(l_i)) * LN2
     gl.store(LSE + rows, lse, mask=rows < Nq)
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
-              stride_ob, stride_on, stride_oh, num_m, n_tiles, H, GROUP, Nq, Nk, qk_scale,
-              cap_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-              STAGES: gl.constexpr, SOFTCAP: gl.constexpr, Q_REGS: gl.constexpr,
-              PAIRS: gl.constexpr):  # fmt: skip
+def _consumer(a, WG: gl.constexpr):
     """Rows [start_m + WG * 64, +64) of each of the program's tiles, in the producer's order
     (q buffer c % 2 for its c-th tile; the ring's position i counts key blocks)."""
     i = 0
     c = 0
-    per_unit: gl.constexpr = 2 if PAIRS else 1
-    for t in range(gl.program_id(0) * per_unit, n_tiles, gl.num_programs(0) * per_unit):
+    per_unit: gl.constexpr = 2 if a.PAIRS else 1
+    for t in range(gl.program_id(0) * per_unit, a.n_tiles, gl.num_programs(0) * per_unit):
         for w in range(per_unit):
-            b, h, _, bh, start_m, n_blocks = _fwd_tile(t // per_unit, w, num_m, H, GROUP, Nq,
-                                                       Nk, CAUSAL, BLOCK_M, BLOCK_N,
-                                                       PAIRS)  # fmt: skip
+            b, h, _, bh, start_m, n_blocks = a.tile(t // per_unit, w)
             qb = c % 2
-            o_head = O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-            _attend_tile(q_smem.index(qb).slice(WG * WG_ROWS, WG_ROWS), q_bar.index(qb),
-                         q_empty.index(qb), (c // 2) & 1, k_smem, v_smem, k_ready, v_ready,
-                         k_empty, v_empty, i, n_blocks, start_m + WG * WG_ROWS, o_head,
-                         LSE + bh.to(gl.int64) * Nq, stride_on, Nq, Nk, qk_scale, cap_scale,
-                         CAUSAL, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES, SOFTCAP,
-                         Q_REGS)  # fmt: skip
+            o_head = a.O + b.to(gl.int64) * a.stride_ob + h.to(gl.int64) * a.stride_oh
+            _attend_tile(a, a.q_smem.index(qb).slice(WG * WG_ROWS, WG_ROWS), a.q_bar.index(qb),
+                         a.q_empty.index(qb), (c // 2) & 1, i, n_blocks, start_m + WG * WG_ROWS,
+                         o_head, a.LSE + bh.to(gl.int64) * a.Nq)  # fmt: skip
             i += n_blocks
             c += 1
 
@@ -293,7 +366,7 @@ def attn_fwd_gluon_kernel(
     tiles); launched with num_warps = 4 (the default partition), 12 warps in all. The
     arguments are kernels.attn_fwd_kernel's (EVEN_M, EVEN_N and DOT_PREC unused: the masks are
     run-time branches, half precision only; SOFTCAP 0 or 1: tanh.approx) plus B, STAGES,
-    Q_REGS and PAIRS (`_fwd_tile`). The TMA descriptors span the whole (B, N, H, D) tensors:
+    Q_REGS and PAIRS (`FwdArgs.tile`). The TMA descriptors span the whole (B, N, H, D) tensors:
     built once per program."""
     gl.static_assert(BLOCK_M == 2 * WG_ROWS, "two consumer warpgroups of 64 rows")
     gl.static_assert(TMA, "the host takes this kernel only where every tensor is TMA-aligned")
@@ -334,23 +407,15 @@ def attn_fwd_gluon_kernel(
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
 
+    a = FwdArgs(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
+                k_empty, v_empty, O, LSE, stride_ob, stride_on, stride_oh, num_m, n_tiles, H, GROUP,
+                Nq, Nk, qk_scale, cap_scale, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, STAGES,
+                SOFTCAP, Q_REGS, PAIRS)  # fmt: skip
     gl.warp_specialize(
-        [
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, O, LSE, stride_ob, stride_on, stride_oh, num_m, n_tiles, H,
-                         GROUP, Nq, Nk, qk_scale, cap_scale, gl.constexpr(0), CAUSAL, HEAD_DIM,
-                         BLOCK_M, BLOCK_N, BLOCK_D, STAGES, SOFTCAP, Q_REGS, PAIRS)),
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, O, LSE, stride_ob, stride_on, stride_oh, num_m, n_tiles, H,
-                         GROUP, Nq, Nk, qk_scale, cap_scale, gl.constexpr(1), CAUSAL, HEAD_DIM,
-                         BLOCK_M, BLOCK_N, BLOCK_D, STAGES, SOFTCAP, Q_REGS, PAIRS)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
-                         v_ready, k_empty, v_empty, num_m, n_tiles, H, GROUP, Nq, Nk, CAUSAL,
-                         BLOCK_M, BLOCK_N, BLOCK_D, STAGES, PAIRS)),
-        ],
+        [(_consumer, (a, gl.constexpr(0))), (_consumer, (a, gl.constexpr(1))), (_producer, (a,))],
         [4, 1],
         [232, 24],
-    )  # fmt: skip
+    )
 
 
 # ---------------------------------------------------------------------------------------------
