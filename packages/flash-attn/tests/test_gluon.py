@@ -222,10 +222,16 @@ def _check_error_cases():
         (check_fwd, replace(p, softcap=True), fwd, "softcap only through tanh.approx"),
         (check_fwd, p, replace(fwd, tile=Tile(64, 128, 4, 2, tma=True)), "BLOCK_M must be 128"),
         (check_fwd, replace(p, target=NO_GLUON), fwd, "not an sm_90 GPU"),
+        (check_fwd, p, replace(fwd, tma=False), "through TMA (config tma=False)"),
+        (check_fwd, replace(p, causal=False), fwd, "pairs need a causal problem"),
+        (check_fwd, replace(p, nq=640), fwd, "an even number of query blocks"),
         # Gluon backward
         (check_bwd, replace(p, dtype=torch.float32), bwd, "float32 inputs"),
         (check_bwd, replace(p, tma_do=False), bwd, "q, k, v, do rows not 16-byte aligned"),
-        (check_bwd, p, replace(bwd, dkdv_tma=False), "q, k, v, do rows not 16-byte aligned"),
+        (check_bwd, p, replace(bwd, dkdv_tma=False), "through TMA (config dkdv_tma=False)"),
+        (check_bwd, p, replace(bwd, tile_heads=0), "tile_heads 0: must divide the 4"),
+        (check_bwd, p, replace(bwd, tile_heads=3), "tile_heads 3: must divide the 4"),
+        (check_bwd, p, replace(bwd, tile_heads=-4), "descending tiles (tile_heads < 0) only"),
         (check_bwd, replace(p, softcap=True), bwd, "softcap"),
         (check_bwd, replace(p, left=100), bwd, "a window edge or a packed batch"),
         (check_bwd, p, replace(bwd, dkdv=Tile(64, 64, 4, 2, tma=True)), "BLOCK_N must be 128"),
@@ -262,13 +268,13 @@ def _check_error_cases():
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("case", range(39))
+@pytest.mark.parametrize("case", range(45))
 def test_check_errors_name_the_reason(case):
     """check_fwd / check_bwd (what launch.forward / backward do with a config passed in) accept
     a config only where its kernels can run the call, else raise a ValueError naming the config
     and the reason (the backend's `can_implement`)."""
     cases = _check_error_cases()
-    assert len(cases) == 39
+    assert len(cases) == 45
     check, p, cfg, reason = cases[case]
     with pytest.raises(ValueError) as error:
         check(p, cfg)

@@ -39,7 +39,7 @@ from triton.experimental.gluon.language._core import builtin as _builtin
 
 from kernelkit.shared.runtime import cdiv
 
-from ..config import DQ_KERNEL, BwdConfig, Problem, Scores
+from ..config import DQ_KERNEL, DQ_ORDERED, BwdConfig, Problem, Scores
 from ..strides import strides, tma_strides
 from ..tables import GLUON_FUSED_DQ_MAX_D
 from .common import (
@@ -56,7 +56,7 @@ from .common import (
 )
 
 BWD_WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma row block)
-SEM_ROWS = gl.constexpr(64)  # query rows per dq semaphore (DQ_MODE 2; kernels.SEM_ROWS)
+SEM_ROWS = gl.constexpr(64)  # query rows per dq semaphore (DQ_MODE 2; triton/bwd.py SEM_ROWS)
 # Registers per thread with dq summed in the kernel: 4 warpgroups share 512 (the default
 # consumer gets what the others leave: 208, also with a second reducer warp); below 72 the dq
 # warpgroup spills, below 208 the consumers (sm_90a, Triton 3.6).
@@ -399,7 +399,7 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
     V rows are the S^T / dP^T wgmmas' A operands in registers (loaded from global memory), which
     halves those products' shared-memory reads; used with DQ_MODE > 0 only (the dk/dv-only
     variant gave wrong dk / dv with them on the H100, loaded from global or from the shared
-    tile: launchers.GLUON_BWD_KV_REGS_MAX_D)."""
+    tile: `can_implement` refuses them there)."""
     BLOCK_M: gl.constexpr = a.BLOCK_M
     BLOCK_D: gl.constexpr = a.BLOCK_D
     STAGES: gl.constexpr = a.STAGES
@@ -615,7 +615,7 @@ def attn_bwd_gluon_kernel(
     program_id, + num_programs, ... (one program per SM; `BwdArgs.tile` orders them); launched
     with num_warps = 4 (the default partition), 9 warps in all (14 with DQ_MODE 1, 15 with 2,
     whose reducer warps take turns). LSE2 / DELTA: (B * H, vec_stride) padded row vectors
-    (kernels.attn_bwd_preprocess_kernel with ROWVEC). tile_heads: (batch, kv head)s per tile
+    (triton/bwd.py, attn_bwd_preprocess_kernel with ROWVEC). tile_heads: (batch, kv head)s per tile
     group, negative for descending key blocks (`BwdArgs.tile`). DQ_MODE > 0 (BLOCK_D <= 64): also
     dq's float32 sums, scaled, into DQACC ((dq_rows = B * H * vec_stride, BLOCK_D), zeroed
     before, as is SEM: (B * H, sem_stride)), one program per tile: a third warpgroup computes
@@ -746,7 +746,9 @@ def can_implement(p: Problem, cfg: BwdConfig) -> str | None:
         return "float32 inputs"
     if p.block_d not in (64, 128):
         return f"head dim {p.head_dim} (BLOCK_D 64 or 128 only)"
-    if not (cfg.dkdv_tma and p.tma_q and p.tma_kv and p.tma_do):
+    if not cfg.dkdv_tma:
+        return "the Gluon backward reads q, k, v, do through TMA (config dkdv_tma=False)"
+    if not (p.tma_q and p.tma_kv and p.tma_do):
         return "q, k, v, do rows not 16-byte aligned for TMA"
     if p.masked or p.right:
         return "a window edge or a packed batch"
@@ -762,6 +764,11 @@ def can_implement(p: Problem, cfg: BwdConfig) -> str | None:
         return "the fused-dq variants run one program per tile"
     if not cfg.pad_rows:
         return "the Gluon backward reads the padded row vectors"
+    bhk = p.batch * p.kv_heads
+    if cfg.tile_heads == 0 or bhk % abs(cfg.tile_heads):
+        return f"tile_heads {cfg.tile_heads}: must divide the {bhk} (batch, kv head)s"
+    if cfg.tile_heads < 0 and not (p.causal and cfg.dq_mode == DQ_ORDERED):
+        return "descending tiles (tile_heads < 0) only for causal dq sums in a fixed order"
     return None
 
 

@@ -364,7 +364,7 @@ def attn_fwd_gluon_kernel(
     """The B * H * cdiv(Nq, BLOCK_M) tiles of BLOCK_M (= 128) query rows of one head, tile
     t = program_id, + num_programs, ... (persistent when launched with fewer programs than
     tiles); launched with num_warps = 4 (the default partition), 12 warps in all. The
-    arguments are kernels.attn_fwd_kernel's (EVEN_M, EVEN_N and DOT_PREC unused: the masks are
+    arguments are triton/fwd.py attn_fwd_kernel's (EVEN_M, EVEN_N and DOT_PREC unused: the masks are
     run-time branches, half precision only; SOFTCAP 0 or 1: tanh.approx) plus B, STAGES,
     Q_REGS and PAIRS (`FwdArgs.tile`). The TMA descriptors span the whole (B, N, H, D) tensors:
     built once per program."""
@@ -433,7 +433,9 @@ def can_implement(p: Problem, cfg: FwdConfig) -> str | None:
         return "float32 inputs"
     if p.block_d not in (64, 128):
         return f"head dim {p.head_dim} (BLOCK_D 64 or 128 only)"
-    if not (cfg.tma and p.tma_q and p.tma_kv):
+    if not cfg.tma:
+        return "the Gluon forward reads q, k, v through TMA (config tma=False)"
+    if not (p.tma_q and p.tma_kv):
         return "q, k, v rows not 16-byte aligned for TMA"
     if p.masked or p.right:
         return "a window edge or a packed batch"
@@ -441,6 +443,8 @@ def can_implement(p: Problem, cfg: FwdConfig) -> str | None:
         return "softcap only through tanh.approx"
     if cfg.tile.block_m != 2 * WG_ROWS.value:
         return f"tile {cfg.tile}: BLOCK_M must be {2 * WG_ROWS.value}"
+    if cfg.pairs and not (p.causal and cdiv(p.nq, cfg.tile.block_m) % 2 == 0):
+        return "pairs need a causal problem with an even number of query blocks"
     return None
 
 
