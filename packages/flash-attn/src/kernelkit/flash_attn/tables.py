@@ -74,7 +74,6 @@ INTERPRETER_DQ = Tile(32, 16, 4, 1, tma=True)
 # Forward (2 x 64 query rows, a `stages`-deep K/V ring): d128 always; d64 from these query rows
 # (non-causal, causal).
 GLUON_FWD_TILE = Tile(128, 128, 4, 2, tma=True)
-GLUON_FWD_D = (64, 128)
 GLUON_FWD_MIN_N = {64: (8192, 2048), 128: (0, 0)}
 # The q tile in registers (the S product's A operand) up to this BLOCK_D (d128 would spill).
 GLUON_FWD_Q_REGS_MAX_D = 64
