@@ -3,7 +3,8 @@
 16..256, deterministic gradients)."""
 
 from .adapter import FlashAttentionFunction
-from .op import explain, flash_attn, flash_attn_varlen
+from .op import explain, flash_attn, flash_attn_backward, flash_attn_varlen
 
-__version__ = "0.8.0"
-__all__ = ["FlashAttentionFunction", "__version__", "explain", "flash_attn", "flash_attn_varlen"]
+__version__ = "0.9.0"
+__all__ = ["FlashAttentionFunction", "__version__", "explain", "flash_attn",
+           "flash_attn_backward", "flash_attn_varlen"]

@@ -22,10 +22,18 @@ from .config import Target, Varlen
 from .launch import backward, forward
 from .reference import (
     attention_reference,
+    attention_reference_grads,
     attention_varlen_reference,
     attention_varlen_reference_grads,
 )
-from .validation import check_bool, check_softcap, validate, validate_varlen, window_for
+from .validation import (
+    check_bool,
+    check_softcap,
+    validate,
+    validate_stats,
+    validate_varlen,
+    window_for,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Registered ops
@@ -321,6 +329,44 @@ def flash_attn(
     return (o, lse) if return_lse else o
 
 
+def flash_attn_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    *,
+    dlse: torch.Tensor | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    deterministic: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients (dq, dk, dv) of `flash_attn(q, k, v, ...)` for 4-D q, k, v, given its output
+    o and LSE (B, H, Nq) float32 and their gradients do (like q) and dlse (or None), without
+    autograd: the kernels `flash_attn`'s backward runs.
+
+    o and lse may come from a larger attention that k, v are one block of (ring attention,
+    attention split over key blocks and merged by their LSEs): the probabilities are then
+    exp(scores - lse) and rowsum(P * dP) = rowsum(do * o), so dq is this block's share of the
+    whole dq and dk, dv are this block's gradients. Not differentiable itself.
+    """
+    if isinstance(q, torch.Tensor):
+        validate_stats(q, do, o, lse, dlse)
+    q, k, v, args, _ = _prepare(q, k, v, causal, softmax_scale, window_size, softcap,
+                                deterministic)  # fmt: skip
+    causal, scale, softcap, left, right, det = args
+    negated = softmax_scale is not None and softmax_scale < 0  # _prepare negated q
+    if use_triton(q):
+        dq, dk, dv = attn_bwd(do, q, k, v, o, lse, dlse, causal, scale, softcap, left, right, det)
+    else:  # the PyTorch reference (CPU tensors without the interpreter)
+        dq, dk, dv = attention_reference_grads(do, q, k, v, causal, scale, dlse, softcap,
+                                               (left, right), o=o, lse=lse)  # fmt: skip
+    return (-dq if negated else dq), dk, dv
+
+
 def _prepare(q, k, v, causal, softmax_scale, window_size, softcap, deterministic):
     """`flash_attn`'s arguments checked and put as `attn_fwd` takes them: 4-D q, k, v,
     (causal, scale, softcap, window_left, window_right, deterministic), and whether q was 3-D."""
@@ -403,5 +449,6 @@ __all__ = [
     "attn_varlen_fwd",
     "explain",
     "flash_attn",
+    "flash_attn_backward",
     "flash_attn_varlen",
 ]

@@ -110,11 +110,18 @@ def attention_reference_grads(
     dlse: torch.Tensor | None = None,
     softcap: float = 0.0,
     window_size: tuple[int, int] = (-1, -1),
+    *,
+    o: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ):
     """(dq, dk, dv) of `attention_reference`'s (o, lse) for 4-D inputs, given the gradients do
     (like o) and dlse ((B, H, Nq), or None for zero), in closed form: without autograd, so that
     torch.compile can trace it inside an op (the CPU fallback's backward). Computed in float32
     (float64 inputs: float64), returned in the inputs' dtypes.
+
+    o and lse (both or neither): the output and LSE of a larger softmax that these keys are one
+    block of (ring attention): P = exp(S - lse) and rowsum(P * dP) = rowsum(dO * o) then come
+    from them, and the gradients are this block's share. Without them, this block's own.
 
     With P the probabilities and S the capped scores: dV = P^T dO, dP = dO V^T,
     dS = P * (dP - rowsum(P * dP) + dLSE) (d LSE / d S = P), times 1 - (S / softcap)^2 under a
@@ -128,12 +135,21 @@ def attention_reference_grads(
     k_, v_ = _repeat_kv(k.to(ct), heads), _repeat_kv(v.to(ct), heads)
     s = _scores(q_, k_, scale, softcap)
     masked, empty = _masked(s, causal, window_size)
-    p = torch.softmax(masked, dim=-1)
+    if (o is None) != (lse is None):
+        raise ValueError("o, lse: give both (a larger softmax's statistics) or neither")
+    if lse is None:
+        p = torch.softmax(masked, dim=-1)
+    else:  # rows that see no key at all (lse -inf) have P = 0
+        lse_ = lse.to(ct)[..., None]
+        p = torch.exp(masked - torch.where(lse_ == -math.inf, math.inf, lse_))
     if empty is not None:
         p = p.masked_fill(empty, 0.0)
     dv = torch.einsum("bhqk,bqhd->bkhd", p, do_)
     dp = torch.einsum("bqhd,bkhd->bhqk", do_, v_)
-    ds = dp - (p * dp).sum(-1, keepdim=True)
+    if o is None:
+        ds = dp - (p * dp).sum(-1, keepdim=True)
+    else:
+        ds = dp - torch.einsum("bqhd,bqhd->bhq", do_, o.to(ct))[..., None]
     if dlse is not None:
         ds = ds + dlse.to(ct)[..., None]
     ds = p * ds

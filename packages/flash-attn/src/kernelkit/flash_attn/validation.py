@@ -181,6 +181,29 @@ def window_for(window_size, causal: bool, nq: int, nk: int) -> tuple[int, int]:
     return left, right
 
 
+def validate_stats(q, do, o, lse, dlse) -> None:
+    """Check `flash_attn_backward`'s do, o (like 4-D q) and lse, dlse ((B, H, Nq) float32)."""
+    if q.dim() != 4:
+        raise ValueError(f"q: expected shape (B, Nq, H, D), got {tuple(q.shape)}")
+    b, nq, h, _ = q.shape
+    for name, t, shape, dtype in (
+        ("do", do, tuple(q.shape), q.dtype),
+        ("o", o, tuple(q.shape), q.dtype),
+        ("lse", lse, (b, h, nq), torch.float32),
+        ("dlse", dlse, (b, h, nq), torch.float32),
+    ):
+        if t is None and name == "dlse":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+        if t.dtype != dtype:
+            raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: on device {t.device}, but q is on {q.device}")
+
+
 def check_bool(name: str, value) -> bool:
     """A boolean option: True or False only (a truthy "no" is an error, not True)."""
     if not isinstance(value, bool):
@@ -205,6 +228,7 @@ __all__ = [
     "MIN_HEAD_DIM",
     "check_softcap",
     "validate",
+    "validate_stats",
     "validate_varlen",
     "window_for",
 ]
