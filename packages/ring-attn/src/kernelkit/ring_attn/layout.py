@@ -97,8 +97,8 @@ def positions(
 ) -> torch.Tensor:
     """The positions in the full sequence of rank `rank`'s tokens: (1, N / W) int64, for the
     `positions=` argument of the LRPE ops (kernelkit-lrpe-rotate, -cosine) on a shard."""
-    c = _check_length(n, layout, world_size, "n")
     ids = chunk_ids(rank, world_size, layout)
+    c = _check_length(n, layout, world_size, "n")
     return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in ids])[None]
 
 
