@@ -7,6 +7,7 @@ so it works from a source checkout on an offline GPU machine (no uv, no nox).
     python ci/bench.py act --render-only packages/act/benchmarks/results/NVIDIA-H100-80GB-HBM3.json
     python ci/bench.py act -k model --merge  # re-measure a subset, keep the other committed cells
     python ci/bench.py flash-attn -k flash_table --name flash-table  # results/<GPU>-flash-table.*
+    python ci/bench.py ring-attn --lengths 32768 65536  # multi-GPU: results/<GPU>-x2.*, -x4.*
 
 Writes results/<GPU>.json (pytest-benchmark JSON), results/<GPU>.md (seed-style tables: one column
 per provider, speed and memory, fwd and bwd, plus GB/s or TFLOP/s) and results/<GPU>.png (a plot).
@@ -84,6 +85,42 @@ def run_suite(package: str, json_path: Path, extra: list[str]) -> int:
             print("interrupted: waiting for pytest to write the partial results", flush=True)
 
 
+def gpus() -> tuple[int, str]:
+    """(how many CUDA GPUs torch sees, the first one's name)."""
+    probe = "import torch; print(torch.cuda.device_count(), torch.cuda.get_device_name())"
+    out = subprocess.run([sys.executable, "-c", probe], env=source_env(), capture_output=True,
+                         text=True, check=True).stdout.split(maxsplit=1)  # fmt: skip
+    return int(out[0]), out[1].strip()
+
+
+def run_distributed(package: str, results: Path, extra: list[str]) -> int:
+    """A multi-GPU suite (benchmarks/scaling.py, one process per GPU through torchrun) at 2, 4
+    and 8 GPUs as far as the machine has them, into results/<GPU>-x<W>.json, rendered by the
+    package's benchmarks/render.py."""
+    sys.path.insert(0, str(ROOT / "shared" / "src"))
+    from kernelkit.shared.report import slug
+
+    bench = ROOT / "packages" / package / "benchmarks"
+    count, name = gpus()
+    worlds = [w for w in (2, 4, 8) if w <= count]
+    if not worlds:
+        print(f"bench: {package}'s suite needs at least 2 GPUs, this machine has {count}")
+        return 2
+    results.mkdir(parents=True, exist_ok=True)
+    written, rc = [], 0
+    for w in worlds:
+        out = results / f"{slug(name)}-x{w}.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={w}", str(bench / "scaling.py"), "--out", str(out), *extra]  # fmt: skip
+        print("+", " ".join(cmd), flush=True)
+        rc = subprocess.run(cmd, cwd=ROOT, env=source_env()).returncode or rc
+        if out.exists():
+            written.append(str(out))
+    if written:
+        subprocess.run([sys.executable, str(bench / "render.py"), *written], check=True)
+    return rc
+
+
 def _cell_key(bench: dict):
     e = bench.get("extra_info", {})
     return (e.get("op"), e.get("direction"), e.get("tag"), e.get("x"), e.get("provider"))
@@ -157,8 +194,15 @@ def main() -> int:
     if not (ROOT / "packages" / args.package / "benchmarks").is_dir():
         print(f"bench: packages/{args.package} has no benchmarks/ folder", file=sys.stderr)
         return 2
+    distributed = (ROOT / "packages" / args.package / "benchmarks" / "scaling.py").exists()
     if not gpu_present():
+        if distributed:  # its tests ran it (ring_worker.py); its suite needs GPUs
+            print(f"bench: no GPU found (torch.cuda.is_available() is False): {args.package}'s "
+                  f"suite runs on 2 or more GPUs; nothing is run or written")  # fmt: skip
+            return 0
         return smoke_run(args.package, extra)
+    if distributed:
+        return run_distributed(args.package, results, extra)
     with tempfile.TemporaryDirectory() as tmp:
         json_path = Path(tmp) / "run.json"
         rc = run_suite(args.package, json_path, extra)

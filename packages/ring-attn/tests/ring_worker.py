@@ -82,7 +82,9 @@ def run_case(case: dict, rank: int, world: int, device, groups: dict) -> dict:
 
 
 def main() -> int:
-    cases, out = json.loads(open(sys.argv[1]).read()), sys.argv[2]
+    with open(sys.argv[1]) as f:
+        cases = json.load(f)
+    out = sys.argv[2]
     world = int(os.environ["WORLD_SIZE"])
     use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= world
     rank = int(os.environ["RANK"])

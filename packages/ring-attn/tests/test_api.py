@@ -48,8 +48,11 @@ def test_one_rank_is_flash_attn(one_rank, causal):
 ERRORS = [
     (lambda q, k, v: (q[:, :, 0], k, v), {}, "q: expected a 4-D shard"),
     (lambda q, k, v: (q, k[:, :8], v[:, :8]), {}, "k: holds 8 tokens but q holds 16"),
-    (lambda q, k, v: (q[:, :15], k[:, :15], v[:, :15]), {"causal": True},
-     "q: zigzag sharding holds two equal chunks per rank, so N_local must be even, got 15"),
+    (
+        lambda q, k, v: (q[:, :15], k[:, :15], v[:, :15]),
+        {"causal": True},
+        "q: zigzag sharding holds two equal chunks per rank, so N_local must be even, got 15",
+    ),
     (lambda q, k, v: (q, k.half(), v), {}, "k: dtype"),
     (lambda q, k, v: (q, k, v), {"layout": "ring"}, "layout: expected one of"),
     (lambda q, k, v: (q, k, v), {"softcap": -1.0}, "softcap: must be finite and >= 0"),

@@ -52,7 +52,7 @@ def _covered(world, n_local, causal, layout):
                     seen = torch.ones_like(seen).tril(len(kj) - len(qi))
                 # the block's mask must be the full sequence's mask there
                 full = kj[None, :] <= qi[:, None] if causal else torch.ones_like(seen)
-                assert torch.equal(seen, full) or blk.causal and torch.equal(seen & full, seen)
+                assert torch.equal(seen, full)
                 count[qi[:, None].expand_as(seen)[seen], kj[None, :].expand_as(seen)[seen]] += 1
                 work[rank, step] += int(seen.sum())
     return count, work

@@ -41,12 +41,24 @@ CASES = [
         for layout in ("zigzag", "contiguous")
     ),
     {**BASE, "name": "gqa1-b2-dlse", "shape": (2, 32, 4, 1, 16), "causal": True, "dlse": True},
-    {**BASE, "name": "fp16-softcap-scale", "dtype": "fp16", "causal": True, "softcap": 5.0,
-     "softmax_scale": -0.3},  # fmt: skip
+    {
+        **BASE,
+        "name": "fp16-softcap-scale",
+        "dtype": "fp16",
+        "causal": True,
+        "softcap": 5.0,
+        "softmax_scale": -0.3,
+    },
     # q, k x 30: scores of +-5000. The fp16 reference's gradients err by 2.8e-2 (rule: 2x, 3x
     # that), single-process flash_attn's by 4e-3: above the default fp16 sanity bound (2e-3).
-    {**BASE, "name": "fp16-overflow", "dtype": "fp16", "causal": True, "scale_inputs": 30.0,
-     "bound": 1e-2},  # fmt: skip
+    {
+        **BASE,
+        "name": "fp16-overflow",
+        "dtype": "fp16",
+        "causal": True,
+        "scale_inputs": 30.0,
+        "bound": 1e-2,
+    },
     {**BASE, "name": "fp32-d64", "dtype": "fp32", "shape": (1, 32, 2, 2, 64), "causal": True},
     {**BASE, "name": "deterministic", "causal": True, "repeat": True},
     # torch.compile(fullgraph=True): at 2 ranks only (Inductor's CPU compile takes ~30 s)
@@ -151,4 +163,3 @@ def test_ranks_that_disagree_raise_on_every_rank(world, name):
     for r, res in enumerate(results_at(world)[name]):
         assert "error" in res, f"rank {r} raised nothing"
         assert res["error"].startswith("ValueError: " + ERRORS[name]), res["error"]
-

@@ -6,5 +6,11 @@ from .adapter import FlashAttentionFunction
 from .op import explain, flash_attn, flash_attn_backward, flash_attn_varlen
 
 __version__ = "0.9.0"
-__all__ = ["FlashAttentionFunction", "__version__", "explain", "flash_attn",
-           "flash_attn_backward", "flash_attn_varlen"]
+__all__ = [
+    "FlashAttentionFunction",
+    "__version__",
+    "explain",
+    "flash_attn",
+    "flash_attn_backward",
+    "flash_attn_varlen",
+]
