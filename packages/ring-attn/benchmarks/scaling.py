@@ -94,14 +94,31 @@ def _cell(provider, fwd, fwd_bwd, reps, flops_fwd, inputs_mb):
     }
 
 
+def _profile(fn, rank: int) -> None:
+    """Rank 0's kernels of one run of fn: the time each kind took and the GPU's idle time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    if rank == 0:
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
+        kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                         if e.device_type.name == "CUDA")  # fmt: skip
+        for start, end, name in kernels:
+            if end - start > 200:  # us
+                print(f"  {start:12.0f} {end - start:9.0f} us {name[:70]}", flush=True)
+
+
 def _cp_sdpa(full, world, causal, reps, flops, inputs_mb):
     """PyTorch's context parallelism: SDPA under `context_parallel` on the full (B, N, H, D)
     tensors `full` (q, k, v, do), which it shards in place (its own load-balanced layout), timed
     inside the context. Returns (cell, None), or (None, the error) when no backend ran."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn import functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     mesh = init_device_mesh("cuda", (world,))
     errors = []
@@ -113,8 +130,11 @@ def _cp_sdpa(full, world, causal, reps, flops, inputs_mb):
                 sdpa_kernel(backend),
             ):
                 qs, ks, vs, dos = bufs
-                fwd, fwd_bwd = _fwd_bwd(lambda a, b, c: sdpa(a, b, c, is_causal=causal),
-                                        qs, ks, vs, dos)  # fmt: skip
+                # looked up at each call: the context replaces F.scaled_dot_product_attention
+                fwd, fwd_bwd = _fwd_bwd(
+                    lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=causal),
+                    qs, ks, vs, dos,
+                )  # fmt: skip
                 cell = _cell("cp-sdpa", fwd, fwd_bwd, reps, flops, inputs_mb)
                 cell["backend"] = backend.name
                 return cell, None
@@ -135,6 +155,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-cp", action="store_true", help="skip PyTorch's context_parallel")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--profile", action="store_true",
+                    help="print rank 0's CUDA kernel times of one ring forward (first length)")  # fmt: skip
     args = ap.parse_args()
 
     local = int(os.environ["LOCAL_RANK"])
@@ -160,6 +182,8 @@ def main() -> None:
                "dim": d, "causal": causal, "cells": []}  # fmt: skip
         fwd, fwd_bwd = _fwd_bwd(lambda a, b, c: ring_attn(a, b, c, causal=causal), *local_t)
         row["cells"].append(_cell("ring", fwd, fwd_bwd, args.reps, flops_ring, inputs_mb))
+        if args.profile and n_local == args.lengths[0]:
+            _profile(fwd, rank)
         single = [t[:, :n_local].contiguous() for t in local_t]
         fwd, fwd_bwd = _fwd_bwd(lambda a, b, c: flash_attn(a, b, c, causal), *single)
         row["cells"].append(_cell("single", fwd, fwd_bwd, args.reps, flops_single, inputs_mb))

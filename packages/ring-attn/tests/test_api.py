@@ -19,9 +19,9 @@ def one_rank(tmp_path):
     dist.destroy_process_group()
 
 
-def qkv(n=16, h=4, hkv=2, d=32, dtype=torch.bfloat16):
+def qkv(n=16, h=4, hkv=2, d=32, dtype=torch.bfloat16, device="cpu"):
     g = torch.Generator().manual_seed(0)
-    return tuple(torch.randn(shape, generator=g).to(dtype)
+    return tuple(torch.randn(shape, generator=g).to(dtype).to(device)
                  for shape in ((2, n, h, d), (2, n, hkv, d), (2, n, hkv, d)))  # fmt: skip
 
 
@@ -32,8 +32,10 @@ def test_not_initialized():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_one_rank_is_flash_attn(one_rank, causal):
-    q, k, v = qkv()
+def test_one_rank_is_flash_attn(one_rank, causal, device):
+    """The kernels' path (the interpreter on CPU, or the GPU; gloo carries the one rank's
+    check): the same kernels on the same data as flash_attn, bit for bit."""
+    q, k, v = qkv(device=device)
     leaves = [t.requires_grad_() for t in (q, k, v)]
     o, lse = ring_attn(*leaves, causal=causal, return_lse=True)
     grads = torch.autograd.grad(o.float().square().sum(), leaves)
