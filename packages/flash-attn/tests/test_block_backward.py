@@ -112,3 +112,33 @@ def test_errors(device):
             flash_attn_backward(*args)
     with pytest.raises(ValueError, match="dlse: expected shape"):
         flash_attn_backward(q, q, k, v, o, lse, dlse=lse[:, :, :4])
+
+
+@pytest.mark.parametrize("margin", [0, 8])
+def test_sm_margin_leaves_multiprocessors(margin):
+    """sm_margin takes that many multiprocessors from the persistent Gluon kernels' grids (the
+    forward at 16k, the d128 backward at 4k), as an H100 would run them (meta tensors: nothing
+    launches)."""
+    from kernelkit.flash_attn import families
+    from kernelkit.flash_attn.config import H100, leave_sms
+
+    target = leave_sms(H100, torch.device("meta"), margin)
+    assert target.sms == 132 - margin
+
+    def gluon_grids(probe):
+        return [grid[0] for kernel, grid, *_ in probe.launches if "gluon" in kernel.fn.__name__]
+
+    q, k = (torch.empty(1, 16384, 16, 128, dtype=torch.bfloat16, device="meta") for _ in "qk")
+    fwd = families.probe_forward(q, k, k, False, 0.1, target=target)
+    assert fwd.config.persistent and gluon_grids(fwd) == [132 - margin]
+    q, k = (torch.empty(1, 4096, 16, 128, dtype=torch.bfloat16, device="meta") for _ in "qk")
+    o, lse = families.probe_forward(q, k, k, True, 0.1, target=target).outputs
+    bwd = families.probe_backward(o, q, k, k, o, lse, None, True, 0.1, target=target)
+    assert bwd.config.persistent and gluon_grids(bwd) == [132 - margin]
+
+
+def test_sm_margin_errors(device):
+    q, k, v = qkv(1, 8, 8, 2, 1, 16, torch.bfloat16, device)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="sm_margin: expected an int >= 0"):
+            flash_attn(q, k, v, sm_margin=bad)

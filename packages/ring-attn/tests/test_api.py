@@ -61,6 +61,7 @@ ERRORS = [
     (lambda q, k, v: (q, k, v), {"return_lse": 1}, "return_lse: expected a bool"),
     (lambda q, k, v: (q, k, v), {"deterministic": "yes"}, "deterministic: expected a bool"),
     (lambda q, k, v: (q, k, v), {"causal": None}, "causal: expected a bool"),
+    (lambda q, k, v: (q, k, v), {"sm_margin": -2}, "sm_margin: expected an int >= 0"),
 ]
 
 

@@ -30,6 +30,9 @@ from kernelkit.ring_attn import unshard
 from kernelkit.shared.testing import assert_close
 
 WORKER = Path(__file__).with_name("ring_worker.py")
+# Where single-process flash_attn runs: the GPU when there is one (the workers' kernels), else
+# the interpreter on CPU tensors.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 WORLDS = (2, 4)
 
 # (B, N_total, H, Hkv, D): N_local = N_total / W tokens per rank (8 or 16 at W = 4).
@@ -102,7 +105,7 @@ def results_at(world: int) -> dict:
 def _references(case: dict):
     """(o, lse, dq, dk, dv) of the full sequence: float64 reference, the reference in the input
     dtype, and single-process flash_attn."""
-    q, k, v, do, dlse = inputs(case, "cpu")
+    q, k, v, do, dlse = inputs(case, DEVICE)
     kw = dict(causal=case.get("causal", False), softmax_scale=case.get("softmax_scale"),
               softcap=case.get("softcap", 0.0))  # fmt: skip
 

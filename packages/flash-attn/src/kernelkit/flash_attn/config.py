@@ -11,6 +11,7 @@ where its kernels can run it (`can_implement` of the backend modules).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -60,6 +61,15 @@ def _cuda_target(index: int, interpreter: bool) -> Target:
     major = torch.cuda.get_device_capability(index)[0]
     sms = torch.cuda.get_device_properties(index).multi_processor_count
     return Target(interpreter, major >= 9, major == 9 and not interpreter, sms)
+
+
+def leave_sms(target: Target | None, device: torch.device, sm_margin: int) -> Target | None:
+    """The target whose kernels leave `sm_margin` multiprocessors free (for communication
+    kernels that run beside them: ring attention's transfers); None (q's device) when 0."""
+    if sm_margin == 0:
+        return target
+    base = Target.of(device) if target is None else target
+    return dataclasses.replace(base, sms=max(1, base.sms - sm_margin))
 
 
 # An H100 SXM as a target, for tools and tests that ask what a call would run there from a

@@ -30,6 +30,7 @@ from .config import (
     Scores,
     Target,
     Varlen,
+    leave_sms,
 )
 from .gluon import bwd as gluon_bwd
 from .gluon import fwd as gluon_fwd
@@ -61,21 +62,23 @@ def backward_problem(do, q, k, v, causal, softcap=0.0, window=(-1, -1), varlen=N
 
 def forward(q, k, v, causal: bool, scale: float, *, softcap: float = 0.0,
             window: tuple[int, int] = (-1, -1), varlen: Varlen | None = None,
-            config: FwdConfig | None = None):  # fmt: skip
+            config: FwdConfig | None = None, sm_margin: int = 0):  # fmt: skip
     """(o, lse) for 4-D q (B, Nq, H, D), k/v (B, Nk, Hkv, D); launches only (no autograd).
     softcap > 0 caps the scores (softcap * tanh(s / softcap)); window (left, right) as
     `validation.window_for` returns it. With `varlen`: packed q (total_q, H, D), k/v
     (total_k, Hkv, D), o like q and lse (H, total_q). Without `config` the chooser decides and
     the launches are replayed per layout; a `config` runs as given (a ValueError if its kernel
-    cannot run this call)."""
+    cannot run this call). sm_margin: multiprocessors the kernels leave free (`leave_sms`)."""
+    target = leave_sms(None, q.device, sm_margin)
     if config is None:
         inputs, sizes = (q, k, v), None
         if varlen is not None:
             inputs, sizes = (q, k, v, varlen.cu_q, varlen.cu_k), (varlen.max_q, varlen.max_k)
-        options = ("fwd", causal, scale, softcap, window, sizes, interpreting())
+        options = ("fwd", causal, scale, softcap, window, sizes, sm_margin, interpreting())
         return replay.replayed(_forward, inputs, options, q, k, v, causal, scale, softcap,
-                               window, varlen, None)  # fmt: skip
-    return _forward(replay.DIRECT, q, k, v, causal, scale, softcap, window, varlen, config)
+                               window, varlen, None, target)  # fmt: skip
+    return _forward(replay.DIRECT, q, k, v, causal, scale, softcap, window, varlen, config,
+                    target)  # fmt: skip
 
 
 def _forward(ops, q, k, v, causal, scale, softcap, window, varlen, config, target=None):
@@ -114,21 +117,25 @@ def _forward(ops, q, k, v, causal, scale, softcap, window, varlen, config, targe
 
 def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, *, softcap: float = 0.0,
              window: tuple[int, int] = (-1, -1), varlen: Varlen | None = None,
-             deterministic: bool = True, config: BwdConfig | None = None):  # fmt: skip
+             deterministic: bool = True, config: BwdConfig | None = None,
+             sm_margin: int = 0):  # fmt: skip
     """(dq, dk, dv) from the saved q, k, v, o, lse; dlse (or None) is the LSE's gradient.
     Layouts as in `forward`; without a `config` the launches are replayed per layout.
     deterministic=False lets the chooser sum dq in any order where that measured faster; every
-    other path is deterministic either way."""
+    other path is deterministic either way. sm_margin: as in `forward`."""
+    target = leave_sms(None, q.device, sm_margin)
     if config is None:
         inputs, sizes = (do, q, k, v, o, lse, dlse), None
         if varlen is not None:
             inputs = (*inputs, varlen.cu_q, varlen.cu_k)
             sizes = varlen.max_q, varlen.max_k
-        options = ("bwd", causal, scale, softcap, window, sizes, deterministic, interpreting())
+        options = ("bwd", causal, scale, softcap, window, sizes, deterministic, sm_margin,
+                   interpreting())  # fmt: skip
         return replay.replayed(_backward, inputs, options, do, q, k, v, o, lse, dlse, causal,
-                               scale, softcap, window, varlen, deterministic, None)  # fmt: skip
+                               scale, softcap, window, varlen, deterministic, None,
+                               target)  # fmt: skip
     return _backward(replay.DIRECT, do, q, k, v, o, lse, dlse, causal, scale, softcap, window,
-                     varlen, deterministic, config)  # fmt: skip
+                     varlen, deterministic, config, target)  # fmt: skip
 
 
 def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, softcap, window, varlen,

@@ -18,7 +18,7 @@ from kernelkit.shared.runtime import (
 )
 
 from . import families
-from .config import Target, Varlen
+from .config import Target, Varlen, leave_sms
 from .launch import backward, forward
 from .reference import (
     attention_reference,
@@ -28,6 +28,7 @@ from .reference import (
 )
 from .validation import (
     check_bool,
+    check_sm_margin,
     check_softcap,
     validate,
     validate_stats,
@@ -48,16 +49,18 @@ from .validation import (
 
 
 def _fwd_probe(q, k, v, causal, scale, softcap=0.0, window_left=-1, window_right=-1,
-               deterministic=True):  # fmt: skip
+               deterministic=True, sm_margin=0):  # fmt: skip
     window = (window_left, window_right)
-    return families.probe_forward(q, k, v, causal, scale, softcap, window)
+    target = leave_sms(None, q.device, sm_margin)
+    return families.probe_forward(q, k, v, causal, scale, softcap, window, target=target)
 
 
 def _bwd_probe(do, q, k, v, o, lse, dlse, causal, scale, softcap=0.0, window_left=-1,
-               window_right=-1, deterministic=True):  # fmt: skip
+               window_right=-1, deterministic=True, sm_margin=0):  # fmt: skip
     window = (window_left, window_right)
+    target = leave_sms(None, q.device, sm_margin)
     return families.probe_backward(do, q, k, v, o, lse, dlse, causal, scale, softcap, window,
-                                   None, deterministic)  # fmt: skip
+                                   None, deterministic, target)  # fmt: skip
 
 
 def _varlen_fwd_probe(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
@@ -101,13 +104,15 @@ def attn_fwd(
     window_left: int = -1,
     window_right: int = -1,
     deterministic: bool = True,  # (the backward's: passed on to attn_bwd)
+    sm_margin: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if traced(q):
-        args = (q, k, v, causal, scale, softcap, window_left, window_right, deterministic)
+        args = (q, k, v, causal, scale, softcap, window_left, window_right, deterministic,
+                sm_margin)  # fmt: skip
         if _opaque(_fwd_probe, *args):
             return attn_fwd.opaque(*args)
     window = (window_left, window_right)
-    return forward(q, k, v, causal, scale, softcap=softcap, window=window)
+    return forward(q, k, v, causal, scale, softcap=softcap, window=window, sm_margin=sm_margin)
 
 
 @define_op("kernelkit_flash_attn::attn_bwd", fake=_fake(_bwd_probe))
@@ -125,15 +130,16 @@ def attn_bwd(
     window_left: int = -1,
     window_right: int = -1,
     deterministic: bool = True,
+    sm_margin: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if traced(q):
         args = (do, q, k, v, o, lse, dlse, causal, scale, softcap, window_left, window_right,
-                deterministic)  # fmt: skip
+                deterministic, sm_margin)  # fmt: skip
         if _opaque(_bwd_probe, *args):
             return attn_bwd.opaque(*args)
     window = (window_left, window_right)
     return backward(do, q, k, v, o, lse, dlse, causal, scale, softcap=softcap, window=window,
-                    deterministic=deterministic)  # fmt: skip
+                    deterministic=deterministic, sm_margin=sm_margin)  # fmt: skip
 
 
 def _autograd(bwd_op, n_tensors: int):
@@ -296,6 +302,7 @@ def flash_attn(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     deterministic: bool = True,
+    sm_margin: int = 0,
 ):
     """Exact softmax attention, FlashAttention-2 style (the N x N scores never reach memory).
 
@@ -314,14 +321,17 @@ def flash_attn(
     the backward; `choose.choose_bwd`) dq is summed in any order, so its last bits may vary
     between runs; elsewhere it changes nothing.
     Decoding shapes (few query rows, long key sequences) run a split-KV forward (`choose.split_config`).
+    sm_margin: multiprocessors the kernels leave free, forward and backward, for communication
+    kernels that run beside them (ring attention's transfers): a persistent kernel holds every
+    multiprocessor until it ends, and a transfer launched after it would wait for it.
     """
     check_bool("return_lse", return_lse)
     q, k, v, args, three_d = _prepare(q, k, v, causal, softmax_scale, window_size, softcap,
-                                      deterministic)  # fmt: skip
+                                      deterministic, sm_margin)  # fmt: skip
     if use_triton(q):
         o, lse = attn_fwd(q, k, v, *args)
     else:  # the PyTorch reference (CPU tensors without the interpreter)
-        causal, scale, softcap, left, right, _ = args
+        causal, scale, softcap, left, right, _, _ = args
         o, lse = attention_reference(q, k, v, causal, scale, return_lse=True, softcap=softcap,
                                      window_size=(left, right))  # fmt: skip
     if three_d:
@@ -343,6 +353,7 @@ def flash_attn_backward(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     deterministic: bool = True,
+    sm_margin: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients (dq, dk, dv) of `flash_attn(q, k, v, ...)` for 4-D q, k, v, given its output
     o and LSE (B, H, Nq) float32 and their gradients do (like q) and dlse (or None), without
@@ -351,35 +362,39 @@ def flash_attn_backward(
     o and lse may come from a larger attention that k, v are one block of (ring attention,
     attention split over key blocks and merged by their LSEs): the probabilities are then
     exp(scores - lse) and rowsum(P * dP) = rowsum(do * o), so dq is this block's share of the
-    whole dq and dk, dv are this block's gradients. Not differentiable itself.
+    whole dq and dk, dv are this block's gradients. Not differentiable itself. sm_margin: as in
+    flash_attn.
     """
     if isinstance(q, torch.Tensor):
         validate_stats(q, do, o, lse, dlse)
     q, k, v, args, _ = _prepare(q, k, v, causal, softmax_scale, window_size, softcap,
-                                deterministic)  # fmt: skip
-    causal, scale, softcap, left, right, det = args
+                                deterministic, sm_margin)  # fmt: skip
+    causal, scale, softcap, left, right, det, margin = args
     negated = softmax_scale is not None and softmax_scale < 0  # _prepare negated q
     if use_triton(q):
-        dq, dk, dv = attn_bwd(do, q, k, v, o, lse, dlse, causal, scale, softcap, left, right, det)
+        dq, dk, dv = attn_bwd(do, q, k, v, o, lse, dlse, causal, scale, softcap, left, right, det,
+                              margin)  # fmt: skip
     else:  # the PyTorch reference (CPU tensors without the interpreter)
         dq, dk, dv = attention_reference_grads(do, q, k, v, causal, scale, dlse, softcap,
                                                (left, right), o=o, lse=lse)  # fmt: skip
     return (-dq if negated else dq), dk, dv
 
 
-def _prepare(q, k, v, causal, softmax_scale, window_size, softcap, deterministic):
+def _prepare(q, k, v, causal, softmax_scale, window_size, softcap, deterministic, sm_margin=0):
     """`flash_attn`'s arguments checked and put as `attn_fwd` takes them: 4-D q, k, v,
-    (causal, scale, softcap, window_left, window_right, deterministic), and whether q was 3-D."""
+    (causal, scale, softcap, window_left, window_right, deterministic, sm_margin), and whether q
+    was 3-D."""
     scale = validate(q, k, v, causal, softmax_scale)
     softcap = check_softcap(softcap)
     left, right = window_for(window_size, causal, q.shape[1], k.shape[1])
     check_bool("deterministic", deterministic)
+    check_sm_margin(sm_margin)
     three_d = q.dim() == 3
     if three_d:
         q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
     if scale < 0:  # the kernels assume scale >= 0 (max of the raw scores); negate q instead
         q, scale = -q, -scale
-    return q, k, v, (causal, scale, softcap, left, right, deterministic), three_d
+    return q, k, v, (causal, scale, softcap, left, right, deterministic, sm_margin), three_d
 
 
 def explain(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1), softcap=0.0,
@@ -390,7 +405,7 @@ def explain(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1), 
     why, their kernel families and each launch's grid, tile and schedule. target: the machine
     (None: q's device; `kernelkit.flash_attn.config.H100` for an H100 from anywhere). For bug
     reports and tuning; `print(explain(...))` reads as text."""
-    q, k, v, (causal, scale, softcap, left, right, det), _ = _prepare(
+    q, k, v, (causal, scale, softcap, left, right, det, _), _ = _prepare(
         q, k, v, causal, softmax_scale, window_size, softcap, deterministic
     )
     window = (left, right)

@@ -211,6 +211,13 @@ def check_bool(name: str, value) -> bool:
     return value
 
 
+def check_sm_margin(sm_margin) -> int:
+    """`sm_margin`: how many multiprocessors the kernels leave free, an int >= 0."""
+    if isinstance(sm_margin, bool) or not isinstance(sm_margin, int) or sm_margin < 0:
+        raise ValueError(f"sm_margin: expected an int >= 0, got {sm_margin!r}")
+    return sm_margin
+
+
 def check_softcap(softcap) -> float:
     """`softcap` as a float: 0 (off) or a positive finite cap."""
     if softcap.__class__ is float and 0.0 <= softcap < math.inf:
@@ -226,6 +233,7 @@ __all__ = [
     "FLOAT_DTYPES",
     "MAX_HEAD_DIM",
     "MIN_HEAD_DIM",
+    "check_sm_margin",
     "check_softcap",
     "validate",
     "validate_stats",

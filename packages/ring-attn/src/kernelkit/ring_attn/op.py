@@ -5,14 +5,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kernelkit.flash_attn.validation import check_bool, check_softcap, validate
+from kernelkit.flash_attn.validation import check_bool, check_sm_margin, check_softcap, validate
 
 from .comm import check_shards, checked, group_name, resolve
 from .layout import check_layout
-from .ring import ring_fwd
+from .ring import SM_MARGIN, ring_fwd
 
 
-def _local_error(q, k, v, causal, softmax_scale, softcap, layout, deterministic, return_lse):
+def _local_error(q, k, v, causal, softmax_scale, softcap, layout, deterministic, return_lse,
+                 sm_margin):  # fmt: skip
     """This rank's argument error as a message (None: none), and the softmax scale."""
     try:
         for name, t in (("q", q), ("k", k), ("v", v)):
@@ -29,6 +30,7 @@ def _local_error(q, k, v, causal, softmax_scale, softcap, layout, deterministic,
         check_layout(layout)
         check_bool("deterministic", deterministic)
         check_bool("return_lse", return_lse)
+        check_sm_margin(sm_margin)
         if causal and layout == "zigzag" and q.shape[1] % 2:
             raise ValueError(
                 f"q: zigzag sharding holds two equal chunks per rank, so N_local must be even, "
@@ -51,6 +53,7 @@ def ring_attn(
     *,
     softcap: float = 0.0,
     deterministic: bool = True,
+    sm_margin: int = SM_MARGIN,
 ):
     """Attention over a sequence sharded across the ranks of `group` (None: the default group),
     each rank passing its own shard: `flash_attn` of the full sequence, restricted to this
@@ -63,7 +66,10 @@ def ring_attn(
     causal: the full sequence's causal mask (query i sees keys j <= i). softcap and
     deterministic: as in flash_attn. Returns o like q, and with return_lse=True also the LSE
     (B, H, N_local) float32 over the full sequence. Differentiable in q, k, v (and through the
-    LSE); dk and dv come back to the rank that holds k and v.
+    LSE); dk and dv come back to the rank that holds k and v. sm_margin: multiprocessors the
+    attention kernels leave free for the transfers (flash_attn's `sm_margin`): the persistent
+    forward kernel holds every multiprocessor until it ends, so a transfer launched after it
+    would wait instead of overlapping (default `SM_MARGIN`, measured: NOTES.md).
 
     Collective: every rank of the group calls it, in the same order as its other collectives.
     The first call on each group also checks the ranks against each other (`check_shards`:
@@ -73,7 +79,7 @@ def ring_attn(
     """
     name = group_name(group)
     error, scale, softcap_ = _local_error(q, k, v, causal, softmax_scale, softcap, layout,
-                                          deterministic, return_lse)  # fmt: skip
+                                          deterministic, return_lse, sm_margin)  # fmt: skip
     if not torch.compiler.is_compiling() and not checked(name):
         check_shards(q, k, v, resolve(name), causal=causal, layout=layout,
                      softmax_scale=softmax_scale, softcap=softcap, local_error=error)  # fmt: skip
@@ -81,7 +87,7 @@ def ring_attn(
         raise ValueError(error)
     if scale < 0:  # the kernels take scale >= 0 (as flash_attn does): negate q instead
         q, scale = -q, -scale
-    o, lse = ring_fwd(q, k, v, name, causal, scale, softcap_, layout, deterministic)
+    o, lse = ring_fwd(q, k, v, name, causal, scale, softcap_, layout, deterministic, sm_margin)
     return (o, lse) if return_lse else o
 
 

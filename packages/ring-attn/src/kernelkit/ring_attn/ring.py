@@ -26,6 +26,11 @@ from kernelkit.shared.runtime import define_opaque_op
 from .comm import Ring, resolve
 from .layout import step_blocks
 
+# Multiprocessors the attention kernels leave to the ring's transfers (`ring_attn`'s default):
+# NCCL's send/receive kernel needs a few, and a persistent kernel launched first would hold
+# them all. Measured (NOTES.md).
+SM_MARGIN = 8
+
 
 def merge(out: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> None:
     """Merge a block's (o_b (B, n, H, D), lse_b (B, H, n)) into the float32 accumulators (out,
@@ -41,7 +46,7 @@ def merge(out: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, lse_b: torch.
     lse.copy_((m + torch.log(total)).squeeze(-1).transpose(1, 2))
 
 
-def _fwd_fake(q, k, v, group, causal, scale, softcap, layout, deterministic):
+def _fwd_fake(q, k, v, group, causal, scale, softcap, layout, deterministic, sm_margin):
     b, n, h, _ = q.shape
     return torch.empty_like(q), q.new_empty((b, h, n), dtype=torch.float32)
 
@@ -57,6 +62,7 @@ def ring_fwd(
     softcap: float,
     layout: str,
     deterministic: bool,  # (the backward's)
+    sm_margin: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ring = Ring.of(resolve(group))
     b, n, h, d = q.shape
@@ -69,14 +75,16 @@ def ring_fwd(
         src = (ring.rank - step) % ring.world_size
         for blk in step_blocks(ring.rank, src, ring.world_size, n, causal, layout):
             q_, k_, v_ = q[:, blk.q_rows], kv[0][:, blk.k_rows], kv[1][:, blk.k_rows]
-            o_b, lse_b = flash_attn(q_, k_, v_, blk.causal, scale, True, softcap=softcap)
+            o_b, lse_b = flash_attn(q_, k_, v_, blk.causal, scale, True, softcap=softcap,
+                                    sm_margin=sm_margin)  # fmt: skip
             merge(out[:, blk.q_rows], lse[:, :, blk.q_rows], o_b, lse_b)
         if pending is not None:
             kv = pending.wait()
     return out.to(q.dtype), lse
 
 
-def _bwd_fake(do, q, k, v, o, lse, dlse, group, causal, scale, softcap, layout, deterministic):
+def _bwd_fake(do, q, k, v, o, lse, dlse, group, causal, scale, softcap, layout, deterministic,
+              sm_margin):  # fmt: skip
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -95,6 +103,7 @@ def ring_bwd(
     softcap: float,
     layout: str,
     deterministic: bool,
+    sm_margin: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ring = Ring.of(resolve(group))
     n = q.shape[1]
@@ -113,6 +122,7 @@ def ring_bwd(
                 do[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], o[:, rows],
                 lse[:, :, rows], blk.causal, scale, softcap=softcap,
                 dlse=None if dlse is None else dlse[:, :, rows], deterministic=deterministic,
+                sm_margin=sm_margin,
             )  # fmt: skip
             dq[:, rows] += dq_b
             dk[:, keys] += dk_b
@@ -147,4 +157,4 @@ def _backward(ctx, do, dlse):
 
 ring_fwd.register_autograd(_backward, setup_context=_setup)
 
-__all__ = ["merge", "ring_bwd", "ring_fwd"]
+__all__ = ["SM_MARGIN", "merge", "ring_bwd", "ring_fwd"]
