@@ -29,7 +29,7 @@ from .layout import step_blocks
 # Multiprocessors the attention kernels leave to the ring's transfers (`ring_attn`'s default):
 # NCCL's send/receive kernel needs a few, and a persistent kernel launched first would hold
 # them all. Measured (NOTES.md).
-SM_MARGIN = 8
+SM_MARGIN = 16
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> None:
