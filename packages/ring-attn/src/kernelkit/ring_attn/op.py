@@ -9,7 +9,7 @@ from kernelkit.flash_attn.validation import check_bool, check_sm_margin, check_s
 
 from .comm import check_shards, checked, group_name, resolve
 from .layout import check_layout
-from .ring import SM_MARGIN, ring_fwd
+from .ring import default_sm_margin, ring_fwd
 
 
 def _local_error(q, k, v, causal, softmax_scale, softcap, layout, deterministic, return_lse,
@@ -30,7 +30,8 @@ def _local_error(q, k, v, causal, softmax_scale, softcap, layout, deterministic,
         check_layout(layout)
         check_bool("deterministic", deterministic)
         check_bool("return_lse", return_lse)
-        check_sm_margin(sm_margin)
+        if sm_margin is not None:
+            check_sm_margin(sm_margin)
         if causal and layout == "zigzag" and q.shape[1] % 2:
             raise ValueError(
                 f"q: zigzag sharding holds two equal chunks per rank, so N_local must be even, "
@@ -53,7 +54,7 @@ def ring_attn(
     *,
     softcap: float = 0.0,
     deterministic: bool = True,
-    sm_margin: int = SM_MARGIN,
+    sm_margin: int | None = None,
 ):
     """Attention over a sequence sharded across the ranks of `group` (None: the default group),
     each rank passing its own shard: `flash_attn` of the full sequence, restricted to this
@@ -69,7 +70,7 @@ def ring_attn(
     LSE); dk and dv come back to the rank that holds k and v. sm_margin: multiprocessors the
     attention kernels leave free for the transfers (flash_attn's `sm_margin`): the persistent
     forward kernel holds every multiprocessor until it ends, so a transfer launched after it
-    would wait instead of overlapping (default `SM_MARGIN`, measured: NOTES.md).
+    would wait instead of overlapping (None: `default_sm_margin`, measured: NOTES.md).
 
     Collective: every rank of the group calls it, in the same order as its other collectives.
     The first call on each group also checks the ranks against each other (`check_shards`:
@@ -87,6 +88,8 @@ def ring_attn(
         raise ValueError(error)
     if scale < 0:  # the kernels take scale >= 0 (as flash_attn does): negate q instead
         q, scale = -q, -scale
+    if sm_margin is None:
+        sm_margin = default_sm_margin(q.shape[1])
     o, lse = ring_fwd(q, k, v, name, causal, scale, softcap_, layout, deterministic, sm_margin)
     return (o, lse) if return_lse else o
 

@@ -3,7 +3,8 @@
 Forward, on every rank, W steps (W = the group's size): at step s it holds the key/value shard
 of rank src = rank - s, posts the transfer of that shard to the next rank, runs `flash_attn` on
 the blocks `layout.step_blocks` names and merges their (o, LSE) into float32 accumulators, then
-waits for the next shard. Backward, W steps over the same shards: `flash_attn_backward` with
+waits for the next shard; its kernels leave `sm_margin` multiprocessors free while a transfer
+is in flight (every step but the last). Backward, W steps over the same shards: `flash_attn_backward` with
 the final o and LSE gives each block's dq share and its dk, dv; the dk/dv accumulators of the
 shard in hand (float32) travel one rank on after each step, so that after W steps every rank
 holds the complete dk, dv of its own shard. Every sum runs in a fixed order: the gradients are
@@ -26,10 +27,18 @@ from kernelkit.shared.runtime import define_opaque_op
 from .comm import Ring, resolve
 from .layout import step_blocks
 
-# Multiprocessors the attention kernels leave to the ring's transfers (`ring_attn`'s default):
-# NCCL's send/receive kernel needs a few, and a persistent kernel launched first would hold
-# them all. Measured (NOTES.md).
+# Multiprocessors the attention kernels leave to the ring's transfers while one is in flight
+# (`default_sm_margin`): NCCL's send/receive kernel needs a few, and a persistent kernel
+# launched first would hold them all until it ends, exposing the transfer. The margin costs
+# the kernels that share of the GPU, which at long shards outweighs the transfer it hides.
+# Measured on 4x H200 (NOTES.md): 16 SMs up to 64k tokens per rank, none above.
 SM_MARGIN = 16
+SM_MARGIN_MAX_N_LOCAL = 65536
+
+
+def default_sm_margin(n_local: int) -> int:
+    """`ring_attn`'s sm_margin for shards of n_local tokens."""
+    return SM_MARGIN if n_local <= SM_MARGIN_MAX_N_LOCAL else 0
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> None:
@@ -76,7 +85,7 @@ def ring_fwd(
         for blk in step_blocks(ring.rank, src, ring.world_size, n, causal, layout):
             q_, k_, v_ = q[:, blk.q_rows], kv[0][:, blk.k_rows], kv[1][:, blk.k_rows]
             o_b, lse_b = flash_attn(q_, k_, v_, blk.causal, scale, True, softcap=softcap,
-                                    sm_margin=sm_margin)  # fmt: skip
+                                    sm_margin=0 if last else sm_margin)  # fmt: skip
             merge(out[:, blk.q_rows], lse[:, :, blk.q_rows], o_b, lse_b)
         if pending is not None:
             kv = pending.wait()
@@ -157,4 +166,4 @@ def _backward(ctx, do, dlse):
 
 ring_fwd.register_autograd(_backward, setup_context=_setup)
 
-__all__ = ["SM_MARGIN", "merge", "ring_bwd", "ring_fwd"]
+__all__ = ["SM_MARGIN", "default_sm_margin", "merge", "ring_bwd", "ring_fwd"]
