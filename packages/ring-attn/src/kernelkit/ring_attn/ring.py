@@ -123,8 +123,7 @@ def ring_bwd(
         last = step == ring.world_size - 1
         pending = None if last else ring.exchange(kv)
         src = (ring.rank - step) % ring.world_size
-        dk = torch.zeros_like(k, dtype=torch.float32)
-        dv = torch.zeros_like(v, dtype=torch.float32)
+        blocks = []
         for blk in step_blocks(ring.rank, src, ring.world_size, n, causal, layout):
             rows, keys = blk.q_rows, blk.k_rows
             dq_b, dk_b, dv_b = flash_attn_backward(
@@ -134,15 +133,22 @@ def ring_bwd(
                 sm_margin=sm_margin,
             )  # fmt: skip
             dq[:, rows] += dq_b
+            blocks.append((keys, dk_b, dv_b))
+        # The accumulators of this shard: what the ranks before this one added (received; its
+        # send is done too once waited for), or zeros on its own rank; this step adds in place.
+        if grads is None:
+            dk = torch.zeros_like(k, dtype=torch.float32)
+            dv = torch.zeros_like(v, dtype=torch.float32)
+        else:
+            dk, dv = grads.wait()
+        for keys, dk_b, dv_b in blocks:
             dk[:, keys] += dk_b
             dv[:, keys] += dv_b
-        if grads is not None:  # what the ranks before this one added for the same shard
-            dk_prev, dv_prev = grads.wait()
-            dk += dk_prev
-            dv += dv_prev
+        del blocks
         if ring.world_size == 1:  # the only shard: complete
             return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
         grads = ring.exchange((dk, dv))
+        del dk, dv
         if pending is not None:
             kv = pending.wait()
     dk, dv = grads.wait()  # this rank's own shard, complete
