@@ -70,6 +70,7 @@ def render(data: dict) -> str:
         "",
         f"- 1 GPU, flash_attn: {_largest(rows, 'single', gpu_mb, 1)}",
         f"- {w} GPUs, ring_attn: {_largest(rows, 'ring', gpu_mb, w)}",
+        f"- {w} GPUs, PyTorch context_parallel + SDPA: {_largest(rows, 'cp-sdpa', gpu_mb, w)}",
     ]
     return "\n".join(lines) + "\n"
 

@@ -89,3 +89,20 @@ def test_errors():
         unshard([])
     with pytest.raises(ValueError, match="q: zigzag sharding needs an even N_local"):
         step_blocks(0, 1, 2, 7, True, "zigzag")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_positions_feed_the_lrpe_ops(layout, device):
+    """A rank's LRPE rotation of its shard with `positions` is its shard of the rotation of the
+    whole sequence (the kernels of kernelkit-lrpe-rotate, any act)."""
+    from kernelkit.lrpe_rotate import lrpe_rotate
+
+    world, n, h, d = 4, 32, 2, 32
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, n, h, d, generator=g).to(device)
+    theta = (10000 ** (-torch.arange(d // 2) / (d // 2))).repeat(h, 1).to(device)
+    whole = lrpe_rotate(x, theta, act="silu")
+    for r in range(world):
+        pos = positions(n, r, world, layout, device=device)
+        mine = lrpe_rotate(shard(x, r, world, layout), theta, act="silu", positions=pos)
+        assert torch.equal(mine, shard(whole, r, world, layout))
