@@ -1,34 +1,73 @@
-"""A/B of ring_attn's sm_margin (interleaved), W ranks, forward and fwd+bwd, plus a profile."""
-import os, statistics, sys, json
-import torch, torch.distributed as dist
-from kernelkit.ring_attn import ring_attn, shard
+"""A/B of ring_attn's sm_margin, interleaved: forward and forward + backward at W ranks.
+
+torchrun --standalone --nproc-per-node 4 lab/ring-attn/ab/sm_margin_ab.py 32768 65536
+"""
+
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
 from kernelkit.flash_attn import flash_attn
-torch.cuda.set_device(int(os.environ["LOCAL_RANK"])); dist.init_process_group("nccl")
-rank, world = dist.get_rank(), dist.get_world_size()
-margins = [0, 4, 8, 16, 32]
-def timed(fn):
-    dist.barrier(); torch.cuda.synchronize()
-    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-    s.record(); fn(); e.record(); torch.cuda.synchronize()
-    t = torch.tensor([s.elapsed_time(e)], device="cuda"); dist.all_reduce(t, op=dist.ReduceOp.MAX); return t.item()
-for n_local in map(int, sys.argv[1:]):
-    n = n_local * world
+from kernelkit.ring_attn import ring_attn, shard
+
+MARGINS = [0, 4, 8, 16, 32]
+
+
+def timed(fn) -> float:
+    """ms of one run of fn, the slowest rank's, started together."""
+    dist.barrier()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    t = torch.tensor([start.elapsed_time(end)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def one_length(n_local: int, rank: int, world: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, do = (torch.randn((1, n, 16, 128), generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    q, k, v, do = (shard(t, rank, world) for t in (q, k, v, do))
+    full = [torch.randn((1, n_local * world, 16, 128), generator=g, device="cuda",
+                        dtype=torch.bfloat16) for _ in range(4)]  # fmt: skip
+    q, k, v, do = (shard(t, rank, world) for t in full)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    res = {m: {"fwd": [], "fb": []} for m in margins}
+
     def fwd(m):
-        with torch.no_grad(): ring_attn(*leaves, causal=True, sm_margin=m)
-    def fb(m):
-        o = ring_attn(*leaves, causal=True, sm_margin=m); torch.autograd.grad(o, leaves, do)
-    for m in margins: fwd(m); fb(m)
-    for rep in range(4):
-        for m in margins:
-            res[m]["fwd"].append(timed(lambda: fwd(m))); res[m]["fb"].append(timed(lambda: fb(m)))
+        with torch.no_grad():
+            ring_attn(*leaves, causal=True, sm_margin=m)
+
+    def fwd_bwd(m):
+        o = ring_attn(*leaves, causal=True, sm_margin=m)
+        torch.autograd.grad(o, leaves, do)
+
+    for m in MARGINS:  # warm-up
+        fwd(m)
+        fwd_bwd(m)
+    res = {m: ([], []) for m in MARGINS}
+    for _ in range(4):
+        for m in MARGINS:
+            res[m][0].append(timed(lambda m=m: fwd(m)))
+            res[m][1].append(timed(lambda m=m: fwd_bwd(m)))
     single = [timed(lambda: flash_attn(q, k, v, True)) for _ in range(4)]
     if rank == 0:
         print(f"W={world} n_local={n_local} single fwd {statistics.median(single):.2f} ms")
-        for m in margins:
-            print(f"  margin {m:3d}: fwd {statistics.median(res[m]['fwd']):8.2f} ms  fwd+bwd {statistics.median(res[m]['fb']):8.2f} ms", flush=True)
-dist.destroy_process_group()
+        for m in MARGINS:
+            f, fb = (statistics.median(x) for x in res[m])
+            print(f"  margin {m:3d}: fwd {f:8.2f} ms  fwd+bwd {fb:8.2f} ms", flush=True)
+
+
+def main() -> None:
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    for n_local in map(int, sys.argv[1:]):
+        one_length(n_local, dist.get_rank(), dist.get_world_size())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

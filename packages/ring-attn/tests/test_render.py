@@ -39,8 +39,13 @@ def test_render_table():
             "matmul_tflops": 800.0, "torch": "2.11", "nccl": "2.28", "date": "2026-11-27"}  # fmt: skip
     md = _render().render({"meta": meta, "rows": rows})
     lines = md.splitlines()
-    assert "| 32k | 64k | 10.0 | 40.0 | 500 / 400 | 625 / 500 | 80% | 50% | 32.0 (cudnn) | 0.80x | 1000 |" in lines
-    assert "| 64k | 128k | 20.0 | 80.0 | 500 / 400 | 625 / 500 | 80% | 50% | - | - | 2000 |" in lines
+    assert (
+        "| 32k | 64k | 10.0 | 40.0 | 500 / 400 | 625 / 500 | 80% | 50% | 32.0 (cudnn) | 0.80x | 1000 |"
+        in lines
+    )
+    assert (
+        "| 64k | 128k | 20.0 | 80.0 | 500 / 400 | 625 / 500 | 80% | 50% | - | - | 2000 |" in lines
+    )
     assert "- N per GPU 65536: CUDNN_ATTENTION: RuntimeError: no kernel" in lines
     # 1000 MiB per 32k tokens on each of 2 GPUs: (0.9 * 81559) / (1000 / 32768) * 2 tokens
     assert "- 2 GPUs, ring_attn: 4.81M tokens (31 KiB per token)" in lines
