@@ -268,3 +268,16 @@ def test_bench_without_gpu_writes_nothing():
     assert proc.stdout.count("bench: no GPU found") == 1, proc.stdout
     assert "--benchmark-disable" in proc.stdout
     assert status() == before
+
+
+@pytest.mark.skipif(GPU, reason="checks the run without a GPU")
+def test_multi_gpu_bench_without_gpu_writes_nothing():
+    """ring-attn's suite (benchmarks/scaling.py, torchrun over the GPUs): one line, exit 0, no
+    files; its tests run the ring on CPU processes instead."""
+    results = ROOT / "packages" / "ring-attn" / "benchmarks" / "results"
+    before = sorted(p.name for p in results.iterdir())
+    proc = _run(sys.executable, "ci/bench.py", "ring-attn", cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("bench: no GPU found") == 1, proc.stdout
+    assert "runs on 2 or more GPUs; nothing is run or written" in proc.stdout
+    assert sorted(p.name for p in results.iterdir()) == before
