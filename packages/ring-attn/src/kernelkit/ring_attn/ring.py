@@ -3,12 +3,13 @@
 Forward, on every rank, W steps (W = the group's size): at step s it holds the key/value shard
 of rank src = rank - s, posts the transfer of that shard to the next rank, runs `flash_attn` on
 the blocks `layout.step_blocks` names and merges their (o, LSE) into float32 accumulators, then
-waits for the next shard; its kernels leave `sm_margin` multiprocessors free while a transfer
-is in flight (every step but the last). Backward, W steps over the same shards: `flash_attn_backward` with
+waits for the next shard. Backward, W steps over the same shards: `flash_attn_backward` with
 the final o and LSE gives each block's dq share and its dk, dv; the dk/dv accumulators of the
 shard in hand (float32) travel one rank on after each step, so that after W steps every rank
 holds the complete dk, dv of its own shard. Every sum runs in a fixed order: the gradients are
 bitwise the same from run to run (with flash-attn's deterministic backward, the default).
+While a transfer is in flight (every step but the forward's last), the attention kernels leave
+`sm_margin` multiprocessors to it.
 
 The ops are opaque to torch.compile (`define_opaque_op`): a compiled graph calls them as they
 are, so the communication never enters Inductor's graph and the rest of the model compiles
