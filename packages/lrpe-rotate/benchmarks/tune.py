@@ -17,6 +17,7 @@ import torch
 
 from kernelkit.lrpe_core.op import sequence_softmax_stats
 from kernelkit.lrpe_rotate import kernels as K
+from kernelkit.lrpe_rotate import seq_softmax
 from kernelkit.shared.bench import copy_bandwidth_gbs, interleaved_ms
 
 PLANS = {
@@ -64,7 +65,7 @@ def main():
                 report(label, interleaved_ms(bwd, args.rounds), (2 + (xs is not None)) * unit)
         stats = sequence_softmax_stats(x)
         seq = {
-            name: functools.partial(K.seq_softmax_fwd, x, theta, SEQ, stats, plan=p)
+            name: functools.partial(seq_softmax.seq_softmax_fwd, x, theta, SEQ, stats, plan=p)
             for name, p in PLANS.items()
         }
         report(f"{shape_name} fwd softmax_seq*", interleaved_ms(seq, args.rounds), 2 * unit)

@@ -17,7 +17,7 @@ import torch
 from kernelkit.act import kernels as act_kernels
 from kernelkit.lrpe_core.reference import packed_positions
 from kernelkit.lrpe_rotate import kernels as K
-from kernelkit.lrpe_rotate import lrpe_rotate
+from kernelkit.lrpe_rotate import lrpe_rotate, seq_softmax
 from kernelkit.lrpe_rotate.reference import lrpe_rotate_reference
 from kernelkit.shared.testing import (
     assert_cases_cover,
@@ -27,7 +27,7 @@ from kernelkit.shared.testing import (
     run_cases_without_interpreter,
 )
 
-FAMILY = entry_kernels(K, act_kernels)  # softmax over N reads act's chunk-stats kernel
+FAMILY = entry_kernels(K, seq_softmax, act_kernels)  # softmax over N: act's chunk-stats kernel
 
 
 def make(shape, device, seed=0, scale=2.0):
@@ -84,7 +84,7 @@ def test_torch_compile_on_cpu_without_interpreter():
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU: one case per launch plan (kernels.py), Inductor
+# GPU: one case per launch plan (kernels.py, seq_softmax.py), Inductor
 # ---------------------------------------------------------------------------------------------
 
 ROTATE = {"rotate_fwd_kernel", "rotate_bwd_kernel"}  # int offsets: a program per tile and rows
@@ -111,8 +111,10 @@ GPU_CASES = {
 
 
 def test_gpu_cases_cover_every_kernel():
-    """A kernel added to kernels.py (a new plan) needs a GPU case that launches it."""
-    assert_cases_cover([case[-1] for case in GPU_CASES.values()], entry_kernels(K), FAMILY)
+    """A kernel added to kernels.py or seq_softmax.py (a new plan) needs a GPU case that
+    launches it."""
+    ours = entry_kernels(K, seq_softmax)
+    assert_cases_cover([case[-1] for case in GPU_CASES.values()], ours, FAMILY)
 
 
 @pytest.mark.gpu

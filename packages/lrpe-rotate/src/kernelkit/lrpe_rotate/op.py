@@ -20,6 +20,7 @@ from kernelkit.lrpe_core.reference import packed_positions
 from kernelkit.shared.runtime import define_op, use_triton
 
 from . import kernels as K
+from . import seq_softmax
 from .reference import lrpe_rotate_reference
 
 
@@ -55,7 +56,7 @@ def fwd(
         return torch.empty_like(x), x.new_empty((0,), dtype=torch.float32)
     if kind == SEQ:
         stats = sequence_softmax_stats(x, cu_seqlens)
-        return K.seq_softmax_fwd(x, theta, pos, stats, cu_seqlens), stats
+        return seq_softmax.seq_softmax_fwd(x, theta, pos, stats, cu_seqlens), stats
     return K.rotate_fwd(x, theta, pos, kind, cu_seqlens), x.new_empty((0,), dtype=torch.float32)
 
 
@@ -79,7 +80,9 @@ def bwd(
             (0, 0)
         )
     if kind == SEQ:
-        dx, partials = K.seq_softmax_bwd(dy, x, theta, pos, stats, need_dtheta, cu_seqlens)
+        dx, partials = seq_softmax.seq_softmax_bwd(
+            dy, x, theta, pos, stats, need_dtheta, cu_seqlens
+        )
     else:
         dx, partials = K.rotate_bwd(dy, x, theta, pos, kind, need_dtheta, cu_seqlens)
     dtheta = reduce_dtheta(partials, theta.shape) if need_dtheta else theta.new_empty((0, 0))
