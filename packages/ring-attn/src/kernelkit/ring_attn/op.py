@@ -73,8 +73,8 @@ def ring_attn(
     would wait instead of overlapping (None: `default_sm_margin`, measured: NOTES.md).
 
     Collective: every rank of the group calls it, in the same order as its other collectives.
-    The first call on each group also checks the ranks against each other (`check_shards`:
-    one host sync); on a later call, shards of different shapes on different ranks are the
+    The first eager call on each group also checks the ranks against each other
+    (`check_shards`: one host sync; a compiled graph skips it); on a later call, shards of different shapes on different ranks are the
     caller's error (they fail inside the transfers, or hang). A rank whose own arguments are
     wrong raises at once (on the first call: every rank raises it).
     """
