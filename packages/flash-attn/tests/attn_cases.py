@@ -42,7 +42,8 @@ def assert_rule(out, ref_hi, ref_lowp, factor: float, name: str, atol: float) ->
 
 @dataclass(frozen=True)
 class Call:
-    """One `flash_attn` call (or `flash_attn_varlen` with `lengths`: per-sequence (Nq, Nk))."""
+    """One `flash_attn` call (or `flash_attn_varlen` with `lengths`: per-sequence (Nq, Nk), and
+    with `seqused` its seqused_k: the keys each sequence uses)."""
 
     b: int = 1
     nq: int = 128
@@ -55,6 +56,7 @@ class Call:
     softcap: float = 0.0
     deterministic: bool = True
     lengths: tuple[tuple[int, int], ...] | None = None
+    seqused: tuple[int, ...] | None = None
     dtype: torch.dtype = torch.bfloat16
     scale_q: float = 1.0  # input magnitudes (overflow cases)
     scale_kv: float = 1.0
@@ -68,6 +70,7 @@ class Call:
             f"win{self.window[0]}_{self.window[1]}" if self.window != (-1, -1) else "",
             f"cap{self.softcap:g}" if self.softcap else "",
             "" if self.deterministic else "anyorder",
+            "" if self.seqused is None else "seqused",
             str(self.dtype).removeprefix("torch."),
             f"x{self.scale_q:g}_{self.scale_kv:g}"
             if (self.scale_q, self.scale_kv) != (1, 1)
@@ -93,9 +96,13 @@ class Call:
         ]
 
     def cu_seqlens(self, device):
+        """(cu_seqlens_q, cu_seqlens_k, seqused_k or None) of the packed call on `device`."""
         cu = torch.zeros(2, len(self.lengths) + 1, dtype=torch.int32)
         cu[:, 1:] = torch.tensor(self.lengths, dtype=torch.int32).t().cumsum(1)
-        return cu[0].to(device), cu[1].to(device)
+        used = None
+        if self.seqused is not None:
+            used = torch.tensor(self.seqused, dtype=torch.int32).to(device)
+        return cu[0].to(device), cu[1].to(device), used
 
     def forward(self, q, k, v, cu=None, fn=None, reference=False):
         """o of the call (of the PyTorch reference with reference=True); cu: the packed call's
@@ -107,12 +114,12 @@ class Call:
             return (fn or flash_attn)(q, k, v, self.causal, window_size=self.window,
                                       softcap=self.softcap,
                                       deterministic=self.deterministic)  # fmt: skip
-        cu_q, cu_k = self.cu_seqlens(q.device) if cu is None else cu
+        cu_q, cu_k, used = self.cu_seqlens(q.device) if cu is None else cu
         max_q = max(1, *(n for n, _ in self.lengths))
         max_k = max(1, *(n for _, n in self.lengths))
         f = attention_varlen_reference if reference else (fn or flash_attn_varlen)
         return f(q, k, v, cu_q, cu_k, max_q, max_k, causal=self.causal, window_size=self.window,
-                 softcap=self.softcap)  # fmt: skip
+                 softcap=self.softcap, seqused_k=used)  # fmt: skip
 
 
 def fwd_bwd(call: Call, q, k, v, do, fn=None, reference=False, cu=None):

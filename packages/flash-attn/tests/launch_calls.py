@@ -3,10 +3,11 @@ the registered ops behind flash_attn / flash_attn_varlen run: no config, so the 
 and the launches are replayed per layout) for kernelkit.shared.launch_check: each call three
 times: the second replays the launch sequence recorded by the first through its prepared
 launches, the third calls the compiled kernels' launchers that replay kept (dense, split-KV
-decoding, window, softcap, the LSE's gradient, float32, packed batches, one tensor passed as q, k
-and v or one cu_seqlens as both); see test_replayed_launches_match_the_full_host_path. The
-calls take the launch functions directly (as flash_attn's ops do once their arguments are
-checked), so nothing of flash-attn is patched to force the kernels on CPU tensors."""
+decoding, window, softcap, the LSE's gradient, float32, packed batches with and without
+seqused_k, one tensor passed as q, k and v or one cu_seqlens as both); see
+test_replayed_launches_match_the_full_host_path. The calls take the launch functions directly
+(as flash_attn's ops do once their arguments are checked), so nothing of flash-attn is patched
+to force the kernels on CPU tensors."""
 
 import functools
 
@@ -17,10 +18,10 @@ def _fwd_bwd(tensors, causal=False, window_size=(-1, -1), softcap=0.0, lse_grad=
              same_qkv=False):  # fmt: skip
     """launch.forward and launch.backward on clones of `tensors` (q, k, v the same clone with
     same_qkv), as flash_attn / flash_attn_varlen's ops get them: q, k, v (4-D; 3-D ones as one
-    head), or (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) packed. The
-    output gradient is a random tensor (a plain .sum() gives a stride-0 gradient, which the
-    backward copies: such a layout is never replayed), the LSE's one too with lse_grad (else
-    None, as autograd passes it)."""
+    head), or (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k[, seqused_k])
+    packed. The output gradient is a random tensor (a plain .sum() gives a stride-0 gradient,
+    which the backward copies: such a layout is never replayed), the LSE's one too with lse_grad
+    (else None, as autograd passes it)."""
     from kernelkit.flash_attn import launch
     from kernelkit.flash_attn.config import Varlen
     from kernelkit.flash_attn.validation import window_for
@@ -105,3 +106,7 @@ def launch_calls():
         for cu_k in (cu,) * 3 + (cu2,) * 3:
             packed = (q, k, v, cu, cu_k, 23, 23)
             yield functools.partial(_fwd_bwd, packed, causal=causal)
+    # seqused_k (a replay passes each call's own), then none after it: the same layout else.
+    used, used2 = (torch.tensor(u, dtype=torch.int32) for u in ([5, 0, 17, 1], [7, 0, 2, 0]))
+    for seqused in (used,) * 3 + (used2,) * 3 + (None,) * 2:
+        yield functools.partial(_fwd_bwd, (q, k, v, cu, cu, 23, 23, seqused), causal=True)

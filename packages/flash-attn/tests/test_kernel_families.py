@@ -3,10 +3,11 @@ users run it: eager, `torch.compile(fullgraph=True)` with Inductor, and captured
 forward and backward, each against the float64 reference by FlashAttention's accuracy rule.
 
 The families come from the chooser itself: `test_every_family_has_a_case` sweeps the host
-path over the options it reads (head dim, dtype, causal, window, softcap, packing, lengths,
-deterministic) as on an H100 (`config.H100`: sm_90, 132 SMs), and fails when a family appears
-that no case in FAMILY_CASES takes. Each case states the (forward, backward) families it takes,
-checked here on CPU (`target=H100`) and again on the GPU (its own target) before it runs.
+path over the options it reads (head dim, dtype, causal, window, softcap, packing with or
+without seqused_k, lengths, deterministic) as on an H100 (`config.H100`: sm_90, 132 SMs), and
+fails when a family appears that no case in FAMILY_CASES takes. Each case states the
+(forward, backward) families it takes, checked here on CPU (`target=H100`) and again on the GPU
+(its own target) before it runs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kernelkit.flash_attn.validation import window_for
 SM90_SMS = 132  # H100 SXM and H200
 assert H100.sms == SM90_SMS and H100.gluon
 LENGTHS = ((300, 280), (1, 3), (0, 5), (200, 200))  # (Nq, Nk) per sequence: 1 key, no query
+USED = (150, 0, 5, 137)  # seqused_k of LENGTHS: fewer keys than Nq, none, all, fewer
 WIN = (64, -1)
 DEC = dict(b=2, nq=1, nk=4096, h=8, hkv=2, d=64)  # decoding: split-KV
 P64 = dict(b=2, nq=300, nk=300, h=4, hkv=2, d=64)
@@ -46,6 +48,13 @@ FAMILY_CASES = [
     ("fwd(varlen,softcap)", "bwd(varlen,softcap)", Call(h=4, hkv=2, lengths=LENGTHS, softcap=5.0)),
     ("fwd(local,varlen,softcap)", "bwd(local,varlen,softcap)",
      Call(h=4, hkv=2, lengths=LENGTHS, window=WIN, softcap=5.0)),
+    ("fwd(varlen,seqused)", "bwd(varlen,seqused)", Call(h=4, hkv=2, lengths=LENGTHS, seqused=USED)),
+    ("fwd(local,varlen,seqused)", "bwd(local,varlen,seqused)",
+     Call(h=4, hkv=2, lengths=LENGTHS, seqused=USED, window=WIN)),
+    ("fwd(varlen,seqused,softcap)", "bwd(varlen,seqused,softcap)",
+     Call(h=4, hkv=2, lengths=LENGTHS, seqused=USED, softcap=5.0)),
+    ("fwd(local,varlen,seqused,softcap)", "bwd(local,varlen,seqused,softcap)",
+     Call(h=4, hkv=2, lengths=LENGTHS, seqused=USED, window=WIN, softcap=5.0)),
     ("fwd(causal)", "bwd(causal)", Call(**P64, causal=True)),
     ("fwd(causal,local)", "bwd(causal,local)", Call(**P64, causal=True, window=WIN)),
     ("fwd(causal,softcap)", "bwd(causal,softcap)", Call(**P64, causal=True, softcap=5.0)),
@@ -58,6 +67,14 @@ FAMILY_CASES = [
      Call(h=4, hkv=2, lengths=LENGTHS, causal=True, softcap=5.0)),
     ("fwd(causal,local,varlen,softcap)", "bwd(causal,local,varlen,softcap)",
      Call(h=4, hkv=2, lengths=LENGTHS, causal=True, window=WIN, softcap=5.0)),
+    ("fwd(causal,varlen,seqused)", "bwd(causal,varlen,seqused)",
+     Call(h=4, hkv=2, lengths=LENGTHS, seqused=USED, causal=True)),
+    ("fwd(causal,local,varlen,seqused)", "bwd(causal,local,varlen,seqused)",
+     Call(h=4, hkv=2, lengths=LENGTHS, seqused=USED, causal=True, window=WIN)),
+    ("fwd(causal,varlen,seqused,softcap)", "bwd(causal,varlen,seqused,softcap)",
+     Call(h=4, hkv=2, lengths=LENGTHS, seqused=USED, causal=True, softcap=5.0)),
+    ("fwd(causal,local,varlen,seqused,softcap)", "bwd(causal,local,varlen,seqused,softcap)",
+     Call(h=4, hkv=2, lengths=LENGTHS, seqused=USED, causal=True, window=WIN, softcap=5.0)),
     ("fwd-split", "bwd", Call(**DEC)),
     ("fwd-split(local)", "bwd(local)", Call(**DEC, window=(1000, -1))),
     ("fwd-split(softcap)", "bwd(softcap)", Call(**DEC, softcap=5.0)),
@@ -107,7 +124,10 @@ def probe_families(call: Call, target: Target | None = H100) -> tuple[str, str]:
         if call.lengths is not None:
             nq, nk = (max(1, *(n[i] for n in call.lengths)) for i in (0, 1))
             cu = torch.empty(len(call.lengths) + 1, dtype=torch.int32, device="cuda")
-            varlen = Varlen(cu, cu, nq, nk)
+            used = None
+            if call.seqused is not None:
+                used = torch.empty(len(call.lengths), dtype=torch.int32, device="cuda")
+            varlen = Varlen(cu, cu, nq, nk, used)
         window = window_for(call.window, call.causal, nq, nk)
         fwd, bwd = families.probe_call(q, k, v, call.causal, call.softcap, window, varlen,
                                        call.deterministic, target)  # fmt: skip
@@ -116,9 +136,9 @@ def probe_families(call: Call, target: Target | None = H100) -> tuple[str, str]:
 
 def _sweep():
     """Every call of the chooser's grid: head dims (two sizes of the Gluon kernels and a padded
-    one), half and full precision, causal, a window's left or right edge / softcap / packing in
-    every combination,
-    decoding to long rows (block counts odd and even), deterministic or not."""
+    one), half and full precision, causal, a window's left or right edge / softcap / packing
+    (with seqused_k too) in every combination, decoding to long rows (block counts odd and
+    even), deterministic or not."""
     lengths = {1: (1, 4096), 128: (128, 128), 2176: (2176, 2176), 4096: (4096, 4096),
                8192: (8192, 8192)}  # fmt: skip
     for d, dtype, causal, window, softcap, packed, n, det in itertools.product(
@@ -132,8 +152,9 @@ def _sweep():
         nq, nk = lengths[n]
         if packed:
             seqs = tuple((nq, nk) for _ in range(b))
-            yield Call(h=h, hkv=hkv, d=d, causal=causal, window=window, softcap=softcap,
-                       deterministic=det, lengths=seqs, dtype=dtype)  # fmt: skip
+            for used in (None, (nk // 2,) * b) if det else (None,):
+                yield Call(h=h, hkv=hkv, d=d, causal=causal, window=window, softcap=softcap,
+                           deterministic=det, lengths=seqs, seqused=used, dtype=dtype)  # fmt: skip
         else:
             yield Call(b=b, nq=nq, nk=nk, h=h, hkv=hkv, d=d, causal=causal, window=window,
                        softcap=softcap, deterministic=det, dtype=dtype)  # fmt: skip

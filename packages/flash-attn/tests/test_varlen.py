@@ -254,13 +254,13 @@ def test_varlen_opcheck(device):
     q, k, v, kw = packed([5, 0, 19], [8, 3, 21], 2, 1, 32, torch.float32, device)
     cu_q, cu_k, mq, mk = kw.values()
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    args = (q, k, v, cu_q, cu_k, mq, mk, True, 0.25)
+    args = (q, k, v, cu_q, cu_k, None, mq, mk, True, 0.25)  # (None: no seqused_k)
     torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_varlen_fwd, args)
     o, lse = fa_op.attn_varlen_fwd(q.detach(), k.detach(), v.detach(), *args[3:])
     do = make(o.shape, o.dtype, device, seed=3)
     dlse = make(lse.shape, lse.dtype, device, seed=4)
-    bwd = (do, q.detach(), k.detach(), v.detach(), o, lse, dlse, cu_q, cu_k, mq, mk, False, 0.25,
-           1.5, 4, 2)  # fmt: skip
+    bwd = (do, q.detach(), k.detach(), v.detach(), o, lse, dlse, cu_q, cu_k, None, mq, mk, False,
+           0.25, 1.5, 4, 2)  # fmt: skip
     torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_varlen_bwd, bwd)
 
 

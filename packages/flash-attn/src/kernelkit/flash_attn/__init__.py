@@ -1,11 +1,13 @@
 """kernelkit-flash-attn: FlashAttention-2 style fused attention in Triton, forward and backward
 (causal, sliding windows, softcap, GQA/MQA, any N, packed variable-length batches, head dim
-16..256, deterministic gradients)."""
+16..256, deterministic gradients), and attention over a contiguous or paged KV cache with
+in-place append for serving."""
 
 from .adapter import FlashAttentionFunction
+from .kvcache import flash_attn_with_kvcache
 from .op import explain, flash_attn, flash_attn_backward, flash_attn_varlen
 
-__version__ = "0.9.0"
+__version__ = "0.10.0"
 __all__ = [
     "FlashAttentionFunction",
     "__version__",
@@ -13,4 +15,5 @@ __all__ = [
     "flash_attn",
     "flash_attn_backward",
     "flash_attn_varlen",
+    "flash_attn_with_kvcache",
 ]

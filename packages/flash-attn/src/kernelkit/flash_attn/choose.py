@@ -161,7 +161,9 @@ def split_config(p: Problem, num_splits: int | None = None, tile: Tile | None = 
     Nq <= DECODE_MAX_NQ. num_splits forces at most that many splits (runs of whole key blocks of
     equal length, so 5 blocks in 4 splits are 3 runs of 2, 2, 1); tile forces the tile. A
     window's left edge leaves the keys before the first query's window out: only the rest is
-    split."""
+    split. A KV cache (`p.cache`) always takes the split-KV kernel; with per-sequence lengths
+    (`p.var_k`) the splits count from its capacity and each sequence's keys are spread over
+    them on the device. TMA reads a paged cache whose pages hold whole key blocks."""
     group = p.heads // p.kv_heads
     rows = group * p.nq
     tile = tile or _split_tile(p, rows)
@@ -179,13 +181,14 @@ def split_config(p: Problem, num_splits: int | None = None, tile: Tile | None = 
         tiles = p.batch * p.kv_heads * row_tiles
         per_split = max(min_keys, keys_per_row * row_tiles * tile.block_m)
         num_splits = min(waves * p.target.sms // tiles, nk // per_split, most)
-        if num_splits < 2 and p.nq > T.DECODE_MAX_NQ:
+        if num_splits < 2 and p.nq > T.DECODE_MAX_NQ and not p.cache:
             return None
     blocks = cdiv(key_blocks, max(1, min(num_splits, key_blocks)))
     combine = min(tile.block_m, T.COMBINE_BLOCK_R, max(2, next_power_of_2(rows)))
     split = Split(cdiv(key_blocks, blocks), blocks * tile.block_n, start, combine)
     why = f"split-KV: {rows} packed query rows per kv head, {split.splits} splits of the keys"
-    return FwdConfig(FWD_SPLIT, tile, tile.tma and p.tma_kv, _fast_tanh(p), split, why=why)
+    tma = tile.tma and p.tma_kv and p.page_size % tile.block_n == 0
+    return FwdConfig(FWD_SPLIT, tile, tma, _fast_tanh(p), split, why=why)
 
 
 def _split_tile(p: Problem, rows: int) -> Tile:

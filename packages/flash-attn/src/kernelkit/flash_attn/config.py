@@ -102,7 +102,9 @@ class Problem:
     or a window's right edge, `right`); left >= 0: a window's left edge; softcap: scores capped;
     packed: `flash_attn_varlen`; empty: nothing to compute (no sequence, or no rows);
     tma_q / tma_kv / tma_do: TMA can read q, k and v, do (the backward's); deterministic: the
-    backward must sum in a fixed order."""
+    backward must sum in a fixed order. A KV cache (`flash_attn_with_kvcache`, `KVCache`):
+    cache; nk its capacity; var_k: each sequence's length is read on the device; page_size:
+    the cache's page size (0: contiguous)."""
 
     batch: int
     nq: int
@@ -122,6 +124,9 @@ class Problem:
     tma_do: bool
     deterministic: bool
     target: Target
+    cache: bool = False
+    var_k: bool = False
+    page_size: int = 0
 
     @property
     def block_d(self) -> int:
@@ -166,17 +171,68 @@ class Problem:
             target=target,
         )  # fmt: skip
 
+    @staticmethod
+    def of_cache(q, k_cache, v_cache, cache: KVCache, causal: bool, window=(-1, -1),
+                 softcap: float = 0.0, target: Target | None = None) -> Problem:  # fmt: skip
+        """The problem of a `flash_attn_with_kvcache` forward: q (B, Nq, H, D) against `cache`
+        held in k_cache, v_cache (as `KVCache` describes them), window as `window_for` returns
+        it for (Nq, the capacity). TMA reads a paged cache only where its pages are whole
+        rows of one (pages x page_size) matrix (page stride = page_size x row stride)."""
+        target = target or Target.of(q.device)
+        left, right = window
+        batch, nq, heads = q.shape[:3]
+        tma_kv = use_tma(target, k_cache, v_cache)
+        if cache.table is not None:
+            tma_kv = tma_kv and all(
+                t.stride(0) == cache.page_size * t.stride(1) for t in (k_cache, v_cache)
+            )
+        return Problem(
+            batch=batch, nq=nq, nk=cache.capacity if cache.seqlens is not None else cache.keys,
+            heads=heads, kv_heads=k_cache.shape[2], head_dim=int(q.shape[-1]), dtype=q.dtype,
+            causal=causal or right >= 0, left=left, right=0 if causal else max(right, 0),
+            softcap=softcap > 0, packed=False, empty=batch == 0, tma_q=use_tma(target, q),
+            tma_kv=tma_kv, tma_do=False, deterministic=True, target=target, cache=True,
+            var_k=cache.seqlens is not None, page_size=cache.page_size,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """A KV cache as `flash_attn_with_kvcache` reads it. Contiguous: K/V (B, S, Hkv, D),
+    table None, page_size 0; paged: K/V (pages, page_size, Hkv, D) and table, the (B,
+    max_blocks) int32 block table (key j of sequence b is row j % page_size of page
+    table[b, j // page_size]). seqlens: each sequence's cache length (B,) int32 on the device,
+    before the append, or None: every sequence holds `length` keys. n_new: the rows appended
+    by this call (written at each sequence's length first). capacity: S, or max_blocks x
+    page_size."""
+
+    seqlens: torch.Tensor | None
+    length: int
+    n_new: int
+    table: torch.Tensor | None
+    page_size: int
+    capacity: int
+
+    @property
+    def keys(self) -> int:
+        """The kernels' key count: n_new on top of each sequence's length (seqlens), or the
+        length every sequence has after the append."""
+        return self.n_new if self.seqlens is not None else self.length + self.n_new
+
 
 @dataclass(frozen=True)
 class Varlen:
     """A packed batch (`flash_attn_varlen`): q (total_q, H, D), k/v (total_k, Hkv, D), sequence
     b being rows cu_q[b]:cu_q[b + 1] of q and cu_k[b]:cu_k[b + 1] of k/v (int32 prefix sums, on
-    q's device); max_q, max_k bound the sequence lengths (they size the grid)."""
+    q's device); max_q, max_k bound the sequence lengths (they size the grid). seqused_k: None,
+    or int32 (sequences,) on q's device: sequence b attends to only the first seqused_k[b] of
+    its keys (the kernels' SEQUSED), the rest get zero gradients."""
 
     cu_q: torch.Tensor
     cu_k: torch.Tensor
     max_q: int
     max_k: int
+    seqused_k: torch.Tensor | None = None
 
     @property
     def sizes(self) -> tuple[int, int, int]:

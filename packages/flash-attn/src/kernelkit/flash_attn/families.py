@@ -5,10 +5,10 @@ launches recorded (`probe_forward`, `probe_backward`), the kernel family those l
 A family names the kernels a call runs and the compile-time switches that make them different
 programs: the Gluon kernels by head dim, causal, schedule and dq mode; the portable ones by the
 masking code they carry ("causal": a right edge, the causal diagonal or a window's; "local": a
-window's left edge; packed sequences; softcap). Two calls of one
-family run the same code paths, so a test that covers each family covers every path the plan
-chooser can take; `tests/test_kernel_families.py` derives the families from the chooser and
-fails on one without a case.
+window's left edge; packed sequences, "seqused": packed with `seqused_k`; softcap). Two calls
+of one family run the same code paths, so a test that covers each family covers every path
+the plan chooser can take; `tests/test_kernel_families.py` derives the families from the
+chooser and fails on one without a case.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import torch
 from kernelkit.shared.replay import Probe
 from kernelkit.shared.runtime import inductor_compiles
 
+from . import kvcache
 from .choose import choose_bwd, choose_fwd
-from .config import BwdConfig, FwdConfig, Target, Varlen
+from .config import BwdConfig, FwdConfig, KVCache, Problem, Target, Varlen
 from .launch import _backward, _forward, backward_problem, forward_problem
 from .strides import unit_d
 
@@ -29,10 +30,10 @@ from .strides import unit_d
 # listed (the backward's preprocess, the split-KV merge, the dq conversion) go with the ones
 # that are, and the portable dq kernel with the dk/dv kernel beside it.
 FAMILY_SWITCHES = {
-    "attn_fwd_kernel": ("CAUSAL", "LOCAL", "VARLEN", "SOFTCAP"),
-    "attn_fwd_split_kernel": ("CAUSAL", "LOCAL", "SOFTCAP"),
+    "attn_fwd_kernel": ("CAUSAL", "LOCAL", "VARLEN", "SEQUSED", "SOFTCAP"),
+    "attn_fwd_split_kernel": ("CAUSAL", "LOCAL", "SOFTCAP", "VAR_K", "PAGED"),
     "attn_fwd_gluon_kernel": ("BLOCK_D", "CAUSAL", "PAIRS", "SOFTCAP"),
-    "attn_bwd_dkdv_kernel": ("CAUSAL", "LOCAL", "VARLEN", "SOFTCAP"),
+    "attn_bwd_dkdv_kernel": ("CAUSAL", "LOCAL", "VARLEN", "SEQUSED", "SOFTCAP"),
     "attn_bwd_gluon_kernel": ("BLOCK_D", "CAUSAL", "DQ_MODE", "PERSISTENT"),
 }
 _SHORT = {
@@ -44,6 +45,8 @@ _SHORT = {
 }
 # DQ_MODE of the Gluon backward: dq by the dq kernel beside it, or summed in the kernel.
 _DQ_MODES = {0: "dq-kernel", 1: "dq-any-order", 2: "dq-ordered"}
+# PAGED of the split-KV forward over a paged KV cache: a page per row or per key block (TMA).
+_PAGED = {0: None, 1: "paged-rows", 2: "paged-tma"}
 
 
 def kernel_name(kernel) -> str:
@@ -56,6 +59,8 @@ def _tag(name: str, value) -> str | None:
         return f"d{value}"
     if name == "DQ_MODE":
         return _DQ_MODES[value]
+    if name == "PAGED":
+        return _PAGED[value]
     return name.lower() if value else None
 
 
@@ -111,6 +116,18 @@ def probe_backward(do, q, k, v, o, lse, dlse, causal, scale, softcap=0.0, window
     return probe
 
 
+def probe_kvcache(q, k_cache, v_cache, k, v, cache: KVCache, causal, scale, softcap=0.0,
+                  window=(-1, -1), target: Target | None = None) -> CallProbe:  # fmt: skip
+    """`flash_attn_with_kvcache`'s chosen config and launches (the append, the split-KV
+    forward), recorded instead of launched; `.outputs` holds its (o, lse)."""
+    probe = CallProbe()
+    problem = Problem.of_cache(q, k_cache, v_cache, cache, causal, window, softcap, target)
+    probe.config = choose_fwd(problem)
+    probe.outputs = kvcache._kvcache_forward(probe, q, k_cache, v_cache, k, v, cache, causal,
+                                             scale, softcap, window, probe.config, target)  # fmt: skip
+    return probe
+
+
 def probe_call(q, k, v, causal=False, softcap=0.0, window=(-1, -1), varlen: Varlen | None = None,
                deterministic=True, target: Target | None = None) -> tuple[CallProbe, CallProbe]:  # fmt: skip
     """(forward, backward) probes of a `flash_attn` (or, with `varlen`, `flash_attn_varlen`)
@@ -128,8 +145,8 @@ def probe_call(q, k, v, causal=False, softcap=0.0, window=(-1, -1), varlen: Varl
 
 # The compile-time arguments `explain` shows for each launch (tile, schedule), when present.
 _SHOWN = ("HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "BLOCK_R", "STAGES", "CAUSAL", "LOCAL",
-          "VARLEN", "SOFTCAP", "TMA", "PAIRS", "Q_REGS", "DQ_MODE", "KV_REGS", "PERSISTENT",
-          "num_warps", "num_stages")  # fmt: skip
+          "VARLEN", "SEQUSED", "SOFTCAP", "TMA", "PAIRS", "Q_REGS", "DQ_MODE", "KV_REGS",
+          "PERSISTENT", "num_warps", "num_stages")  # fmt: skip
 
 
 def _launch_line(kernel, grid, kwargs) -> str:

@@ -3,9 +3,10 @@ take its config (chosen once by `choose.py`, or passed in and checked), allocate
 the backward's row vectors, and hand the launches to the backend modules (`triton/`, `gluon/`).
 
 Launch sequences are recorded once per layout and replayed (`kernelkit.shared.replay`): the key
-is the tensors' layout and the call's options (direction, causal, scale, softcap, window, a
-packed batch's max lengths, deterministic) and whether the interpreter runs; everything the
-chooser reads is in it."""
+is the tensors' layout (a packed batch's cu_seqlens and seqused_k, or its absence, among them)
+and the call's options (direction, causal, scale, softcap, window, a packed batch's max
+lengths, deterministic) and whether the interpreter runs; everything the chooser reads is in
+it."""
 
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ def forward(q, k, v, causal: bool, scale: float, *, softcap: float = 0.0,
     if config is None:
         inputs, sizes = (q, k, v), None
         if varlen is not None:
-            inputs, sizes = (q, k, v, varlen.cu_q, varlen.cu_k), (varlen.max_q, varlen.max_k)
+            inputs = (q, k, v, varlen.cu_q, varlen.cu_k, varlen.seqused_k)
+            sizes = varlen.max_q, varlen.max_k
         options = ("fwd", causal, scale, softcap, window, sizes, sm_margin, interpreting())
         return replay.replayed(_forward, inputs, options, q, k, v, causal, scale, softcap,
                                window, varlen, None, target)  # fmt: skip
@@ -127,7 +129,7 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, *, softcap: 
     if config is None:
         inputs, sizes = (do, q, k, v, o, lse, dlse), None
         if varlen is not None:
-            inputs = (*inputs, varlen.cu_q, varlen.cu_k)
+            inputs = (*inputs, varlen.cu_q, varlen.cu_k, varlen.seqused_k)
             sizes = varlen.max_q, varlen.max_k
         options = ("bwd", causal, scale, softcap, window, sizes, deterministic, sm_margin,
                    interpreting())  # fmt: skip

@@ -63,17 +63,18 @@ def _bwd_probe(do, q, k, v, o, lse, dlse, causal, scale, softcap=0.0, window_lef
                                    None, deterministic, target)  # fmt: skip
 
 
-def _varlen_fwd_probe(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                      scale, softcap=0.0, window_left=-1, window_right=-1):  # fmt: skip
-    varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+def _varlen_fwd_probe(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                      max_seqlen_k, causal, scale, softcap=0.0, window_left=-1,
+                      window_right=-1):  # fmt: skip
+    varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
     window = (window_left, window_right)
     return families.probe_forward(q, k, v, causal, scale, softcap, window, varlen)
 
 
-def _varlen_bwd_probe(do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                      max_seqlen_k, causal, scale, softcap=0.0, window_left=-1,
+def _varlen_bwd_probe(do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                      max_seqlen_q, max_seqlen_k, causal, scale, softcap=0.0, window_left=-1,
                       window_right=-1):  # fmt: skip
-    varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
     window = (window_left, window_right)
     return families.probe_backward(do, q, k, v, o, lse, dlse, causal, scale, softcap, window,
                                    varlen)  # fmt: skip
@@ -144,8 +145,8 @@ def attn_bwd(
 
 def _autograd(bwd_op, n_tensors: int):
     """(backward, setup_context) of a forward op whose first n_tensors inputs are tensors (q, k,
-    v, then cu_seqlens for the packed op) and the rest options: the backward op gets
-    (do, q, k, v, o, lse, dlse, *other tensors, *options)."""
+    v, then cu_seqlens and seqused_k, maybe None, for the packed ops) and the rest options: the
+    backward op gets (do, q, k, v, o, lse, dlse, *other tensors, *options)."""
 
     def setup(ctx, inputs, output):
         # The eager path passes only the arguments given (trailing defaults may be missing).
@@ -175,6 +176,7 @@ def attn_varlen_fwd(
     v: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
+    seqused_k: torch.Tensor | None,
     max_seqlen_q: int,
     max_seqlen_k: int,
     causal: bool,
@@ -184,12 +186,12 @@ def attn_varlen_fwd(
     window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if traced(q):
-        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                softcap, window_left, window_right)  # fmt: skip
+        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                causal, scale, softcap, window_left, window_right)  # fmt: skip
         if _opaque(_varlen_fwd_probe, *args):
             return attn_varlen_fwd.opaque(*args)
     window = (window_left, window_right)
-    varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
     return forward(q, k, v, causal, scale, softcap=softcap, window=window, varlen=varlen)
 
 
@@ -204,6 +206,7 @@ def attn_varlen_bwd(
     dlse: torch.Tensor | None,
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
+    seqused_k: torch.Tensor | None,
     max_seqlen_q: int,
     max_seqlen_k: int,
     causal: bool,
@@ -213,17 +216,17 @@ def attn_varlen_bwd(
     window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if traced(q):
-        args = (do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        args = (do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                 max_seqlen_k, causal, scale, softcap, window_left, window_right)  # fmt: skip
         if _opaque(_varlen_bwd_probe, *args):
             return attn_varlen_bwd.opaque(*args)
     window = (window_left, window_right)
-    varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
     return backward(do, q, k, v, o, lse, dlse, causal, scale, softcap=softcap, window=window,
                     varlen=varlen)  # fmt: skip
 
 
-_varlen_backward, _varlen_setup = _autograd(attn_varlen_bwd, 5)
+_varlen_backward, _varlen_setup = _autograd(attn_varlen_bwd, 6)
 attn_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup)
 
 
@@ -246,6 +249,7 @@ def varlen_reference(
     v: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
+    seqused_k: torch.Tensor | None,
     causal: bool,
     scale: float,
     softcap: float,
@@ -255,6 +259,7 @@ def varlen_reference(
     o, lse = attention_varlen_reference(
         q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, softmax_scale=scale,
         window_size=(window_left, window_right), softcap=softcap, return_lse=True,
+        seqused_k=seqused_k,
     )  # fmt: skip
     return o, lse.float()
 
@@ -275,6 +280,7 @@ def varlen_reference_grads(
     dlse: torch.Tensor | None,
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
+    seqused_k: torch.Tensor | None,
     causal: bool,
     scale: float,
     softcap: float,
@@ -284,10 +290,11 @@ def varlen_reference_grads(
     """The packed reference's gradients in closed form (`attention_varlen_reference_grads`)."""
     window = (window_left, window_right)
     return attention_varlen_reference_grads(do, q, k, v, cu_seqlens_q, cu_seqlens_k, causal,
-                                            scale, dlse, softcap, window)  # fmt: skip
+                                            scale, dlse, softcap, window,
+                                            seqused_k=seqused_k)  # fmt: skip
 
 
-_reference_backward, _reference_setup = _autograd(varlen_reference_grads, 5)
+_reference_backward, _reference_setup = _autograd(varlen_reference_grads, 6)
 varlen_reference.register_autograd(_reference_backward, setup_context=_reference_setup)
 
 
@@ -429,6 +436,8 @@ def flash_attn_varlen(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     return_lse: bool = False,
+    *,
+    seqused_k: torch.Tensor | None = None,
 ):
     """`flash_attn` over a packed batch of variable-length sequences (no padding).
 
@@ -437,23 +446,26 @@ def flash_attn_varlen(
     device, starting at 0; sequences may be empty); max_seqlen_q/k >= the longest sequence (they
     size the launch). Sequences never see each other; causal and window_size apply per
     sequence, bottom-right aligned (shift = its Nk - Nq). Returns o (total_q, H, D) and with
-    return_lse=True the LSE (H, total_q) float32. What is validated and what is the caller's
-    contract (cu_seqlens values on the GPU): `validate_varlen`.
+    return_lse=True the LSE (H, total_q) float32. seqused_k (FlashAttention's): None, or int32
+    (num_seqs,) on q's device: sequence b attends to only the first seqused_k[b] of its keys
+    (<= its cu_seqlens_k length), causal and window_size aligned to that count (shift =
+    seqused_k[b] - its Nq); the other keys get zero gradients, and seqused_k[b] = 0 gives zeros
+    (LSE -inf). What is validated and what is the caller's contract (cu_seqlens and seqused_k
+    values on the GPU): `validate_varlen`.
     """
-    scale = validate_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
-    )
+    scale = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            causal, softmax_scale, seqused_k)  # fmt: skip
     softcap = check_softcap(softcap)
     check_bool("return_lse", return_lse)
     left, right = window_for(window_size, causal, max_seqlen_q, max_seqlen_k)
     if scale < 0:  # as in flash_attn
         q, scale = -q, -scale
     if use_triton(q):
-        o, lse = attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        o, lse = attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                                  max_seqlen_k, causal, scale, softcap, left, right)  # fmt: skip
     else:  # the PyTorch reference (CPU tensors without the interpreter)
-        o, lse = varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap,
-                                  left, right)  # fmt: skip
+        o, lse = varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, causal, scale,
+                                  softcap, left, right)  # fmt: skip
     return (o, lse) if return_lse else o
 
 

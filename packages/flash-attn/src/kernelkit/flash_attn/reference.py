@@ -164,6 +164,15 @@ def attention_reference_grads(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _key_ranges(cu_seqlens_k: torch.Tensor, seqused_k: torch.Tensor | None):
+    """(first keys, ends of the used keys) of the sequences of a packed batch: cu_seqlens_k[b]
+    and cu_seqlens_k[b + 1], or cu_seqlens_k[b] + seqused_k[b]."""
+    ck = cu_seqlens_k.tolist()
+    if seqused_k is None:
+        return ck[:-1], ck[1:]
+    return ck[:-1], [k + n for k, n in zip(ck, seqused_k.tolist())]
+
+
 def attention_varlen_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -177,13 +186,16 @@ def attention_varlen_reference(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     return_lse: bool = False,
+    *,
+    seqused_k: torch.Tensor | None = None,
 ):
     """`flash_attn_varlen`'s contract by a loop over the sequences of `attention_reference`:
-    q (total_q, H, D), k/v (total_k, Hkv, D), o like q, LSE (H, total_q). max_seqlen_* are
-    accepted for a matching signature and not needed. Reads cu_seqlens on the host."""
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    q (total_q, H, D), k/v (total_k, Hkv, D), o like q, LSE (H, total_q); seqused_k: sequence b
+    sees only its first seqused_k[b] keys. max_seqlen_* are accepted for a matching signature
+    and not needed. Reads cu_seqlens and seqused_k on the host."""
+    cq = cu_seqlens_q.tolist()
     outs, lses = [], []
-    for q0, q1, k0, k1 in zip(cq, cq[1:], ck, ck[1:]):
+    for q0, q1, k0, k1 in zip(cq, cq[1:], *_key_ranges(cu_seqlens_k, seqused_k)):
         o, lse = attention_reference(
             q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal, softmax_scale,
             return_lse=True, softcap=softcap, window_size=window_size,
@@ -206,12 +218,15 @@ def attention_varlen_reference_grads(
     dlse: torch.Tensor | None = None,
     softcap: float = 0.0,
     window_size: tuple[int, int] = (-1, -1),
+    *,
+    seqused_k: torch.Tensor | None = None,
 ):
     """`attention_reference_grads` of `attention_varlen_reference`, sequence by sequence:
-    do like q (total_q, H, D), dlse (H, total_q) or None. Reads cu_seqlens on the host."""
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    do like q (total_q, H, D), dlse (H, total_q) or None; keys past seqused_k get zeros. Reads
+    cu_seqlens and seqused_k on the host."""
+    cq = cu_seqlens_q.tolist()
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for q0, q1, k0, k1 in zip(cq, cq[1:], ck, ck[1:]):
+    for q0, q1, k0, k1 in zip(cq, cq[1:], *_key_ranges(cu_seqlens_k, seqused_k)):
         if q1 == q0 or k1 == k0:  # no rows, or rows that see no key: zero gradients
             continue
         seq_dlse = None if dlse is None else dlse[None, :, q0:q1]
@@ -222,3 +237,53 @@ def attention_varlen_reference_grads(
         for out, g, lo, hi in zip((dq, dk, dv), grads, (q0, k0, k0), (q1, k1, k1)):
             out[lo:hi] = g[0]
     return dq, dk, dv
+
+
+def kvcache_append_reference(k_cache, v_cache, k, v, cache_seqlens, block_table=None) -> None:
+    """Write k, v (B, Nnew, Hkv, D) into the cache in place at positions cache_seqlens[b] ..
+    + Nnew of each sequence: contiguous (B, S, Hkv, D), or paged through block_table."""
+    batch, n_new = k.shape[:2]
+    pos = cache_seqlens.to(torch.long)[:, None] + torch.arange(n_new, device=k.device)
+    if block_table is None:
+        rows = (torch.arange(batch, device=k.device)[:, None].expand(batch, n_new), pos)
+    else:
+        page_size = k_cache.shape[1]
+        rows = (block_table.to(torch.long).gather(1, pos // page_size), pos % page_size)
+    k_cache.index_put_(rows, k)
+    v_cache.index_put_(rows, v)
+
+
+def attention_kvcache_reference(q, k_cache, v_cache, seqlens, block_table=None, causal=False,
+                                softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                                return_lse=False):  # fmt: skip
+    """`flash_attn_with_kvcache`'s attention (after its append): query row b of q (B, Nq, H, D)
+    sees cache positions [0, seqlens[b]) of a contiguous (B, S, Hkv, D) cache or, with
+    block_table (B, max_blocks), a paged one; causal and window bottom-right aligned per
+    sequence (query i at position seqlens[b] - Nq + i). Rows that see no key give zeros (LSE
+    -inf). Traceable: the per-sequence lengths become a mask, not slices."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    k, v = k_cache, v_cache
+    if block_table is not None:  # (B, max_blocks * page_size, Hkv, D), the pages in order
+        k = k_cache[block_table.to(torch.long)].flatten(1, 2)
+        v = v_cache[block_table.to(torch.long)].flatten(1, 2)
+    nq, nk = q.shape[1], k.shape[1]
+    lengths = seqlens.to(torch.long)[:, None, None]
+    i = torch.arange(nq, device=q.device)[None, :, None] + lengths - nq
+    j = torch.arange(nk, device=q.device)[None, None, :]
+    visible = j < lengths
+    left, right = window_size
+    if causal:
+        right = 0
+    if right >= 0:
+        visible = visible & (j <= i + right)
+    if left >= 0:
+        visible = visible & (j >= i - left)
+    k, v = _repeat_kv(k, q.shape[2]), _repeat_kv(v, q.shape[2])
+    s = _scores(q, k, scale, softcap).masked_fill(~visible[:, None], -math.inf)
+    empty = ~visible.any(-1)[:, None, :, None]  # (B, 1, Nq, 1)
+    s = s.masked_fill(empty, 0.0)
+    o = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1).masked_fill(empty, 0.0), v)
+    if not return_lse:
+        return o
+    lse = torch.logsumexp(s.float() if s.dtype != torch.float64 else s, dim=-1)
+    return o, lse.masked_fill(empty.squeeze(-1), -math.inf)

@@ -103,17 +103,17 @@ def validate(q, k, v, causal, softmax_scale) -> float:
     return _check_scale(causal, softmax_scale, d)
 
 
-def validate_varlen(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
-) -> float:
+def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                    softmax_scale, seqused_k=None) -> float:  # fmt: skip
     """Check the arguments of `flash_attn_varlen`; returns the softmax scale to use.
 
     Always checked (host metadata only): tensors, dtypes, devices, shapes, cu_seqlens int32 and
-    1-D with at least two entries, max_seqlen ints >= 1. The values of cu_seqlens (first entry 0,
-    non-decreasing, last entry = total rows, lengths <= max_seqlen) are checked only where that
-    is free: cu_seqlens on the CPU outside torch.compile tracing. Reading CUDA values would
-    synchronise with the device (and break CUDA-graph capture), so there, as in FlashAttention,
-    they are the caller's contract."""
+    1-D with at least two entries, max_seqlen ints >= 1, seqused_k None or int32 (num_seqs,)
+    contiguous on q's device. The values of cu_seqlens (first entry 0, non-decreasing, last
+    entry = total rows, lengths <= max_seqlen) and of seqused_k (0 <= seqused_k[b] <= sequence
+    b's keys) are checked only where that is free: on the CPU outside torch.compile tracing.
+    Reading CUDA values would synchronise with the device (and break CUDA-graph capture), so
+    there, as in FlashAttention, they are the caller's contract."""
     _check_tensors(q, k, v)
     if q.dim() != 3:
         raise ValueError(f"q: expected shape (total_q, H, D), got {tuple(q.shape)}")
@@ -142,7 +142,36 @@ def validate_varlen(
             raise ValueError(f"{name}: must be >= 1, got {m}")
         if lens is not None and max(lens) > m:
             raise ValueError(f"{name}: {m} is less than the longest sequence ({max(lens)})")
+    if seqused_k is not None:
+        _check_seqused_k(seqused_k, cu_seqlens_k.shape[0] - 1, q.device, lengths[1])
     return _check_scale(causal, softmax_scale, d)
+
+
+def _check_seqused_k(seqused_k, num_seqs: int, device, lengths: list[int] | None) -> None:
+    """`flash_attn_varlen`'s seqused_k: int32 (num_seqs,) contiguous on q's device; its values
+    (0 <= seqused_k[b] <= lengths[b], sequence b's keys) where they are free to read."""
+    if not isinstance(seqused_k, torch.Tensor):
+        raise ValueError(
+            f"seqused_k: expected a torch.Tensor or None, got {type(seqused_k).__name__}"
+        )
+    if seqused_k.dtype != torch.int32:
+        raise ValueError(f"seqused_k: dtype must be torch.int32, got {seqused_k.dtype}")
+    if seqused_k.dim() != 1 or seqused_k.shape[0] != num_seqs:
+        raise ValueError(
+            f"seqused_k: expected shape (num_seqs,) = ({num_seqs},), got {tuple(seqused_k.shape)}"
+        )
+    if seqused_k.device != device:
+        raise ValueError(f"seqused_k: on device {seqused_k.device}, but q is on {device}")
+    if seqused_k.stride(0) != 1 and num_seqs > 1:  # the kernels read entry b at seqused_k + b
+        raise ValueError(f"seqused_k: must be contiguous, got stride {seqused_k.stride(0)}")
+    if lengths is None or seqused_k.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    for b, (n, length) in enumerate(zip(seqused_k.tolist(), lengths)):
+        if not 0 <= n <= length:
+            raise ValueError(
+                f"seqused_k: entry {b} is {n}, outside 0..{length} (sequence {b}'s keys in "
+                "cu_seqlens_k)"
+            )
 
 
 def window_for(window_size, causal: bool, nq: int, nk: int) -> tuple[int, int]:

@@ -271,6 +271,7 @@ def attn_bwd_dkdv_kernel(
     DV,
     CU_Q,
     CU_K,
+    SEQUSED_K,
     stride_qb,
     stride_qn,
     stride_qh,
@@ -316,11 +317,14 @@ def attn_bwd_dkdv_kernel(
     PEEL_TAIL: tl.constexpr,
     ROWVEC: tl.constexpr,
     ROW_PAD: tl.constexpr,
+    SEQUSED: tl.constexpr,
 ):
     """dk, dv of one key block of one kv head. With GQA the program loops over the GROUP query
     heads that read this kv head, so their contributions add up in a fixed order (deterministic,
     no atomics). A key block whose sequence has no query rows writes zeros. LSE is the
-    forward's LSE, or with ROWVEC the preprocess's padded lse2 (then DELTA is padded alike)."""
+    forward's LSE, or with ROWVEC the preprocess's padded lse2 (then DELTA is padded alike).
+    SEQUSED (VARLEN): sequence b uses only its first SEQUSED_K[b] keys; the rest of its rows
+    get zeros (a block past the used keys visits no query block)."""
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
     cap_scale = tl.cast(cap_scale, tl.float32)
@@ -332,6 +336,8 @@ def attn_bwd_dkdv_kernel(
         k0, Nk = _sequence(CU_K, b)
         if pid_n * BLOCK_N >= Nk:
             return
+        if SEQUSED:  # (the block's rows are the sequence's: written below, zeros past used)
+            Nk = tl.load(SEQUSED_K + b)
         Q += q0 * stride_qn
         DO += q0 * stride_don
         v0 = q0  # where the sequence's rows start in LSE and DELTA
@@ -377,6 +383,12 @@ def attn_bwd_dkdv_kernel(
     # those that see all of it, then those cut by the window's left edge; no others.
     m_lo, m_full, m_full_hi, m_hi = _ranges(start_n, start_n + BLOCK_N - 1, 0, Nq, -hi_shift,
                                             -lo_shift, BLOCK_M, CAUSAL, LOCAL, False)  # fmt: skip
+    if SEQUSED:  # a block wholly past the used keys visits no query block
+        past = start_n >= Nk
+        m_lo = tl.where(past, 0, m_lo)
+        m_full = tl.where(past, 0, m_full)
+        m_full_hi = tl.where(past, 0, m_full_hi)
+        m_hi = tl.where(past, 0, m_hi)
     for g in range(GROUP):
         h = (hk * GROUP + g).to(tl.int64)
         q_src = _head_source(Q + b * stride_qb + h * stride_qh, Nq, stride_qn, BLOCK_M, HEAD_DIM,
@@ -406,6 +418,9 @@ def attn_bwd_dkdv_kernel(
             )  # fmt: skip
 
     dk *= sm_scale
+    if SEQUSED:  # keys past the used ones (loaded as zeros, their p unmasked) get zeros
+        dk = tl.where((cols < Nk)[:, None], dk, 0.0)
+        dv = tl.where((cols < Nk)[:, None], dv, 0.0)
     if VARLEN:  # read again here rather than held in registers through the loops
         k0, Nk = _sequence(CU_K, b)
         DK += k0 * stride_dkn
@@ -496,6 +511,7 @@ def attn_bwd_dq_kernel(
     DQ,
     CU_Q,
     CU_K,
+    SEQUSED_K,
     stride_qb,
     stride_qn,
     stride_qh,
@@ -537,9 +553,10 @@ def attn_bwd_dq_kernel(
     PEEL_TAIL: tl.constexpr,
     ROWVEC: tl.constexpr,
     ROW_PAD: tl.constexpr,
+    SEQUSED: tl.constexpr,
 ):
-    """dq of one query block: a pass over the key blocks of its own (no atomics). LSE and DELTA
-    as in the dk/dv kernel."""
+    """dq of one query block: a pass over the key blocks of its own (no atomics). LSE, DELTA
+    and SEQUSED as in the dk/dv kernel."""
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
     cap_scale = tl.cast(cap_scale, tl.float32)
@@ -551,6 +568,8 @@ def attn_bwd_dq_kernel(
     if VARLEN:
         q0, Nq = _sequence(CU_Q, b)
         k0, Nk = _sequence(CU_K, b)
+        if SEQUSED:
+            Nk = tl.load(SEQUSED_K + b)
         if pid_m * BLOCK_M >= Nq:
             return
         Q += q0 * stride_qn
@@ -690,7 +709,8 @@ def _common(p: Problem, cfg: BwdConfig, s: Scores, t, varlen: Varlen | None, del
         CAUSAL=p.causal, EVEN_M=not packed and bool(p.nq % t.block_m == 0),
         EVEN_N=not packed and bool(p.nk % t.block_n == 0), DOT_PREC=dot_precision(p.dtype),
         TMA=tma, SOFTCAP=s.softcap, LOCAL=p.local, VARLEN=packed, PEEL_TAIL=cfg.peel_tail,
-        ROWVEC=cfg.pad_rows, ROW_PAD=ROW_PAD, num_warps=t.warps, num_stages=t.stages,
+        ROWVEC=cfg.pad_rows, ROW_PAD=ROW_PAD, SEQUSED=packed and varlen.seqused_k is not None,
+        num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
 
 
@@ -704,6 +724,7 @@ def launch_dkdv(ops, p: Problem, cfg: BwdConfig, s: Scores, q, k, v, do, lse, de
         attn_bwd_dkdv_kernel, (cdiv(p.nk, t.block_n) * p.batch * p.kv_heads,),
         Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, DK=dk, DV=dv,
         CU_Q=varlen.cu_q if packed else None, CU_K=varlen.cu_k if packed else None,
+        SEQUSED_K=varlen.seqused_k if packed else None,
         **strides("q", q, packed), **strides("k", k, packed), **strides("v", v, packed),
         **strides("do", do, packed), **strides("dk", dk, packed), **strides("dv", dv, packed),
         **vec, H=p.heads, Hkv=p.kv_heads, GROUP=p.heads // p.kv_heads, **rest,
@@ -719,6 +740,7 @@ def launch_dq(ops, p: Problem, cfg: BwdConfig, s: Scores, q, k, v, do, lse, delt
         attn_bwd_dq_kernel, (cdiv(p.nq, t.block_m) * p.batch * p.heads,),
         Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, DQ=dq,
         CU_Q=varlen.cu_q if packed else None, CU_K=varlen.cu_k if packed else None,
+        SEQUSED_K=varlen.seqused_k if packed else None,
         **strides("q", q, packed), **strides("k", k, packed), **strides("v", v, packed),
         **strides("do", do, packed), **strides("dq", dq, packed),
         **vec, H=p.heads, GROUP=p.heads // p.kv_heads, **rest,

@@ -111,6 +111,35 @@ def _load_block(src, start, stride, offs_rows, n_rows, offs_d, CHECK_ROWS: tl.co
 
 
 @triton.jit
+def _load_kv(src, pages, page_size, stride_page, start, stride, offs_rows, n_rows, offs_d,
+             CHECK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr,
+             PAGED: tl.constexpr):  # fmt: skip
+    """Keys (or values) [start, start + BLOCK_ROWS) of one kv head, contiguous (PAGED = 0:
+    `_load_block`) or in a paged cache, where key j is row j % page_size of page
+    pages[j // page_size] (pages: the sequence's block-table row; stride_page: the cache's page
+    stride). PAGED = 1: a page per row, pointer loads (any page size); PAGED = 2: the block lies
+    in one page (page_size a multiple of BLOCK_ROWS) and `src` is a TMA descriptor over all the
+    cache's rows. Rows past n_rows read as zeros (CHECK_ROWS), as the contiguous path's do."""
+    if PAGED == 0:
+        x = _load_block(src, start, stride, offs_rows, n_rows, offs_d, CHECK_ROWS, HEAD_DIM, TMA)
+    elif PAGED == 1:
+        rows = start + offs_rows
+        if CHECK_ROWS:
+            page = tl.load(pages + rows // page_size, mask=rows < n_rows, other=0)
+        else:
+            page = tl.load(pages + rows // page_size)
+        off = page.to(tl.int64) * stride_page + (rows % page_size).to(tl.int64) * stride
+        x = _load_rows(src + off[:, None] + offs_d[None, :], rows, n_rows, offs_d, CHECK_ROWS,
+                       HEAD_DIM)  # fmt: skip
+    else:
+        page = tl.load(pages + start // page_size)
+        x = src.load([page * page_size + start % page_size, 0])
+        if CHECK_ROWS:  # the page's rows past the sequence hold whatever the cache holds
+            x = tl.where((start + offs_rows < n_rows)[:, None], x, 0.0)
+    return x
+
+
+@triton.jit
 def _tanh(x, FAST: tl.constexpr):
     """tanh in float32. FAST: the tanh.approx.f32 instruction (one MUFU op; relative error
     below 2^-10.9, what FlashAttention's softcap uses), for half-precision inputs on the GPU.

@@ -12,7 +12,7 @@ from ..strides import strides
 from .common import (
     LN2,
     _head_source,
-    _load_block,
+    _load_kv,
     _load_rows,
     _program_ids,
     _ranges,
@@ -34,6 +34,10 @@ def _fwd_steps(
     v_src,
     stride_kn,
     stride_vn,
+    pages,
+    page_size,
+    stride_kp,
+    stride_vp,
     rows,
     lo,
     hi,
@@ -52,14 +56,18 @@ def _fwd_steps(
     TMA: tl.constexpr,
     SOFTCAP: tl.constexpr,
     LOCAL: tl.constexpr,
+    PAGED: tl.constexpr,
 ):
     """Online-softmax accumulation of key blocks [lo, hi). MASK: apply the window (causal) and
-    end-of-sequence masks (the scores of hidden keys are -inf)."""
+    end-of-sequence masks (the scores of hidden keys are -inf). PAGED: K/V in a paged cache
+    (`_load_kv`; pages: the sequence's block-table row, stride_kp / stride_vp the page
+    strides)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k = _load_block(k_src, start_n, stride_kn, offs_n, Nk, offs_d, CHECK_N, HEAD_DIM, TMA)
+        k = _load_kv(k_src, pages, page_size, stride_kp, start_n, stride_kn, offs_n, Nk, offs_d,
+                     CHECK_N, HEAD_DIM, TMA, PAGED)  # fmt: skip
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         if SOFTCAP:
             qk = _tanh(qk * cap_scale, SOFTCAP == 2)
@@ -78,7 +86,8 @@ def _fwd_steps(
             alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = _load_block(v_src, start_n, stride_vn, offs_n, Nk, offs_d, CHECK_N, HEAD_DIM, TMA)
+        v = _load_kv(v_src, pages, page_size, stride_vp, start_n, stride_vn, offs_n, Nk, offs_d,
+                     CHECK_N, HEAD_DIM, TMA, PAGED)  # fmt: skip
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
         m_i = m_ij
     return acc, l_i, m_i
@@ -93,6 +102,7 @@ def attn_fwd_kernel(
     LSE,
     CU_Q,
     CU_K,
+    SEQUSED_K,
     stride_qb,
     stride_qn,
     stride_qh,
@@ -127,9 +137,11 @@ def attn_fwd_kernel(
     SOFTCAP: tl.constexpr,
     LOCAL: tl.constexpr,
     VARLEN: tl.constexpr,
+    SEQUSED: tl.constexpr,
 ):
     """o and LSE of one block of query rows of one head. CAUSAL: keys past i + shift + win_right
-    are hidden (win_right = 0: causal); LOCAL: keys before i + shift - win_left."""
+    are hidden (win_right = 0: causal); LOCAL: keys before i + shift - win_left. SEQUSED
+    (VARLEN): sequence b sees only its first SEQUSED_K[b] keys (the shift counts those)."""
     # Scalars may arrive as float64 (torch.compile passes Python floats so): keep math float32.
     qk_scale = tl.cast(qk_scale, tl.float32)
     cap_scale = tl.cast(cap_scale, tl.float32)
@@ -141,6 +153,8 @@ def attn_fwd_kernel(
     if VARLEN:
         q0, Nq = _sequence(CU_Q, b)
         k0, Nk = _sequence(CU_K, b)
+        if SEQUSED:  # the keys past the used ones are never read
+            Nk = tl.load(SEQUSED_K + b)
         if pid_m * BLOCK_M >= Nq:
             return
         Q += q0 * stride_qn
@@ -172,20 +186,20 @@ def attn_fwd_kernel(
                                      BLOCK_N, LOCAL, CAUSAL, True)  # fmt: skip
     if LOCAL:
         acc, l_i, m_i = _fwd_steps(
-            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, lo, mid_lo, Nk,
-            lo_shift, hi_shift, qk_scale, cap_scale, True, CAUSAL, not EVEN_N, HEAD_DIM,
-            BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, LOCAL,
+            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, None, 1, 0, 0, rows, lo,
+            mid_lo, Nk, lo_shift, hi_shift, qk_scale, cap_scale, True, CAUSAL, not EVEN_N,
+            HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, LOCAL, 0,
         )  # fmt: skip
     acc, l_i, m_i = _fwd_steps(
-        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, mid_lo, mid_hi, Nk,
-        lo_shift, hi_shift, qk_scale, cap_scale, False, CAUSAL, False, HEAD_DIM, BLOCK_N,
-        BLOCK_D, DOT_PREC, TMA, SOFTCAP, LOCAL,
+        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, None, 1, 0, 0, rows, mid_lo,
+        mid_hi, Nk, lo_shift, hi_shift, qk_scale, cap_scale, False, CAUSAL, False, HEAD_DIM,
+        BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, LOCAL, 0,
     )  # fmt: skip
     if CAUSAL or LOCAL or not EVEN_N:
         acc, l_i, m_i = _fwd_steps(
-            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, mid_hi, hi, Nk,
-            lo_shift, hi_shift, qk_scale, cap_scale, True, CAUSAL, not EVEN_N, HEAD_DIM,
-            BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, LOCAL,
+            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, None, 1, 0, 0, rows, mid_hi,
+            hi, Nk, lo_shift, hi_shift, qk_scale, cap_scale, True, CAUSAL, not EVEN_N,
+            HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, LOCAL, 0,
         )  # fmt: skip
 
     # A row that sees no key (causal with Nq > Nk, windows) has l = 0: zeros and LSE = -inf.
@@ -226,6 +240,7 @@ def launch(ops, p: Problem, cfg: FwdConfig, s: Scores, q, k, v, o, lse, varlen: 
         attn_fwd_kernel, (cdiv(p.nq, t.block_m) * p.batch * p.heads,),
         Q=q, K=k, V=v, O=o, LSE=lse,
         CU_Q=varlen.cu_q if packed else None, CU_K=varlen.cu_k if packed else None,
+        SEQUSED_K=varlen.seqused_k if packed else None,
         **strides("q", q, packed), **strides("k", k, packed), **strides("v", v, packed),
         **strides("o", o, packed), stride_lb=lse_strides[0], stride_lh=lse_strides[1],
         H=p.heads, GROUP=p.heads // p.kv_heads, Nq=p.nq, Nk=p.nk,
@@ -235,5 +250,6 @@ def launch(ops, p: Problem, cfg: FwdConfig, s: Scores, q, k, v, o, lse, varlen: 
         CAUSAL=p.causal, EVEN_M=not packed and bool(p.nq % t.block_m == 0),
         EVEN_N=not packed and bool(p.nk % t.block_n == 0), DOT_PREC=dot_precision(p.dtype),
         TMA=cfg.tma, SOFTCAP=s.softcap, LOCAL=p.local, VARLEN=packed,
+        SEQUSED=packed and varlen.seqused_k is not None,
         num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip

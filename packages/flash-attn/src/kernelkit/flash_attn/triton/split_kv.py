@@ -20,7 +20,7 @@ import triton.language as tl
 
 from kernelkit.shared.runtime import cdiv
 
-from ..config import FwdConfig, Problem, Scores
+from ..config import FwdConfig, KVCache, Problem, Scores
 from ..strides import strides
 from .common import LN2, _head_source, _load_rows, _ranges, _store_rows, dot_precision
 from .fwd import _fwd_steps
@@ -36,6 +36,8 @@ from .fwd import _fwd_steps
         "k_start",
         "win_left",
         "win_right",
+        "page_size",
+        "cache_rows",
     ]
 )
 def attn_fwd_split_kernel(
@@ -44,6 +46,8 @@ def attn_fwd_split_kernel(
     V,
     OP,
     LP,
+    SEQLENS,
+    TABLE,
     stride_qb,
     stride_qn,
     stride_qh,
@@ -53,6 +57,7 @@ def attn_fwd_split_kernel(
     stride_vb,
     stride_vn,
     stride_vh,
+    stride_tb,
     Hkv,
     GROUP,
     Nq,
@@ -65,6 +70,8 @@ def attn_fwd_split_kernel(
     k_start,
     win_left,
     win_right,
+    page_size,
+    cache_rows,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -74,10 +81,20 @@ def attn_fwd_split_kernel(
     TMA: tl.constexpr,
     SOFTCAP: tl.constexpr,
     LOCAL: tl.constexpr,
+    VAR_K: tl.constexpr,
+    PAGED: tl.constexpr,
 ):
     """Partial attention of BLOCK_M packed query rows of one kv head over the keys of one split,
     k_start + [split * split_len, (split + 1) * split_len) (split_len and k_start: multiples of
-    BLOCK_N; k_start > 0 skips keys no window reaches)."""
+    BLOCK_N; k_start > 0 skips keys no window reaches).
+
+    A KV cache (`flash_attn_with_kvcache`): VAR_K, sequence b has SEQLENS[b] + Nk keys (its
+    cache length plus the rows just appended), and its keys are split here into num_splits runs
+    of whole blocks (so a short sequence in a long cache still spreads over the splits); else
+    every sequence has Nk keys. PAGED (1: a page per row, 2: a page per key block, through TMA):
+    K and V are (pages, page_size, Hkv, D) and key j of sequence b is row j % page_size of page
+    TABLE[b, j // page_size] (stride_kb, stride_vb: the page strides; cache_rows: pages x
+    page_size, the rows of PAGED = 2's descriptor)."""
     qk_scale = tl.cast(qk_scale, tl.float32)
     cap_scale = tl.cast(cap_scale, tl.float32)
     # Program order: row block fastest, then split, then (batch, kv head): the row blocks that
@@ -95,14 +112,27 @@ def attn_fwd_split_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     r = start_r + offs_m
     qi = r // GROUP  # query index of each packed row (>= Nq on padding rows)
+    if VAR_K:
+        Nk = tl.load(SEQLENS + b) + Nk
+        if LOCAL:
+            k_start = tl.maximum(Nk - Nq - win_left, 0) // BLOCK_N * BLOCK_N
+        split_len = tl.cdiv(tl.cdiv(Nk - k_start, BLOCK_N), num_splits) * BLOCK_N
 
     q_off = (qi.to(tl.int64) * stride_qn + (r % GROUP).to(tl.int64) * stride_qh)[:, None]
     q_ptrs = Q + b * stride_qb + hk * GROUP * stride_qh + q_off + offs_d[None, :]
     q = _load_rows(q_ptrs, r, n_rows, offs_d, True, HEAD_DIM)
-    k_src = _head_source(K + b * stride_kb + hk * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM,
-                         BLOCK_D, TMA)  # fmt: skip
-    v_src = _head_source(V + b * stride_vb + hk * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM,
-                         BLOCK_D, TMA)  # fmt: skip
+    if PAGED:
+        pages = TABLE + b * stride_tb
+        k_base = K + hk * stride_kh
+        v_base = V + hk * stride_vh
+        src_rows = cache_rows
+    else:
+        pages = TABLE
+        k_base = K + b * stride_kb + hk * stride_kh
+        v_base = V + b * stride_vb + hk * stride_vh
+        src_rows = Nk
+    k_src = _head_source(k_base, src_rows, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D, TMA)
+    v_src = _head_source(v_base, src_rows, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D, TMA)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -119,19 +149,19 @@ def attn_fwd_split_kernel(
                                      lo_shift, hi_shift, BLOCK_N, LOCAL, CAUSAL, True)  # fmt: skip
     if LOCAL:
         acc, l_i, m_i = _fwd_steps(
-            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, qi, lo, mid_lo, Nk, lo_shift,
-            hi_shift, qk_scale, cap_scale, True, CAUSAL, True, HEAD_DIM, BLOCK_N, BLOCK_D,
-            DOT_PREC, TMA, SOFTCAP, LOCAL,
+            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, pages, page_size, stride_kb,
+            stride_vb, qi, lo, mid_lo, Nk, lo_shift, hi_shift, qk_scale, cap_scale, True,
+            CAUSAL, True, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, LOCAL, PAGED,
         )  # fmt: skip
     acc, l_i, m_i = _fwd_steps(
-        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, qi, mid_lo, mid_hi, Nk, lo_shift,
-        hi_shift, qk_scale, cap_scale, False, CAUSAL, False, HEAD_DIM, BLOCK_N, BLOCK_D,
-        DOT_PREC, TMA, SOFTCAP, LOCAL,
+        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, pages, page_size, stride_kb,
+        stride_vb, qi, mid_lo, mid_hi, Nk, lo_shift, hi_shift, qk_scale, cap_scale, False,
+        CAUSAL, False, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, LOCAL, PAGED,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_steps(
-        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, qi, mid_hi, hi, Nk, lo_shift,
-        hi_shift, qk_scale, cap_scale, True, CAUSAL, True, HEAD_DIM, BLOCK_N, BLOCK_D,
-        DOT_PREC, TMA, SOFTCAP, LOCAL,
+        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, pages, page_size, stride_kb,
+        stride_vb, qi, mid_hi, hi, Nk, lo_shift, hi_shift, qk_scale, cap_scale, True, CAUSAL,
+        True, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, LOCAL, PAGED,
     )  # fmt: skip
 
     empty = l_i == 0.0
@@ -212,14 +242,17 @@ def can_implement(p: Problem, cfg: FwdConfig) -> str | None:
         return "no split given"
     if cfg.tma and not p.tma_kv:
         return "TMA loads need 16-byte aligned K/V rows on a GPU with TMA"
+    if cfg.tma and p.page_size % cfg.tile.block_n:
+        return f"TMA loads of a paged cache need pages of whole key blocks ({cfg.tile.block_n})"
     if p.softcap and cfg.fast_tanh and p.target.interpreter:
         return "tanh.approx does not run under the interpreter"
     return None
 
 
-def launch(ops, p: Problem, cfg: FwdConfig, s: Scores, q, k, v, o, lse) -> None:
+def launch(ops, p: Problem, cfg: FwdConfig, s: Scores, q, k, v, o, lse,
+           cache: KVCache | None = None) -> None:  # fmt: skip
     """Split-KV forward into o and lse: float32 partials per (split, packed query row), then
-    their merge in split order."""
+    their merge in split order. With `cache`, k and v are `flash_attn_with_kvcache`'s cache."""
     t, split = cfg.tile, cfg.split
     group = p.heads // p.kv_heads
     row_blocks = cdiv(group * p.nq, t.block_m)
@@ -227,17 +260,26 @@ def launch(ops, p: Problem, cfg: FwdConfig, s: Scores, q, k, v, o, lse) -> None:
     bhk = p.batch * p.kv_heads
     o_part = ops.empty((bhk, split.splits, rows_pad, p.block_d), torch.float32, q.device)
     lse_part = ops.empty((bhk, split.splits, rows_pad), torch.float32, q.device)
+    seqlens = table = None
+    nk, stride_tb, page_size, cache_rows, paged = p.nk, 0, 1, 0, 0
+    if cache is not None:
+        seqlens, table, nk = cache.seqlens, cache.table, cache.keys
+        if table is not None:
+            stride_tb, page_size = table.stride(0), cache.page_size
+            cache_rows, paged = k.shape[0] * page_size, 2 if cfg.tma else 1
     ops.launch(
         attn_fwd_split_kernel, (row_blocks * split.splits * bhk,),
-        Q=q, K=k, V=v, OP=o_part, LP=lse_part,
-        **strides("q", q), **strides("k", k), **strides("v", v),
-        Hkv=p.kv_heads, GROUP=group, Nq=p.nq, Nk=p.nk,
+        Q=q, K=k, V=v, OP=o_part, LP=lse_part, SEQLENS=seqlens, TABLE=table,
+        **strides("q", q), **strides("k", k), **strides("v", v), stride_tb=stride_tb,
+        Hkv=p.kv_heads, GROUP=group, Nq=p.nq, Nk=nk,
         qk_scale=s.qk_scale, cap_scale=s.cap_scale,
         num_splits=split.splits, split_len=split.split_len, rows_pad=rows_pad,
         k_start=split.start, win_left=max(p.left, 0), win_right=p.right,
+        page_size=page_size, cache_rows=cache_rows,
         HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
         CAUSAL=p.causal, DOT_PREC=dot_precision(p.dtype), TMA=cfg.tma, SOFTCAP=s.softcap,
-        LOCAL=p.local, num_warps=t.warps, num_stages=t.stages,
+        LOCAL=p.local, VAR_K=seqlens is not None, PAGED=paged,
+        num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     ops.launch(
         attn_fwd_combine_kernel, (cdiv(group * p.nq, split.combine_rows) * bhk,),

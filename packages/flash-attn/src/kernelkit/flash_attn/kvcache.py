@@ -1,0 +1,311 @@
+"""Attention over a KV cache for serving: `flash_attn_with_kvcache`, FlashAttention's function
+of that name, with a contiguous or paged cache and the new rows appended in place; its argument
+checks, its op and its host path.
+
+A call is at most two launches: the append (`triton/kv_append.py`, when k and v are given) and
+the split-KV forward (`triton/split_kv.py`) reading each sequence's length and pages on the
+device, so a decode step captured in a CUDA graph replays with new `cache_seqlens` and block
+tables. The launches are recorded once per layout and replayed (`kernelkit.shared.replay`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernelkit.shared import replay
+from kernelkit.shared.runtime import define_op, interpreting, traced, use_triton
+
+from .choose import check_fwd, choose_fwd
+from .config import FwdConfig, KVCache, Problem, Scores, Target
+from .reference import attention_kvcache_reference, kvcache_append_reference
+from .strides import tma_allocator, unit_d
+from .triton import kv_append
+from .triton import split_kv as triton_split_kv
+from .validation import (
+    FLOAT_DTYPES,
+    MAX_HEAD_DIM,
+    MIN_HEAD_DIM,
+    _check_heads,
+    _check_scale,
+    check_bool,
+    check_softcap,
+    window_for,
+)
+
+# A paged cache's page size: a multiple of this many rows.
+PAGE_MULTIPLE = 16
+
+__all__ = ["attn_kvcache_fwd", "flash_attn_with_kvcache", "kvcache_forward", "validate_kvcache"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks
+# ---------------------------------------------------------------------------------------------
+
+
+def _tensor(name: str, t, dims: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name}: expected shape {layout}, got {tuple(t.shape)}")
+
+
+def _like(name: str, t: torch.Tensor, q: torch.Tensor, dtype: torch.dtype) -> None:
+    if t.dtype != dtype:
+        raise ValueError(f"{name}: dtype {t.dtype}, expected {dtype}")
+    if t.device != q.device:
+        raise ValueError(f"{name}: on device {t.device}, but q is on {q.device}")
+
+
+def _free_to_read(t: torch.Tensor) -> bool:
+    """Whether reading t's values costs no device sync: a CPU tensor outside tracing."""
+    return t.device.type == "cpu" and not traced(t) and not torch.compiler.is_compiling()
+
+
+def _check_pages(table, seqlens, keys: int, page_size: int, pages: int) -> None:
+    """The block table's entries for the pages in use (those holding keys < the sequence's
+    length after the append) are page indices; entries past them are never read."""
+    lengths = table.new_full((table.shape[0],), keys) if seqlens is None else seqlens + keys
+    used = torch.arange(table.shape[1])[None, :] * page_size < lengths[:, None]
+    ids = table[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= pages):
+        raise ValueError(f"block_table: the pages in use must be indices in 0..{pages - 1}, got "
+                         f"{int(ids.min())}..{int(ids.max())}")  # fmt: skip
+
+
+def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
+                     softmax_scale) -> tuple[float, KVCache]:  # fmt: skip
+    """Check `flash_attn_with_kvcache`'s arguments; returns (softmax scale, the `KVCache`).
+
+    Checked on the host: types, shapes, dtypes, devices, page_size a multiple of
+    PAGE_MULTIPLE, an int cache_seqlens with its append inside the capacity, and no gradient
+    asked for. The values of cache_seqlens and block_table tensors are checked where reading
+    them is free (CPU tensors outside tracing); on a GPU they are the caller's contract:
+    0 <= cache_seqlens[b], cache_seqlens[b] + Nnew <= capacity, block indices of the pages in
+    use in range."""
+    _tensor("q", q, 4, "(B, Nq, H, D)")
+    if q.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"q: dtype must be float16, bfloat16 or float32, got {q.dtype}")
+    batch, nq, heads, d = q.shape
+    if nq < 1:
+        raise ValueError("q: the query sequence is empty (Nq must be >= 1)")
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"q: head dim D={d} outside {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
+    paged = block_table is not None
+    layout = "(num_blocks, page_size, Hkv, D)" if paged else "(B, S, Hkv, D)"
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _tensor(name, t, 4, layout)
+        _like(name, t, q, q.dtype)
+        if t.shape[-1] != d:
+            raise ValueError(f"{name}: head dim {t.shape[-1]} differs from q's {d}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: the head dim must have stride 1 (appends write in place)")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache: shape {tuple(v_cache.shape)} differs from k_cache's "
+                         f"{tuple(k_cache.shape)}")  # fmt: skip
+    kv_heads = k_cache.shape[2]
+    _check_heads(heads, kv_heads)
+    if paged:
+        _tensor("block_table", block_table, 2, "(B, max_blocks)")
+        if block_table.dtype != torch.int32:
+            raise ValueError(f"block_table: dtype must be torch.int32, got {block_table.dtype}")
+        if block_table.device != q.device:
+            raise ValueError(f"block_table: on device {block_table.device}, but q is on "
+                             f"{q.device}")  # fmt: skip
+        if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+            raise ValueError("block_table: each row must be contiguous (stride 1)")
+        if block_table.shape[0] != batch:
+            raise ValueError(f"block_table: {block_table.shape[0]} rows, q's batch is {batch}")
+        page_size = k_cache.shape[1]
+        if page_size % PAGE_MULTIPLE or page_size == 0:
+            raise ValueError(f"k_cache: page_size {page_size} must be a multiple of "
+                             f"{PAGE_MULTIPLE}")  # fmt: skip
+        capacity = block_table.shape[1] * page_size
+    else:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache: batch size {k_cache.shape[0]} differs from q's {batch}")
+        page_size, capacity = 0, k_cache.shape[1]
+    if (k is None) != (v is None):
+        raise ValueError("k, v: give both new tensors or neither")
+    n_new = 0
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            _tensor(name, t, 4, "(B, Nnew, Hkv, D)")
+            _like(name, t, q, q.dtype)
+            if t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:]:
+                raise ValueError(f"{name}: shape {tuple(t.shape)}, expected ({batch}, Nnew, "
+                                 f"{kv_heads}, {d})")  # fmt: skip
+        if v.shape != k.shape:
+            raise ValueError(f"v: shape {tuple(v.shape)} differs from k's {tuple(k.shape)}")
+        n_new = k.shape[1]
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens: required when appending k, v (where they go)")
+    seqlens, length = None, capacity
+    if isinstance(cache_seqlens, torch.Tensor):
+        if cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) != (batch,):
+            raise ValueError(f"cache_seqlens: expected an int32 tensor of shape ({batch},), got "
+                             f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")  # fmt: skip
+        if cache_seqlens.device != q.device:
+            raise ValueError(f"cache_seqlens: on device {cache_seqlens.device}, but q is on "
+                             f"{q.device}")  # fmt: skip
+        if batch > 1 and cache_seqlens.stride(0) != 1:
+            raise ValueError("cache_seqlens: must be contiguous (stride 1)")
+        seqlens, length = cache_seqlens, 0
+        if _free_to_read(cache_seqlens) and batch:
+            lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
+            if lo < 0 or hi + n_new > capacity:
+                raise ValueError(f"cache_seqlens: lengths {lo}..{hi} plus {n_new} new rows must "
+                                 f"fit in 0..{capacity}")  # fmt: skip
+    elif cache_seqlens is not None:
+        if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.SymInt)):
+            raise ValueError(f"cache_seqlens: expected an int or an int32 tensor, got "
+                             f"{type(cache_seqlens).__name__}")  # fmt: skip
+        if cache_seqlens < 0 or cache_seqlens + n_new > capacity:
+            raise ValueError(f"cache_seqlens: {cache_seqlens} plus {n_new} new rows exceeds the "
+                             f"cache's {capacity} rows")  # fmt: skip
+        length = cache_seqlens
+    if paged and _free_to_read(block_table) and (seqlens is None or _free_to_read(seqlens)):
+        _check_pages(block_table, seqlens, length + n_new, page_size, k_cache.shape[0])
+    if torch.is_grad_enabled():
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+            if t is not None and t.requires_grad:
+                raise ValueError(f"{name}: requires grad, but flash_attn_with_kvcache is "
+                                 "forward only (not differentiable); call it under "
+                                 "torch.no_grad() or detach the inputs")  # fmt: skip
+    scale = _check_scale(causal, softmax_scale, d)
+    return scale, KVCache(seqlens, length, n_new, block_table, page_size, capacity)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host path and op
+# ---------------------------------------------------------------------------------------------
+
+
+def kvcache_forward(q, k_cache, v_cache, k, v, cache: KVCache, causal: bool, scale: float, *,
+                    softcap: float = 0.0, window: tuple[int, int] = (-1, -1),
+                    config: FwdConfig | None = None, target: Target | None = None):  # fmt: skip
+    """(o, lse) of q over the cache after appending k, v (launches only). Without `config` the
+    chooser decides and the launches are replayed per layout."""
+    if config is None and target is None:
+        inputs = (q, k_cache, v_cache, k, v, cache.seqlens, cache.table)
+        options = ("kvcache", causal, scale, softcap, window, cache.length, interpreting())
+        return replay.replayed(_kvcache_forward, inputs, options, q, k_cache, v_cache, k, v,
+                               cache, causal, scale, softcap, window, None, None)  # fmt: skip
+    return _kvcache_forward(replay.DIRECT, q, k_cache, v_cache, k, v, cache, causal, scale,
+                            softcap, window, config, target)  # fmt: skip
+
+
+def _kvcache_forward(ops, q, k_cache, v_cache, k, v, cache, causal, scale, softcap, window,
+                     config, target):  # fmt: skip
+    q = unit_d(q)
+    if k is not None:
+        k, v = unit_d(k), unit_d(v)
+    p = Problem.of_cache(q, k_cache, v_cache, cache, causal, window, softcap, target)
+    cfg = choose_fwd(p) if config is None else check_fwd(p, config)
+    o = ops.empty(q.shape, q.dtype, q.device)
+    lse = ops.empty((p.batch, p.heads, p.nq), torch.float32, q.device)
+    if p.empty:
+        return o, lse
+    tma_allocator(ops, q.device)
+    if cache.n_new:
+        kv_append.launch(ops, p, cache, k_cache, v_cache, k, v)
+    s = Scores.of(scale, softcap, cfg.fast_tanh)
+    triton_split_kv.launch(ops, p, cfg, s, q, k_cache, v_cache, o, lse, cache)
+    return o, lse
+
+
+def _cache_of(k_cache, k, cache_seqlens, block_table, length) -> KVCache:
+    """The `KVCache` of an op call's arguments."""
+    paged = block_table is not None
+    page_size = k_cache.shape[1] if paged else 0
+    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    n_new = 0 if k is None else k.shape[1]
+    return KVCache(cache_seqlens, length, n_new, block_table, page_size, capacity)
+
+
+@define_op("kernelkit_flash_attn::attn_kvcache_fwd", mutates_args=("k_cache", "v_cache"))
+def attn_kvcache_fwd(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    length: int,
+    causal: bool,
+    scale: float,
+    softcap: float = 0.0,
+    window_left: int = -1,
+    window_right: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cache = _cache_of(k_cache, k, cache_seqlens, block_table, length)
+    return kvcache_forward(q, k_cache, v_cache, k, v, cache, causal, scale, softcap=softcap,
+                           window=(window_left, window_right))  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# The public function
+# ---------------------------------------------------------------------------------------------
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    *,
+    cache_seqlens: torch.Tensor | int | None = None,
+    block_table: torch.Tensor | None = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+):
+    """Attention of q over a KV cache, after appending the new rows k, v to it in place
+    (FlashAttention's `flash_attn_with_kvcache`): one decode (or speculative, or chunked
+    prefill) step of a server.
+
+    q (B, Nq, H, D). The cache: contiguous k_cache, v_cache (B, S, Hkv, D), or paged
+    (num_blocks, page_size, Hkv, D) with block_table (B, max_blocks) int32, where key j of
+    sequence b is row j % page_size of page block_table[b, j // page_size] (page_size a
+    multiple of 16; pages in any order). cache_seqlens: each sequence's cache length before the
+    append, an int32 (B,) tensor on q's device or an int (None: the whole cache, S or
+    max_blocks x page_size, without an append). k, v (B, Nnew, Hkv, D), optional: written into
+    the cache at positions cache_seqlens[b] .. + Nnew (through the block table when paged);
+    no other cache entry is touched. Row b of q then attends to cache positions
+    [0, cache_seqlens[b] + Nnew). causal and window_size are bottom-right aligned as in
+    `flash_attn` (query i of Nq sits at position cache_seqlens[b] + Nnew - Nq + i); GQA (H a
+    multiple of Hkv), softcap and return_lse (the LSE (B, H, Nq) float32, -inf where a row sees
+    no key, whose output is 0) as in `flash_attn`. Returns o (B, Nq, H, D), and the LSE with
+    return_lse=True.
+
+    Forward only: not differentiable (a ValueError if an input requires grad). Host checks:
+    `validate_kvcache`; on a GPU the caller guarantees, as in FlashAttention, that
+    cache_seqlens[b] + Nnew <= the capacity and that the block indices in use are in range
+    (reading them would synchronise with the device and break CUDA-graph capture). A decode
+    step captured in a CUDA graph replays with new values in cache_seqlens and block_table.
+    CPU tensors without the Triton interpreter run the PyTorch reference.
+    """
+    scale, cache = validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                    causal, softmax_scale)  # fmt: skip
+    softcap = check_softcap(softcap)
+    check_bool("return_lse", return_lse)
+    left, right = window_for(window_size, causal, q.shape[1], cache.capacity)
+    if scale < 0:  # as in flash_attn: the kernels assume scale >= 0
+        q, scale = -q, -scale
+    if use_triton(q):
+        o, lse = attn_kvcache_fwd(q, k_cache, v_cache, k, v, cache.seqlens, block_table,
+                                  cache.length, causal, scale, softcap, left, right)  # fmt: skip
+    else:  # the PyTorch reference (CPU tensors without the interpreter)
+        seqlens = cache.seqlens
+        if seqlens is None:
+            seqlens = torch.full((q.shape[0],), cache.length, dtype=torch.int32)
+        if cache.n_new:
+            kvcache_append_reference(k_cache, v_cache, k, v, seqlens, block_table)
+        o, lse = attention_kvcache_reference(q, k_cache, v_cache, seqlens + cache.n_new,
+                                             block_table, causal, scale, (left, right),
+                                             softcap, return_lse=True)  # fmt: skip
+    return (o, lse) if return_lse else o
