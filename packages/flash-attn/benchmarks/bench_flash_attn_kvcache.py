@@ -49,6 +49,7 @@ skipped.
 """
 
 import functools
+import time
 
 import pytest
 import torch
@@ -79,6 +80,18 @@ NEEDS_CUDA = {"sdpa_cudnn", "flex_paged"}  # sdpa_flash and gather_sdpa run on C
 GATHER_SDPA = ["sdpa_cudnn", "sdpa_flash"] if GPU else ["sdpa_flash"]
 SHAPE = f"head{H}-kv{HKV}-dim{D}-bf16"
 FLEX_CELLS = (8, 64)  # (B, page) of the flex_paged cells on a GPU (each compiles: minutes)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _clocks_up():
+    """About a second of matmuls before the first cell: an idle GPU's clocks ramp up during its
+    first cells otherwise (the first table measured 2-4x slow)."""
+    if GPU:
+        x = torch.randn(4096, 4096, device=DEVICE, dtype=DTYPE)
+        start = time.perf_counter()
+        while time.perf_counter() - start < 1.0:
+            x @ x
+        torch.cuda.synchronize()
 
 
 def kv_bytes(b, nk):

@@ -27,6 +27,7 @@ from attn_cases import ATOL, RULE, assert_rule
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from kernelkit.flash_attn import families, flash_attn_with_kvcache
+from kernelkit.flash_attn import tables as T
 from kernelkit.flash_attn.choose import choose_fwd
 from kernelkit.flash_attn.config import FWD_SPLIT, H100, KVCache, Problem
 from kernelkit.flash_attn.kvcache import kvcache_forward
@@ -352,6 +353,40 @@ def _probe_family(call: KVCall, target=H100) -> str:
                                        call.softcap, window, target)  # fmt: skip
     assert probe.config.kernel == FWD_SPLIT
     return families.family(probe)
+
+
+def _h100_config(call: KVCall):
+    """The forward config an H100 takes for `call` (fake tensors)."""
+    with FakeTensorMode():
+        q = torch.empty(call.b, call.nq, call.h, call.d, dtype=call.dtype, device="cuda")
+        per = call.cap // max(call.page, 1)
+        shape = (call.b * per, call.page, call.hkv, call.d) if call.page else (
+            call.b, call.cap, call.hkv, call.d)  # fmt: skip
+        kc = torch.empty(shape, dtype=call.dtype, device="cuda")
+        table = torch.empty(call.b, per, dtype=torch.int32, device="cuda") if call.page else None
+        seqlens = torch.empty(call.b, dtype=torch.int32, device="cuda")
+        cache = KVCache(seqlens, 0, call.n_new, table, call.page, call.cap)
+        return choose_fwd(Problem.of_cache(q, kc, kc, cache, False, target=H100))
+
+
+def test_kvcache_configs_on_h100():
+    """The tables' rules for a KV cache (decode, GQA 32/8, d128, bf16, 64k keys): a page per
+    key block through TMA where pages hold whole blocks (256: the table's tile; 64:
+    PAGED_TILE's), a page per row with twice the splits for pages of 16, pointer loads for
+    launches of many waves."""
+    base = KVCall(b=8, cap=65536, h=32, hkv=8, d=128)
+    contig = _h100_config(base)
+    assert contig.kernel == FWD_SPLIT and contig.tma and contig.split.splits == 2
+    p256 = _h100_config(replace(base, page=256))
+    assert p256.tile == contig.tile and p256.tma and p256.split == contig.split
+    p64 = _h100_config(replace(base, page=64))
+    assert p64.tma and (p64.tile.block_n, p64.tile.warps, p64.tile.stages) == T.PAGED_TILE
+    p16 = _h100_config(replace(base, page=16))
+    assert not p16.tma and p16.tile == contig.tile
+    assert p16.split.splits == T.PAGED_ROWS_SPLIT_WAVES * contig.split.splits
+    assert "a page per row" in p16.why and "a page per key block" in p64.why
+    many = _h100_config(replace(base, b=64))
+    assert many.split.splits == 1 and not many.tma
 
 
 def _sweep():

@@ -36,7 +36,11 @@ def _split(b, nq, nk, h, hkv, d, dtype=torch.bfloat16, num_splits=None, tile=Non
     cfg = split_config(p, num_splits, tile)
     if cfg is None:
         return None
-    assert cfg.kernel == FWD_SPLIT and cfg.tma == cfg.tile.tma and cfg.why.startswith("split-KV")
+    assert cfg.kernel == FWD_SPLIT and cfg.why.startswith("split-KV")
+    # TMA as the tile asks, but pointer loads for launches of more than SPLIT_TMA_MAX_WAVES
+    programs = cfg.split.splits * b * hkv * -(-(h // hkv * nq) // cfg.tile.block_m)
+    many = num_splits is None and programs > T.SPLIT_TMA_MAX_WAVES * 132
+    assert cfg.tma == (cfg.tile.tma and not many)
     if num_splits is None and tile is None:  # the chooser takes it
         assert choose_fwd(p) == cfg
     return cfg.tile, cfg.split.splits, cfg.split.split_len, cfg.split.start
@@ -55,8 +59,10 @@ def test_split_config_rule():
     assert _split(8, 4096, 4096, 32, 8, 128) is None
     assert _split(1, 4096, 4096, 32, 32, 128) is None
     assert choose_fwd(meta_problem(8, 4096, 4096, 32, 8, 128)).kernel == FWD_GLUON
-    # Few query rows but many batches: the split kernel, unsplit (GQA packing still pays).
+    # Few query rows but many batches: the split kernel, unsplit (GQA packing still pays), with
+    # pointer loads (1024 programs: many waves).
     assert _split(128, 1, 4096, 32, 8, 128)[1] == 1
+    assert not split_config(meta_problem(128, 1, 4096, 32, 8, 128)).tma
     # Larger Nq that still underfills: 64 rows need 16 * 64 keys per split.
     assert _split(1, 64, 65536, 1, 1, 128)[1] == 64
     # 128 packed rows take the dense forward's tile.

@@ -163,9 +163,13 @@ def split_config(p: Problem, num_splits: int | None = None, tile: Tile | None = 
     window's left edge leaves the keys before the first query's window out: only the rest is
     split. A KV cache (`p.cache`) always takes the split-KV kernel; with per-sequence lengths
     (`p.var_k`) the splits count from its capacity and each sequence's keys are spread over
-    them on the device. TMA reads a paged cache whose pages hold whole key blocks."""
+    them on the device. TMA loads K/V where rows are aligned, pages hold whole key blocks and
+    the automatic launch is at most SPLIT_TMA_MAX_WAVES waves; pages of a multiple of
+    PAGED_TILE's keys that are not whole blocks of the table's tile take PAGED_TILE (TMA), and
+    other pages (a page per row) PAGED_ROWS_SPLIT_WAVES times the splits."""
     group = p.heads // p.kv_heads
     rows = group * p.nq
+    auto = num_splits is None
     tile = tile or _split_tile(p, rows)
     nk = p.nk
     start = max(0, nk - p.nq - p.left) // tile.block_n * tile.block_n if p.local else 0
@@ -180,6 +184,8 @@ def split_config(p: Problem, num_splits: int | None = None, tile: Tile | None = 
         row_tiles = cdiv(rows, tile.block_m)
         tiles = p.batch * p.kv_heads * row_tiles
         per_split = max(min_keys, keys_per_row * row_tiles * tile.block_m)
+        if p.page_size % tile.block_n:  # a page per row: more splits, more loads in flight
+            waves *= T.PAGED_ROWS_SPLIT_WAVES
         num_splits = min(waves * p.target.sms // tiles, nk // per_split, most)
         if num_splits < 2 and p.nq > T.DECODE_MAX_NQ and not p.cache:
             return None
@@ -187,7 +193,13 @@ def split_config(p: Problem, num_splits: int | None = None, tile: Tile | None = 
     combine = min(tile.block_m, T.COMBINE_BLOCK_R, max(2, next_power_of_2(rows)))
     split = Split(cdiv(key_blocks, blocks), blocks * tile.block_n, start, combine)
     why = f"split-KV: {rows} packed query rows per kv head, {split.splits} splits of the keys"
+    programs = p.batch * p.kv_heads * cdiv(rows, tile.block_m) * split.splits
     tma = tile.tma and p.tma_kv and p.page_size % tile.block_n == 0
+    if auto and programs > T.SPLIT_TMA_MAX_WAVES * p.target.sms and not p.target.interpreter:
+        tma = False  # many waves: pointer loads measured faster
+    if p.page_size:
+        why += f"; pages of {p.page_size} rows, " + ("a page per key block (TMA)" if tma else
+                                                     "a page per row")  # fmt: skip
     return FwdConfig(FWD_SPLIT, tile, tma, _fast_tanh(p), split, why=why)
 
 
@@ -201,7 +213,11 @@ def _split_tile(p: Problem, rows: int) -> Tile:
     if bm >= dense.block_m:  # many rows: the dense forward's tile
         return dense
     table = T.SPLIT_TILES if p.half else T.SPLIT_FP32_TILES
-    return Tile(bm, *table[p.block_d])
+    tile = Tile(bm, *table[p.block_d])
+    paged_n = T.PAGED_TILE[0]
+    if p.half and p.page_size % tile.block_n and p.page_size % paged_n == 0:
+        return Tile(bm, *T.PAGED_TILE, tma=True)  # a page per key block of PAGED_TILE
+    return tile
 
 
 def check_fwd(p: Problem, cfg: FwdConfig) -> FwdConfig:

@@ -264,8 +264,9 @@ def attention_kvcache_reference(q, k_cache, v_cache, seqlens, block_table=None, 
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     k, v = k_cache, v_cache
     if block_table is not None:  # (B, max_blocks * page_size, Hkv, D), the pages in order
-        k = k_cache[block_table.to(torch.long)].flatten(1, 2)
-        v = v_cache[block_table.to(torch.long)].flatten(1, 2)
+        # (entries past the pages in use may hold anything: clamped, their keys masked below)
+        pages = block_table.to(torch.long).clamp(0, k_cache.shape[0] - 1)
+        k, v = k_cache[pages].flatten(1, 2), v_cache[pages].flatten(1, 2)
     nq, nk = q.shape[1], k.shape[1]
     lengths = seqlens.to(torch.long)[:, None, None]
     i = torch.arange(nq, device=q.device)[None, :, None] + lengths - nq

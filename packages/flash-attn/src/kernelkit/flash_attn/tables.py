@@ -104,6 +104,16 @@ SPLIT_FP32_TILES = {16: (32, 4, 2, True), 32: (32, 4, 2, True), 64: (32, 4, 2, T
 # each of at least max(SPLIT_MIN_KEYS, SPLIT_KEYS_PER_ROW * padded rows) keys (its float32
 # partial then costs at most 1/8 of the K/V bytes it reads).
 SPLIT_WAVES, SPLIT_MIN_KEYS, SPLIT_KEYS_PER_ROW, SPLIT_MAX = 1, 256, 16, 128
+# Launches of more than this many waves of programs read K/V with pointer loads: TMA lost 8% at
+# B 64 (512 programs, one split; H100, d128, 1.52 vs 1.41 ms), and tied at one wave.
+SPLIT_TMA_MAX_WAVES = 2
+# A paged KV cache whose pages are not whole key blocks of the tile: pages of a multiple of
+# PAGED_TILE's BLOCK_N take that tile through TMA (a page per block; H100, B 8, page 64: 205 vs
+# 229 us at 16k keys, within 5% of a contiguous cache); others (16, 32 rows) read a page per row
+# with pointer loads over PAGED_ROWS_SPLIT_WAVES times the splits (more loads in flight: 205
+# vs 234 us at page 16).
+PAGED_TILE = (64, 4, 6)
+PAGED_ROWS_SPLIT_WAVES = 2
 # Nq up to this always takes the split kernel (even unsplit): the dense one would read each K/V
 # byte once per query head and fill 128-row tiles with a few rows.
 DECODE_MAX_NQ = 16
