@@ -387,6 +387,8 @@ def test_kvcache_configs_on_h100():
     assert "a page per row" in p16.why and "a page per key block" in p64.why
     many = _h100_config(replace(base, b=64))
     assert many.split.splits == 1 and not many.tma
+    many64 = _h100_config(replace(base, b=64, page=64))  # many waves: the table's tile, rows
+    assert many64.tile == contig.tile and not many64.tma
 
 
 def _sweep():

@@ -214,9 +214,12 @@ def _split_tile(p: Problem, rows: int) -> Tile:
         return dense
     table = T.SPLIT_TILES if p.half else T.SPLIT_FP32_TILES
     tile = Tile(bm, *table[p.block_d])
-    paged_n = T.PAGED_TILE[0]
-    if p.half and p.page_size % tile.block_n and p.page_size % paged_n == 0:
-        return Tile(bm, *T.PAGED_TILE, tma=True)  # a page per key block of PAGED_TILE
+    # A page per key block of PAGED_TILE (TMA), unless the query tiles alone make more than
+    # SPLIT_TMA_MAX_WAVES waves (one split each: pointer loads with the table's tile).
+    tiles = p.batch * p.kv_heads * cdiv(rows, bm)
+    few = tiles <= T.SPLIT_TMA_MAX_WAVES * p.target.sms
+    if p.half and few and p.page_size % tile.block_n and p.page_size % T.PAGED_TILE[0] == 0:
+        return Tile(bm, *T.PAGED_TILE, tma=True)
     return tile
 
 

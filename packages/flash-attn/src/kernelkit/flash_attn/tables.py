@@ -109,7 +109,9 @@ SPLIT_WAVES, SPLIT_MIN_KEYS, SPLIT_KEYS_PER_ROW, SPLIT_MAX = 1, 256, 16, 128
 SPLIT_TMA_MAX_WAVES = 2
 # A paged KV cache whose pages are not whole key blocks of the tile: pages of a multiple of
 # PAGED_TILE's BLOCK_N take that tile through TMA (a page per block; H100, B 8, page 64: 205 vs
-# 229 us at 16k keys, within 5% of a contiguous cache); others (16, 32 rows) read a page per row
+# 229 us at 16k keys, within 5% of a contiguous cache), except in launches of more than
+# SPLIT_TMA_MAX_WAVES waves (B 64: 10% slower than the table's tile with pointer loads, which
+# they keep); others (16, 32 rows) read a page per row
 # with pointer loads over PAGED_ROWS_SPLIT_WAVES times the splits (more loads in flight: 205
 # vs 234 us at page 16).
 PAGED_TILE = (64, 4, 6)
