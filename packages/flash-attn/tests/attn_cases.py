@@ -43,7 +43,8 @@ def assert_rule(out, ref_hi, ref_lowp, factor: float, name: str, atol: float) ->
 @dataclass(frozen=True)
 class Call:
     """One `flash_attn` call (or `flash_attn_varlen` with `lengths`: per-sequence (Nq, Nk), and
-    with `seqused` its seqused_k: the keys each sequence uses)."""
+    with `seqused` its seqused_k: the keys each sequence uses); dv: v's head dim where it is not
+    d (o and do have it too)."""
 
     b: int = 1
     nq: int = 128
@@ -60,11 +61,14 @@ class Call:
     dtype: torch.dtype = torch.bfloat16
     scale_q: float = 1.0  # input magnitudes (overflow cases)
     scale_kv: float = 1.0
+    dv: int | None = None
 
     def __str__(self) -> str:
         shape = f"b{self.b}-q{self.nq}-k{self.nk}-h{self.h}-{self.hkv}-d{self.d}"
         if self.lengths is not None:
             shape = f"varlen{len(self.lengths)}-h{self.h}-{self.hkv}-d{self.d}"
+        if self.dv is not None:
+            shape += f"-dv{self.dv}"
         opts = [
             "causal" if self.causal else "",
             f"win{self.window[0]}_{self.window[1]}" if self.window != (-1, -1) else "",
@@ -79,16 +83,18 @@ class Call:
         return "-".join([shape, *[o for o in opts if o]])
 
     def inputs(self, device, seed: int = 0):
-        """(q, k, v, do): float64 draws rounded to the call's dtype."""
+        """(q, k, v, do): float64 draws rounded to the call's dtype (v and do with dv)."""
         g = torch.Generator().manual_seed(seed)
+        dv = self.d if self.dv is None else self.dv
         if self.lengths is None:
-            shapes = [(self.b, n, heads, self.d) for n, heads in ((self.nq, self.h),
-                      (self.nk, self.hkv), (self.nk, self.hkv), (self.nq, self.h))]  # fmt: skip
+            shapes = [(self.b, n, heads, d) for n, heads, d in ((self.nq, self.h, self.d),
+                      (self.nk, self.hkv, self.d), (self.nk, self.hkv, dv),
+                      (self.nq, self.h, dv))]  # fmt: skip
         else:
             tq = sum(n for n, _ in self.lengths)
             tk = sum(n for _, n in self.lengths)
-            shapes = [(tq, self.h, self.d), (tk, self.hkv, self.d), (tk, self.hkv, self.d),
-                      (tq, self.h, self.d)]  # fmt: skip
+            shapes = [(tq, self.h, self.d), (tk, self.hkv, self.d), (tk, self.hkv, dv),
+                      (tq, self.h, dv)]  # fmt: skip
         scales = (self.scale_q, self.scale_kv, self.scale_kv, 1.0)
         return [
             (torch.randn(s, generator=g, dtype=torch.float64) * c).to(self.dtype).to(device)

@@ -203,7 +203,7 @@ def test_explicit_gluon_configs_raise_where_they_cannot_run(device):
 def _check_error_cases():
     """(check function, problem, config, the reason the error names)."""
     p = meta_problem(2, 1024, 1024, 8, 2, 128, causal=True)
-    p64 = replace(p, head_dim=64)
+    p64 = replace(p, head_dim=64, head_dim_v=64)
     fwd, bwd = choose_fwd(p), choose_bwd(p)
     fused = gluon_bwd_config(p64, T.FUSED_DQ_DKDV, DQ_ORDERED)
     portable = portable_bwd_config(p, *T.CAUSAL_TILES[128][1:])
@@ -214,7 +214,9 @@ def _check_error_cases():
     return [
         # Gluon forward
         (check_fwd, replace(p, dtype=torch.float32), fwd, "float32 inputs"),
-        (check_fwd, replace(p, head_dim=256), fwd, "head dim 256 (BLOCK_D 64 or 128 only)"),
+        (check_fwd, replace(p, head_dim=256, head_dim_v=256), fwd,
+         "head dim 256 (BLOCK_D 64 or 128 only)"),
+        (check_fwd, replace(p, head_dim_v=64), fwd, "the value head dim must equal the query's"),
         (check_fwd, replace(p, tma_q=False), fwd, "q, k, v rows not 16-byte aligned for TMA"),
         (check_fwd, replace(p, left=256), fwd, "a window edge or a packed batch"),
         (check_fwd, replace(p, packed=True), fwd, "a window edge or a packed batch"),
@@ -228,6 +230,7 @@ def _check_error_cases():
         # Gluon backward
         (check_bwd, replace(p, dtype=torch.float32), bwd, "float32 inputs"),
         (check_bwd, replace(p, tma_do=False), bwd, "q, k, v, do rows not 16-byte aligned"),
+        (check_bwd, replace(p, head_dim_v=64), bwd, "the value head dim must equal the query's"),
         (check_bwd, p, replace(bwd, dkdv_tma=False), "through TMA (config dkdv_tma=False)"),
         (check_bwd, p, replace(bwd, tile_heads=0), "tile_heads 0: must divide the 4"),
         (check_bwd, p, replace(bwd, tile_heads=3), "tile_heads 3: must divide the 4"),
@@ -268,13 +271,13 @@ def _check_error_cases():
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("case", range(45))
+@pytest.mark.parametrize("case", range(47))
 def test_check_errors_name_the_reason(case):
     """check_fwd / check_bwd (what launch.forward / backward do with a config passed in) accept
     a config only where its kernels can run the call, else raise a ValueError naming the config
     and the reason (the backend's `can_implement`)."""
     cases = _check_error_cases()
-    assert len(cases) == 45
+    assert len(cases) == 47
     check, p, cfg, reason = cases[case]
     with pytest.raises(ValueError) as error:
         check(p, cfg)

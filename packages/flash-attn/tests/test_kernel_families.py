@@ -32,6 +32,7 @@ DEC = dict(b=2, nq=1, nk=4096, h=8, hkv=2, d=64)  # decoding: split-KV
 P64 = dict(b=2, nq=300, nk=300, h=4, hkv=2, d=64)
 P128 = dict(b=2, nq=300, nk=300, h=4, hkv=2, d=128)
 E128 = dict(b=2, nq=256, nk=256, h=4, hkv=2, d=128)  # an even number of query blocks: pairs
+MLA = dict(b=2, nq=300, nk=300, h=4, hkv=2, d=192, dv=128)  # a value head dim of its own
 
 # (forward family, backward family, a call that takes them). bwd-gluon "persistent" takes at
 # most tables.GLUON_BWD_PERSISTENT_MAX_N rows, fused dq (dq-ordered / dq-any-order) at least
@@ -110,8 +111,14 @@ FAMILY_CASES = [
     ("fwd-gluon(d64,causal,pairs,softcap)", "bwd(causal,softcap)",
      Call(nq=4096, nk=4096, h=6, hkv=2, causal=True, softcap=5.0)),
     ("fwd-gluon(d64,softcap)", "bwd(softcap)", Call(nq=8192, nk=8192, h=6, hkv=2, softcap=5.0)),
+    # v's head dim other than q's (the portable kernels' BLOCK_DV): d128 would take the Gluon
+    # kernels, which cannot run it; MLA's 192 / 128, causal; decoding; packed.
+    ("fwd", "bwd", Call(**P128, dv=64)),
+    ("fwd(causal)", "bwd(causal)", Call(**MLA, causal=True)),
+    ("fwd-split(causal)", "bwd(causal)", Call(**{**DEC, "d": 128}, dv=64, causal=True)),
+    ("fwd(varlen)", "bwd(varlen)", Call(h=4, hkv=2, lengths=LENGTHS, dv=128)),
 ]  # fmt: skip
-CASE_IDS = [f"{f}+{b}" for f, b, _ in FAMILY_CASES]
+CASE_IDS = [f"{f}+{b}" + (f"-dv{c.dv}" if c.dv else "") for f, b, c in FAMILY_CASES]
 
 
 def probe_families(call: Call, target: Target | None = H100) -> tuple[str, str]:

@@ -7,7 +7,8 @@ Forward: the split-KV kernel for decoding shapes (`split_config`), else the Gluo
 table and rule ask for it and it can run, else the portable kernel with the table's tile
 (small grids: a 64-row tile). Backward: the Gluon dk/dv kernel (d128) or, from the fused-dq
 thresholds, the Gluon kernel summing dq too (d64), where it can run; else the portable dk/dv
-and dq kernels.
+and dq kernels. A value head dim other than the query's (Dv != D) runs the portable kernels
+(the Gluon ones cannot), with the tables' tiles of the larger of the two (`Problem.block_d_max`).
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ def _fast_tanh(p: Problem) -> bool:
 
 
 def table_tiles(p: Problem) -> tuple[Tile, Tile, Tile]:
-    """The portable kernels' (fwd, dk/dv, dq) tiles of the tables for problem `p`."""
-    bd = p.block_d
+    """The portable kernels' (fwd, dk/dv, dq) tiles of the tables for problem `p`, by the larger
+    of its head dims (shared memory and registers grow with both)."""
+    bd = p.block_d_max
     if p.target.interpreter:
         return T.INTERPRETER_FWD, T.INTERPRETER_DKDV, T.INTERPRETER_DQ
     if not p.half:
@@ -106,7 +108,7 @@ def dense_fwd_config(p: Problem) -> FwdConfig:
         small = _small_grid(p, portable)
         if small is not None:
             portable, why = small, "a 64-row tile: the table's would not fill the GPU"
-    if p.masked and p.block_d >= T.MASKED_FWD_TMA_MIN_D and p.half and not p.target.interpreter:
+    if p.masked and p.block_d_max >= T.MASKED_FWD_TMA_MIN_D and p.half and not p.target.interpreter:
         portable = replace(portable, tma=True)
     return portable_fwd_config(p, portable, why)
 
@@ -142,7 +144,7 @@ def _small_grid(p: Problem, tile: Tile) -> Tile | None:
     """SMALL_GRID_FWD's 64-row tile where `tile` would launch fewer programs than its waves x
     SMs, else None. A causal Gluon tile that fills one wave is kept: the persistent Gluon forward
     balances causal tiles itself."""
-    small, waves, causal_waves = T.SMALL_GRID_FWD.get(p.block_d, (None, 0.0, 0.0))
+    small, waves, causal_waves = T.SMALL_GRID_FWD.get(p.block_d_max, (None, 0.0, 0.0))
     if small is None or tile.block_m <= small.block_m:
         return None
     programs = p.batch * p.heads * cdiv(p.nq, tile.block_m)
@@ -209,11 +211,12 @@ def _split_tile(p: Problem, rows: int) -> Tile:
     bm = max(16, next_power_of_2(rows))
     if p.target.interpreter:
         return Tile(min(bm, 32), *T.INTERPRETER_SPLIT)
-    dense = (T.FWD_TILES if p.half else {d: t[0] for d, t in T.FP32_TILES.items()})[p.block_d]
+    bd = p.block_d_max
+    dense = (T.FWD_TILES if p.half else {d: t[0] for d, t in T.FP32_TILES.items()})[bd]
     if bm >= dense.block_m:  # many rows: the dense forward's tile
         return dense
     table = T.SPLIT_TILES if p.half else T.SPLIT_FP32_TILES
-    tile = Tile(bm, *table[p.block_d])
+    tile = Tile(bm, *table[bd])
     # A page per key block of PAGED_TILE (TMA), unless the query tiles alone make more than
     # SPLIT_TMA_MAX_WAVES waves (one split each: pointer loads with the table's tile).
     tiles = p.batch * p.kv_heads * cdiv(rows, bm)
@@ -314,7 +317,7 @@ def tile_heads(bhk: int, key_blocks: int, sms: int, causal: bool, persistent: bo
 def _pad_rows(p: Problem) -> bool:
     """Padded row vectors for packed batches, ragged lengths and BLOCK_D <= 64 (block-multiple
     d128 non-causal measured 3% slower with them)."""
-    return bool(p.packed or p.nq % ROW_PAD != 0 or p.block_d <= 64)
+    return bool(p.packed or p.nq % ROW_PAD != 0 or p.block_d_max <= 64)
 
 
 def check_bwd(p: Problem, cfg: BwdConfig) -> BwdConfig:

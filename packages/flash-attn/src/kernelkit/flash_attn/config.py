@@ -101,6 +101,7 @@ class Problem:
     and key rows per sequence (the longest, packed); causal: a right edge (the causal diagonal
     or a window's right edge, `right`); left >= 0: a window's left edge; softcap: scores capped;
     packed: `flash_attn_varlen`; empty: nothing to compute (no sequence, or no rows);
+    head_dim: q's and k's head dim; head_dim_v: v's (and o's, do's), which may differ;
     tma_q / tma_kv / tma_do: TMA can read q, k and v, do (the backward's); deterministic: the
     backward must sum in a fixed order. A KV cache (`flash_attn_with_kvcache`, `KVCache`):
     cache; nk its capacity; var_k: each sequence's length is read on the device; page_size:
@@ -112,6 +113,7 @@ class Problem:
     heads: int
     kv_heads: int
     head_dim: int
+    head_dim_v: int
     dtype: torch.dtype
     causal: bool
     left: int
@@ -131,6 +133,17 @@ class Problem:
     @property
     def block_d(self) -> int:
         return block_d_for(self.head_dim)
+
+    @property
+    def block_dv(self) -> int:
+        """The value head dim the kernels compute with (v, o, do, dv)."""
+        return block_d_for(self.head_dim_v)
+
+    @property
+    def block_d_max(self) -> int:
+        """The larger of BLOCK_D and BLOCK_DV: what the tile tables are read by (shared memory
+        and registers grow with both)."""
+        return max(self.block_d, self.block_dv)
 
     @property
     def local(self) -> bool:
@@ -163,9 +176,9 @@ class Problem:
             empty = q.shape[0] == 0 or k.shape[0] == 0
         return Problem(
             batch=batch, nq=nq, nk=nk, heads=heads, kv_heads=kv_heads,
-            head_dim=int(q.shape[-1]), dtype=q.dtype, causal=causal or right >= 0,
-            left=left, right=0 if causal else max(right, 0), softcap=softcap > 0,
-            packed=varlen is not None, empty=bool(empty),
+            head_dim=int(q.shape[-1]), head_dim_v=int(v.shape[-1]), dtype=q.dtype,
+            causal=causal or right >= 0, left=left, right=0 if causal else max(right, 0),
+            softcap=softcap > 0, packed=varlen is not None, empty=bool(empty),
             tma_q=use_tma(target, q), tma_kv=use_tma(target, k, v),
             tma_do=do is not None and use_tma(target, do), deterministic=deterministic,
             target=target,
@@ -188,7 +201,8 @@ class Problem:
             )
         return Problem(
             batch=batch, nq=nq, nk=cache.capacity if cache.seqlens is not None else cache.keys,
-            heads=heads, kv_heads=k_cache.shape[2], head_dim=int(q.shape[-1]), dtype=q.dtype,
+            heads=heads, kv_heads=k_cache.shape[2], head_dim=int(q.shape[-1]),
+            head_dim_v=int(v_cache.shape[-1]), dtype=q.dtype,
             causal=causal or right >= 0, left=left, right=0 if causal else max(right, 0),
             softcap=softcap > 0, packed=False, empty=batch == 0, tma_q=use_tma(target, q),
             tma_kv=tma_kv, tma_do=False, deterministic=True, target=target, cache=True,

@@ -28,7 +28,8 @@ from .strides import unit_d
 
 # The compile-time arguments that tell a kernel's families apart, by kernel name; kernels not
 # listed (the backward's preprocess, the split-KV merge, the dq conversion) go with the ones
-# that are, and the portable dq kernel with the dk/dv kernel beside it.
+# that are, and the portable dq kernel with the dk/dv kernel beside it. Sizes are not switches:
+# the portable kernels' BLOCK_D and BLOCK_DV (a value head dim of its own) run the same code.
 FAMILY_SWITCHES = {
     "attn_fwd_kernel": ("CAUSAL", "LOCAL", "VARLEN", "SEQUSED", "SOFTCAP"),
     "attn_fwd_split_kernel": ("CAUSAL", "LOCAL", "SOFTCAP", "VAR_K", "PAGED"),
@@ -144,9 +145,9 @@ def probe_call(q, k, v, causal=False, softcap=0.0, window=(-1, -1), varlen: Varl
 
 
 # The compile-time arguments `explain` shows for each launch (tile, schedule), when present.
-_SHOWN = ("HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "BLOCK_R", "STAGES", "CAUSAL", "LOCAL",
-          "VARLEN", "SEQUSED", "SOFTCAP", "TMA", "PAIRS", "Q_REGS", "DQ_MODE", "KV_REGS",
-          "PERSISTENT", "num_warps", "num_stages")  # fmt: skip
+_SHOWN = ("HEAD_DIM", "BLOCK_D", "HEAD_DIM_V", "BLOCK_DV", "BLOCK_M", "BLOCK_N", "BLOCK_R",
+          "STAGES", "CAUSAL", "LOCAL", "VARLEN", "SEQUSED", "SOFTCAP", "TMA", "PAIRS", "Q_REGS",
+          "DQ_MODE", "KV_REGS", "PERSISTENT", "num_warps", "num_stages")  # fmt: skip
 
 
 def _launch_line(kernel, grid, kwargs) -> str:

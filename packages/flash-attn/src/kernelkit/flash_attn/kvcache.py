@@ -96,13 +96,17 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, caus
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         _tensor(name, t, 4, layout)
         _like(name, t, q, q.dtype)
-        if t.shape[-1] != d:
-            raise ValueError(f"{name}: head dim {t.shape[-1]} differs from q's {d}")
+        if name == "k_cache" and t.shape[-1] != d:  # (v_cache's may differ)
+            raise ValueError(f"k_cache: head dim {t.shape[-1]} differs from q's {d}")
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: the head dim must have stride 1 (appends write in place)")
-    if v_cache.shape != k_cache.shape:
+    if v_cache.shape[:-1] != k_cache.shape[:-1]:
         raise ValueError(f"v_cache: shape {tuple(v_cache.shape)} differs from k_cache's "
-                         f"{tuple(k_cache.shape)}")  # fmt: skip
+                         f"{tuple(k_cache.shape)} other than in the last dim (the value head "
+                         "dim)")  # fmt: skip
+    dv = v_cache.shape[-1]
+    if not MIN_HEAD_DIM <= dv <= MAX_HEAD_DIM:
+        raise ValueError(f"v_cache: value head dim Dv={dv} outside {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
     kv_heads = k_cache.shape[2]
     _check_heads(heads, kv_heads)
     if paged:
@@ -129,14 +133,15 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, caus
         raise ValueError("k, v: give both new tensors or neither")
     n_new = 0
     if k is not None:
-        for name, t in (("k", k), ("v", v)):
+        for name, t, c in (("k", k, k_cache), ("v", v, v_cache)):
             _tensor(name, t, 4, "(B, Nnew, Hkv, D)")
             _like(name, t, q, q.dtype)
-            if t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:]:
+            if t.shape[0] != batch or t.shape[2:] != c.shape[2:]:
                 raise ValueError(f"{name}: shape {tuple(t.shape)}, expected ({batch}, Nnew, "
-                                 f"{kv_heads}, {d})")  # fmt: skip
-        if v.shape != k.shape:
-            raise ValueError(f"v: shape {tuple(v.shape)} differs from k's {tuple(k.shape)}")
+                                 f"{kv_heads}, {c.shape[-1]})")  # fmt: skip
+        if v.shape[1] != k.shape[1]:
+            raise ValueError(f"v: shape {tuple(v.shape)} has {v.shape[1]} new rows, k has "
+                             f"{k.shape[1]}")  # fmt: skip
         n_new = k.shape[1]
         if cache_seqlens is None:
             raise ValueError("cache_seqlens: required when appending k, v (where they go)")
@@ -202,7 +207,7 @@ def _kvcache_forward(ops, q, k_cache, v_cache, k, v, cache, causal, scale, softc
         k, v = unit_d(k), unit_d(v)
     p = Problem.of_cache(q, k_cache, v_cache, cache, causal, window, softcap, target)
     cfg = choose_fwd(p) if config is None else check_fwd(p, config)
-    o = ops.empty(q.shape, q.dtype, q.device)
+    o = ops.empty((*q.shape[:-1], p.head_dim_v), q.dtype, q.device)  # v's head dim
     lse = ops.empty((p.batch, p.heads, p.nq), torch.float32, q.device)
     if p.empty:
         return o, lse
@@ -273,13 +278,14 @@ def flash_attn_with_kvcache(
     sequence b is row j % page_size of page block_table[b, j // page_size] (page_size a
     multiple of 16; pages in any order). cache_seqlens: each sequence's cache length before the
     append, an int32 (B,) tensor on q's device or an int (None: the whole cache, S or
-    max_blocks x page_size, without an append). k, v (B, Nnew, Hkv, D), optional: written into
+    max_blocks x page_size, without an append). v_cache (and v) may have a head dim of their
+    own, Dv (16..256): o then has it. k, v (B, Nnew, Hkv, D), optional: written into
     the cache at positions cache_seqlens[b] .. + Nnew (through the block table when paged);
     no other cache entry is touched. Row b of q then attends to cache positions
     [0, cache_seqlens[b] + Nnew). causal and window_size are bottom-right aligned as in
     `flash_attn` (query i of Nq sits at position cache_seqlens[b] + Nnew - Nq + i); GQA (H a
     multiple of Hkv), softcap and return_lse (the LSE (B, H, Nq) float32, -inf where a row sees
-    no key, whose output is 0) as in `flash_attn`. Returns o (B, Nq, H, D), and the LSE with
+    no key, whose output is 0) as in `flash_attn`. Returns o (B, Nq, H, Dv), and the LSE with
     return_lse=True.
 
     Forward only: not differentiable (a ValueError if an input requires grad). Host checks:

@@ -64,10 +64,11 @@ def backward_problem(do, q, k, v, causal, softcap=0.0, window=(-1, -1), varlen=N
 def forward(q, k, v, causal: bool, scale: float, *, softcap: float = 0.0,
             window: tuple[int, int] = (-1, -1), varlen: Varlen | None = None,
             config: FwdConfig | None = None, sm_margin: int = 0):  # fmt: skip
-    """(o, lse) for 4-D q (B, Nq, H, D), k/v (B, Nk, Hkv, D); launches only (no autograd).
+    """(o, lse) for 4-D q (B, Nq, H, D), k (B, Nk, Hkv, D), v (B, Nk, Hkv, Dv) (Dv may differ
+    from D; o has it); launches only (no autograd).
     softcap > 0 caps the scores (softcap * tanh(s / softcap)); window (left, right) as
     `validation.window_for` returns it. With `varlen`: packed q (total_q, H, D), k/v
-    (total_k, Hkv, D), o like q and lse (H, total_q). Without `config` the chooser decides and
+    (total_k, Hkv, D / Dv), o (total_q, H, Dv) and lse (H, total_q). Without `config` the chooser decides and
     the launches are replayed per layout; a `config` runs as given (a ValueError if its kernel
     cannot run this call). sm_margin: multiprocessors the kernels leave free (`leave_sms`)."""
     target = leave_sms(None, q.device, sm_margin)
@@ -89,7 +90,7 @@ def _forward(ops, q, k, v, causal, scale, softcap, window, varlen, config, targe
     q, k, v = unit_d(q), unit_d(k), unit_d(v)
     p = forward_problem(q, k, v, causal, softcap, window, varlen, target)
     cfg = choose_fwd(p) if config is None else check_fwd(p, config)
-    d = p.head_dim
+    d = p.head_dim_v  # o has v's head dim
     if varlen is None:
         o = ops.empty((p.batch, p.nq, p.heads, d), q.dtype, q.device)
         lse = ops.empty((p.batch, p.heads, p.nq), torch.float32, q.device)

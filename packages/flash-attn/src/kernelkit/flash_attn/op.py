@@ -239,7 +239,8 @@ attn_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup)
 
 
 def _varlen_reference_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, *options):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    o = q.new_empty((*q.shape[:-1], v.shape[-1]))  # v's head dim
+    return o, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @define_opaque_op("kernelkit_flash_attn::varlen_reference", fake=_varlen_reference_fake)
@@ -315,9 +316,10 @@ def flash_attn(
 
     q (B, Nq, H, D), k/v (B, Nk, Hkv, D) with H % Hkv == 0 (query head h reads kv head
     h // (H / Hkv)), or 3-D (B, N, D) tensors (one head). float16/bfloat16 (float32 accepted).
+    v may have a head dim of its own, Dv (16..256; MLA-style D = 192, Dv = 128): o then has Dv.
     causal: query i sees keys j <= i + Nk - Nq; a row that sees no key outputs zeros.
-    Returns o like q, and with return_lse=True also the natural-log LSE (B, H, Nq) float32
-    ((B, Nq) for 3-D inputs; -inf on rows that see no key).
+    Returns o like q (with v's head dim), and with return_lse=True also the natural-log LSE
+    (B, H, Nq) float32 ((B, Nq) for 3-D inputs; -inf on rows that see no key).
     window_size=(left, right): sliding-window (local) attention, -1 = unbounded: query i sees
     keys j with i + Nk - Nq - left <= j <= i + Nk - Nq + right; causal=True means right = 0
     (a conflicting right > 0 is a ValueError). Key blocks outside the window are skipped.
@@ -363,8 +365,8 @@ def flash_attn_backward(
     sm_margin: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients (dq, dk, dv) of `flash_attn(q, k, v, ...)` for 4-D q, k, v, given its output
-    o and LSE (B, H, Nq) float32 and their gradients do (like q) and dlse (or None), without
-    autograd: the kernels `flash_attn`'s backward runs.
+    o and LSE (B, H, Nq) float32 and their gradients do (like o: q with v's head dim) and dlse
+    (or None), without autograd: the kernels `flash_attn`'s backward runs.
 
     o and lse may come from a larger attention that k, v are one block of (ring attention,
     attention split over key blocks and merged by their LSEs): the probabilities are then
@@ -373,7 +375,7 @@ def flash_attn_backward(
     flash_attn.
     """
     if isinstance(q, torch.Tensor):
-        validate_stats(q, do, o, lse, dlse)
+        validate_stats(q, do, o, lse, dlse, v)
     q, k, v, args, _ = _prepare(q, k, v, causal, softmax_scale, window_size, softcap,
                                 deterministic, sm_margin)  # fmt: skip
     causal, scale, softcap, left, right, det, margin = args
@@ -441,11 +443,12 @@ def flash_attn_varlen(
 ):
     """`flash_attn` over a packed batch of variable-length sequences (no padding).
 
-    q (total_q, H, D), k/v (total_k, Hkv, D); sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
+    q (total_q, H, D), k/v (total_k, Hkv, D) (v may have its own head dim Dv, as in
+    `flash_attn`: o then has it); sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
     of q and cu_seqlens_k[b]:cu_seqlens_k[b+1] of k/v (int32 prefix sums (num_seqs + 1,) on q's
     device, starting at 0; sequences may be empty); max_seqlen_q/k >= the longest sequence (they
     size the launch). Sequences never see each other; causal and window_size apply per
-    sequence, bottom-right aligned (shift = its Nk - Nq). Returns o (total_q, H, D) and with
+    sequence, bottom-right aligned (shift = its Nk - Nq). Returns o (total_q, H, Dv) and with
     return_lse=True the LSE (H, total_q) float32. seqused_k (FlashAttention's): None, or int32
     (num_seqs,) on q's device: sequence b attends to only the first seqused_k[b] of its keys
     (<= its cu_seqlens_k length), causal and window_size aligned to that count (shift =

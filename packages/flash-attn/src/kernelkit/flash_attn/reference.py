@@ -40,7 +40,8 @@ def attention_reference(
     softcap: float = 0.0,
     window_size: tuple[int, int] = (-1, -1),
 ):
-    """softmax(q k^T * scale) v for q (B, Nq, H, D), k/v (B, Nk, Hkv, D), or 3-D (B, N, D).
+    """softmax(q k^T * scale) v for q (B, Nq, H, D), k/v (B, Nk, Hkv, D), or 3-D (B, N, D); v may
+    have a head dim of its own (Dv), which o then has.
 
     Same contract as `flash_attn`: GQA by repeating kv heads, bottom-right causal mask, rows that
     see no key give zeros (LSE -inf), natural-log LSE (B, H, Nq) (or (B, Nq)) in float32;

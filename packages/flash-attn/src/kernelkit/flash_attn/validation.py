@@ -34,6 +34,16 @@ def _check_head_dim(q, k) -> int:
     return d
 
 
+def _check_value_dim(k, v, layout: str) -> None:
+    """v like k except its last dim, the value head dim Dv, which may differ from D."""
+    if v.shape[:-1] != k.shape[:-1]:
+        raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)} {layout} "
+                         "except the last dim (the value head dim)")  # fmt: skip
+    dv = v.shape[-1]
+    if not MIN_HEAD_DIM <= dv <= MAX_HEAD_DIM:
+        raise ValueError(f"v: value head dim Dv={dv} outside {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
+
+
 def _check_heads(h: int, hkv: int) -> None:
     if h < 1 or hkv < 1:
         raise ValueError(f"q, k: need at least one head, got H={h}, Hkv={hkv}")
@@ -61,12 +71,13 @@ def validate(q, k, v, causal, softmax_scale) -> float:
     # expression. Anything else (tensor subclasses and traced calls too) takes the checks one by
     # one, which raise the error that names the argument.
     if q.__class__ is _T and k.__class__ is _T and v.__class__ is _T:
-        qs, ks = q.shape, k.shape
+        qs, ks, vs = q.shape, k.shape, v.shape
         n, dtype = len(qs), q.dtype
         if (
             (n == 4 or n == 3)
             and len(ks) == n
-            and v.shape == ks
+            and vs[:-1] == ks[:-1]
+            and MIN_HEAD_DIM <= vs[-1] <= MAX_HEAD_DIM
             and dtype in FLOAT_DTYPES
             and k.dtype == dtype
             and v.dtype == dtype
@@ -89,11 +100,10 @@ def validate(q, k, v, causal, softmax_scale) -> float:
     for name, t in (("k", k), ("v", v)):
         if t.dim() != q.dim():
             raise ValueError(f"{name}: expected {layout} like q, got shape {tuple(t.shape)}")
-    if v.shape != k.shape:
-        raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)} {layout}")
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k: batch size {k.shape[0]} differs from q's {q.shape[0]}")
     d = _check_head_dim(q, k)
+    _check_value_dim(k, v, layout)
     if q.shape[1] < 1:
         raise ValueError("q: the query sequence is empty (Nq must be >= 1)")
     if k.shape[1] < 1:
@@ -120,9 +130,8 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     for name, t in (("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{name}: expected shape (total_k, Hkv, D), got {tuple(t.shape)}")
-    if v.shape != k.shape:
-        raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)}")
     d = _check_head_dim(q, k)
+    _check_value_dim(k, v, "(total_k, Hkv, D)")
     _check_heads(q.shape[1], k.shape[1])
     lengths = [
         check_cu_seqlens(cu, t.shape[0], q.device, name=name)
@@ -210,14 +219,16 @@ def window_for(window_size, causal: bool, nq: int, nk: int) -> tuple[int, int]:
     return left, right
 
 
-def validate_stats(q, do, o, lse, dlse) -> None:
-    """Check `flash_attn_backward`'s do, o (like 4-D q) and lse, dlse ((B, H, Nq) float32)."""
+def validate_stats(q, do, o, lse, dlse, v=None) -> None:
+    """Check `flash_attn_backward`'s do, o (like 4-D q, with v's head dim Dv: v's last dim, or
+    q's without a tensor v) and lse, dlse ((B, H, Nq) float32)."""
     if q.dim() != 4:
         raise ValueError(f"q: expected shape (B, Nq, H, D), got {tuple(q.shape)}")
-    b, nq, h, _ = q.shape
+    b, nq, h, d = q.shape
+    dv = v.shape[-1] if isinstance(v, torch.Tensor) and v.dim() == 4 else d
     for name, t, shape, dtype in (
-        ("do", do, tuple(q.shape), q.dtype),
-        ("o", o, tuple(q.shape), q.dtype),
+        ("do", do, (b, nq, h, dv), q.dtype),
+        ("o", o, (b, nq, h, dv), q.dtype),
         ("lse", lse, (b, h, nq), torch.float32),
         ("dlse", dlse, (b, h, nq), torch.float32),
     ):

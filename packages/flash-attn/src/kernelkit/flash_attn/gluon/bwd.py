@@ -736,14 +736,16 @@ def attn_bwd_gluon_kernel(
 
 def can_implement(p: Problem, cfg: BwdConfig) -> str | None:
     """None if the Gluon backward can run `cfg` for problem `p`, else why not: an sm_90 GPU,
-    half precision, BLOCK_D 64 or 128, TMA-aligned q, k, v, do; dense, no window edge but the
-    causal diagonal, no softcap; 2 x 64 keys per tile; dq summed here only up to
-    GLUON_FUSED_DQ_MAX_D, and K/V in registers only then (the dq-kernel variant computed wrong
-    dk / dv with them on the H100: a miscompile not understood)."""
+    half precision, BLOCK_D 64 or 128, v's head dim equal to q's, TMA-aligned q, k, v, do;
+    dense, no window edge but the causal diagonal, no softcap; 2 x 64 keys per tile; dq summed
+    here only up to GLUON_FUSED_DQ_MAX_D, and K/V in registers only then (the dq-kernel variant
+    computed wrong dk / dv with them on the H100: a miscompile not understood)."""
     if not p.target.gluon:
         return "not an sm_90 GPU (or under the interpreter)"
     if not p.half:
         return "float32 inputs"
+    if p.head_dim_v != p.head_dim:
+        return "the value head dim must equal the query's"
     if p.block_d not in (64, 128):
         return f"head dim {p.head_dim} (BLOCK_D 64 or 128 only)"
     if not cfg.dkdv_tma:

@@ -425,12 +425,15 @@ def attn_fwd_gluon_kernel(
 
 def can_implement(p: Problem, cfg: FwdConfig) -> str | None:
     """None if the Gluon forward can run `cfg` for problem `p`, else why not: an sm_90 GPU,
-    half precision, BLOCK_D 64 or 128, TMA-aligned q, k, v; dense, no window edge but the
-    causal diagonal; softcap only through tanh.approx; 2 x 64 query rows per tile."""
+    half precision, BLOCK_D 64 or 128, v's head dim equal to q's, TMA-aligned q, k, v; dense,
+    no window edge but the causal diagonal; softcap only through tanh.approx; 2 x 64 query rows
+    per tile."""
     if not p.target.gluon:
         return "not an sm_90 GPU (or under the interpreter)"
     if not p.half:
         return "float32 inputs"
+    if p.head_dim_v != p.head_dim:
+        return "the value head dim must equal the query's"
     if p.block_d not in (64, 128):
         return f"head dim {p.head_dim} (BLOCK_D 64 or 128 only)"
     if not cfg.tma:

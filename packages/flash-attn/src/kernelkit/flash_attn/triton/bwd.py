@@ -97,14 +97,17 @@ def attn_bwd_preprocess_kernel(
     HAS_DLSE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     ROWVEC: tl.constexpr,
     ROW_PAD: tl.constexpr,
     VARLEN: tl.constexpr,
     ZERO_DQ: tl.constexpr,
 ):
-    """delta = rowsum(o * do) - dlse (dlse: the gradient flowing into the returned LSE), rows
-    of LSE / DLSE read through (batch, head) strides and of LSE2 / DELTA through theirs.
+    """delta = rowsum(o * do) - dlse (dlse: the gradient flowing into the returned LSE; o and do
+    HEAD_DIM_V wide, v's head dim), rows of LSE / DLSE read through (batch, head) strides and
+    of LSE2 / DELTA through theirs.
 
     ROWVEC: the backward's row vectors, padded: lse2 (the LSE in log2 units) and delta of every
     row up to Nq rounded up to ROW_PAD, +inf and 0 past Nq (so the kernels read them with no
@@ -135,14 +138,13 @@ def attn_bwd_preprocess_kernel(
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     o_ptrs = O + b * stride_ob + h * stride_oh + start_m.to(tl.int64) * stride_on
-    o = _load_rows(
-        o_ptrs + offs_m[:, None] * stride_on + offs_d[None, :], rows, Nq, offs_d, True, HEAD_DIM
-    )
+    o = _load_rows(o_ptrs + offs_m[:, None] * stride_on + offs_dv[None, :], rows, Nq, offs_dv,
+                   True, HEAD_DIM_V)  # fmt: skip
     do_ptrs = DO + b * stride_dob + h * stride_doh + start_m.to(tl.int64) * stride_don
-    do = _load_rows(
-        do_ptrs + offs_m[:, None] * stride_don + offs_d[None, :], rows, Nq, offs_d, True, HEAD_DIM
-    )
+    do = _load_rows(do_ptrs + offs_m[:, None] * stride_don + offs_dv[None, :], rows, Nq, offs_dv,
+                    True, HEAD_DIM_V)  # fmt: skip
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     vec = b * stride_lb + h * stride_lh + rows
     if HAS_DLSE:
@@ -200,15 +202,16 @@ def attn_bwd_dq_convert_kernel(
 def _dkdv_step(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qn, stride_don, cols,
                start_m, Nq, lo_shift, hi_shift, qk_scale, cap_scale, MASK: tl.constexpr,
                CHECK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
-               SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr,
-               ROWVEC: tl.constexpr):  # fmt: skip
+               BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+               DOT_PREC: tl.constexpr, TMA: tl.constexpr, SOFTCAP: tl.constexpr,
+               CAUSAL: tl.constexpr, LOCAL: tl.constexpr, ROWVEC: tl.constexpr):  # fmt: skip
     """dk, dv of one key block plus the query block at start_m, in the transposed (key x query)
-    orientation. Query rows past Nq (CHECK_M) load q = do = 0 and LSE = +inf, so their p is 0
-    and they add nothing (ROWVEC: the padded row vectors hold +inf and 0 there, unchecked);
-    MASK applies the window (causal) mask."""
+    orientation (v, do and dv HEAD_DIM_V wide). Query rows past Nq (CHECK_M) load q = do = 0
+    and LSE = +inf, so their p is 0 and they add nothing (ROWVEC: the padded row vectors hold
+    +inf and 0 there, unchecked); MASK applies the window (causal) mask."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     rows = start_m + offs_m
     q = _load_block(q_src, start_m, stride_qn, offs_m, Nq, offs_d, CHECK_M, HEAD_DIM, TMA)
     lse2 = _load_lse2(lse_base + rows, rows, Nq, CHECK_M, ROWVEC)
@@ -220,7 +223,7 @@ def _dkdv_step(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qn, str
         keep = _visible(rows[None, :], cols[:, None], 0, lo_shift, hi_shift, LOCAL, CAUSAL,
                         False)  # fmt: skip
         p_t = tl.where(keep, p_t, 0.0)
-    do = _load_block(do_src, start_m, stride_don, offs_m, Nq, offs_d, CHECK_M, HEAD_DIM, TMA)
+    do = _load_block(do_src, start_m, stride_don, offs_m, Nq, offs_dv, CHECK_M, HEAD_DIM_V, TMA)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
     delta = _load_vec(delta_base + rows, rows, Nq, 0.0, CHECK_M and not ROWVEC)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
@@ -235,9 +238,10 @@ def _dkdv_step(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qn, str
 def _dkdv_steps(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qn, stride_don, cols,
                 lo, hi, Nq, lo_shift, hi_shift, qk_scale, cap_scale, MASK: tl.constexpr,
                 CHECK_M: tl.constexpr, PEEL: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-                TMA: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr,
-                LOCAL: tl.constexpr, ROWVEC: tl.constexpr):  # fmt: skip
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
+                SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr,
+                ROWVEC: tl.constexpr):  # fmt: skip
     """Accumulate dk, dv of one key block over the query blocks [lo, hi) (`_dkdv_step`).
     PEEL (with CHECK_M): only the blocks from Nq's last block boundary on take the row checks;
     those before it run the unchecked steps of a block-multiple Nq."""
@@ -248,13 +252,15 @@ def _dkdv_steps(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qn, st
             dk, dv = _dkdv_step(
                 dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qn, stride_don, cols,
                 start_m, Nq, lo_shift, hi_shift, qk_scale, cap_scale, MASK, False, HEAD_DIM,
-                BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL, ROWVEC,
+                BLOCK_M, BLOCK_D, HEAD_DIM_V, BLOCK_DV, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
+                ROWVEC,
             )  # fmt: skip
     for start_m in range(start, hi, BLOCK_M):
         dk, dv = _dkdv_step(
             dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qn, stride_don, cols,
             start_m, Nq, lo_shift, hi_shift, qk_scale, cap_scale, MASK, CHECK_M, HEAD_DIM,
-            BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL, ROWVEC,
+            BLOCK_M, BLOCK_D, HEAD_DIM_V, BLOCK_DV, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
+            ROWVEC,
         )  # fmt: skip
     return dk, dv
 
@@ -304,6 +310,8 @@ def attn_bwd_dkdv_kernel(
     win_right,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -351,6 +359,7 @@ def attn_bwd_dkdv_kernel(
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     k_ptrs = K + b * stride_kb + hk.to(tl.int64) * stride_kh + start_n.to(tl.int64) * stride_kn
     k = _load_rows(
         k_ptrs + offs_n[:, None] * stride_kn + offs_d[None, :],
@@ -362,15 +371,15 @@ def attn_bwd_dkdv_kernel(
     )
     v_ptrs = V + b * stride_vb + hk.to(tl.int64) * stride_vh + start_n.to(tl.int64) * stride_vn
     v = _load_rows(
-        v_ptrs + offs_n[:, None] * stride_vn + offs_d[None, :],
+        v_ptrs + offs_n[:, None] * stride_vn + offs_dv[None, :],
         cols,
         Nk,
-        offs_d,
+        offs_dv,
         not EVEN_N,
-        HEAD_DIM,
+        HEAD_DIM_V,
     )
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     # Query rows past Nq need a check only where they are read through pointers: TMA reads q
     # and do past the sequence as zeros, and the padded row vectors need none. (The checked
@@ -394,27 +403,27 @@ def attn_bwd_dkdv_kernel(
         q_src = _head_source(Q + b * stride_qb + h * stride_qh, Nq, stride_qn, BLOCK_M, HEAD_DIM,
                              BLOCK_D, TMA)  # fmt: skip
         do_src = _head_source(DO + b * stride_dob + h * stride_doh, Nq, stride_don, BLOCK_M,
-                              HEAD_DIM, BLOCK_D, TMA)  # fmt: skip
+                              HEAD_DIM_V, BLOCK_DV, TMA)  # fmt: skip
         vec_base = b * stride_lb + h * stride_lh
         if CAUSAL:
             dk, dv = _dkdv_steps(
                 dk, dv, k, v, q_src, do_src, LSE + vec_base, DELTA + vec_base, stride_qn,
                 stride_don, cols, m_lo, m_full, Nq, lo_shift, hi_shift, qk_scale, cap_scale,
-                True, CHECK_M, False, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL,
-                LOCAL, ROWVEC,
+                True, CHECK_M, False, HEAD_DIM, BLOCK_M, BLOCK_D, HEAD_DIM_V, BLOCK_DV, DOT_PREC,
+                TMA, SOFTCAP, CAUSAL, LOCAL, ROWVEC,
             )  # fmt: skip
         dk, dv = _dkdv_steps(
             dk, dv, k, v, q_src, do_src, LSE + vec_base, DELTA + vec_base, stride_qn,
             stride_don, cols, m_full, m_full_hi, Nq, lo_shift, hi_shift, qk_scale, cap_scale,
-            False, CHECK_M, PEEL_TAIL, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP,
-            CAUSAL, LOCAL, ROWVEC,
+            False, CHECK_M, PEEL_TAIL, HEAD_DIM, BLOCK_M, BLOCK_D, HEAD_DIM_V, BLOCK_DV, DOT_PREC,
+            TMA, SOFTCAP, CAUSAL, LOCAL, ROWVEC,
         )  # fmt: skip
         if LOCAL:
             dk, dv = _dkdv_steps(
                 dk, dv, k, v, q_src, do_src, LSE + vec_base, DELTA + vec_base, stride_qn,
                 stride_don, cols, m_full_hi, m_hi, Nq, lo_shift, hi_shift, qk_scale, cap_scale,
-                True, CHECK_M, False, HEAD_DIM, BLOCK_M, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL,
-                LOCAL, ROWVEC,
+                True, CHECK_M, False, HEAD_DIM, BLOCK_M, BLOCK_D, HEAD_DIM_V, BLOCK_DV, DOT_PREC,
+                TMA, SOFTCAP, CAUSAL, LOCAL, ROWVEC,
             )  # fmt: skip
 
     dk *= sm_scale
@@ -432,8 +441,8 @@ def attn_bwd_dkdv_kernel(
     )  # fmt: skip
     dv_ptrs = DV + b * stride_dvb + hk.to(tl.int64) * stride_dvh + start_n.to(tl.int64) * stride_dvn
     _store_rows(
-        dv_ptrs + offs_n[:, None] * stride_dvn + offs_d[None, :],
-        dv.to(DV.dtype.element_ty), cols, Nk, offs_d, not EVEN_N, HEAD_DIM,
+        dv_ptrs + offs_n[:, None] * stride_dvn + offs_dv[None, :],
+        dv.to(DV.dtype.element_ty), cols, Nk, offs_dv, not EVEN_N, HEAD_DIM_V,
     )  # fmt: skip
 
 
@@ -441,20 +450,22 @@ def attn_bwd_dkdv_kernel(
 def _dq_step(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, start_n, Nk,
              lo_shift, hi_shift, qk_scale, cap_scale, MASK: tl.constexpr, CHECK_N: tl.constexpr,
              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-             DOT_PREC: tl.constexpr, TMA: tl.constexpr, SOFTCAP: tl.constexpr,
-             CAUSAL: tl.constexpr, LOCAL: tl.constexpr):  # fmt: skip
-    """dq of one query block plus the key block at start_n; MASK applies the window (causal)
-    mask. Keys past Nk (CHECK_N) load k = v = 0, so their score 0 gives p = exp2(-lse2), which
-    overflows where a row's LSE is very negative (few keys, large negative scores), and the
-    float16 dS = inf times k = 0 was NaN. The masked steps drop those keys (`_visible`); the
-    unmasked ones bound p by 1, which every real key's p is (a column mask there costs the d64
-    kernel 25 registers and its second program per SM: 9% of a ragged backward on the H100),
-    so a padded key's dS = -delta stays finite and adds delta * 0 = 0."""
+             HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr,
+             TMA: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr,
+             LOCAL: tl.constexpr):  # fmt: skip
+    """dq of one query block plus the key block at start_n (v and do HEAD_DIM_V wide); MASK
+    applies the window (causal) mask. Keys past Nk (CHECK_N) load k = v = 0, so their score 0
+    gives p = exp2(-lse2), which overflows where a row's LSE is very negative (few keys, large
+    negative scores), and the float16 dS = inf times k = 0 was NaN. The masked steps drop those
+    keys (`_visible`); the unmasked ones bound p by 1, which every real key's p is (a column
+    mask there costs the d64 kernel 25 registers and its second program per SM: 9% of a ragged
+    backward on the H100), so a padded key's dS = -delta stays finite and adds delta * 0 = 0."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     cols = start_n + offs_n
     k = _load_block(k_src, start_n, stride_kn, offs_n, Nk, offs_d, CHECK_N, HEAD_DIM, TMA)
-    v = _load_block(v_src, start_n, stride_vn, offs_n, Nk, offs_d, CHECK_N, HEAD_DIM, TMA)
+    v = _load_block(v_src, start_n, stride_vn, offs_n, Nk, offs_dv, CHECK_N, HEAD_DIM_V, TMA)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     if SOFTCAP:  # qk holds tanh(s / softcap) from here on
         qk = _tanh(qk * cap_scale, SOFTCAP == 2)
@@ -477,8 +488,9 @@ def _dq_step(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, s
 def _dq_steps(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, lo, hi, Nk,
               lo_shift, hi_shift, qk_scale, cap_scale, MASK: tl.constexpr, CHECK_N: tl.constexpr,
               PEEL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
-              SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr):  # fmt: skip
+              BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+              DOT_PREC: tl.constexpr, TMA: tl.constexpr, SOFTCAP: tl.constexpr,
+              CAUSAL: tl.constexpr, LOCAL: tl.constexpr):  # fmt: skip
     """Accumulate dq of one query block over the key blocks [lo, hi) (`_dq_step`); PEEL as in
     `_dkdv_steps`, for the key checks (the TMA path too: its loads need no check, but the
     tail's p does)."""
@@ -489,13 +501,13 @@ def _dq_steps(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, 
             dq = _dq_step(
                 dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, start_n, Nk,
                 lo_shift, hi_shift, qk_scale, cap_scale, MASK, False, HEAD_DIM, BLOCK_N,
-                BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
+                BLOCK_D, HEAD_DIM_V, BLOCK_DV, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
             )  # fmt: skip
     for start_n in range(start, hi, BLOCK_N):
         dq = _dq_step(
             dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, start_n, Nk,
             lo_shift, hi_shift, qk_scale, cap_scale, MASK, CHECK_N, HEAD_DIM, BLOCK_N, BLOCK_D,
-            DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
+            HEAD_DIM_V, BLOCK_DV, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
         )  # fmt: skip
     return dq
 
@@ -540,6 +552,8 @@ def attn_bwd_dq_kernel(
     win_right,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -556,7 +570,7 @@ def attn_bwd_dq_kernel(
     SEQUSED: tl.constexpr,
 ):
     """dq of one query block: a pass over the key blocks of its own (no atomics). LSE, DELTA
-    and SEQUSED as in the dk/dv kernel."""
+    and SEQUSED as in the dk/dv kernel; v and do HEAD_DIM_V wide."""
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
     cap_scale = tl.cast(cap_scale, tl.float32)
@@ -586,6 +600,7 @@ def attn_bwd_dq_kernel(
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     q_ptrs = Q + b * stride_qb + h * stride_qh + start_m.to(tl.int64) * stride_qn
     q = _load_rows(
         q_ptrs + offs_m[:, None] * stride_qn + offs_d[None, :],
@@ -597,20 +612,20 @@ def attn_bwd_dq_kernel(
     )
     do_ptrs = DO + b * stride_dob + h * stride_doh + start_m.to(tl.int64) * stride_don
     do = _load_rows(
-        do_ptrs + offs_m[:, None] * stride_don + offs_d[None, :],
+        do_ptrs + offs_m[:, None] * stride_don + offs_dv[None, :],
         rows,
         Nq,
-        offs_d,
+        offs_dv,
         not EVEN_M,
-        HEAD_DIM,
+        HEAD_DIM_V,
     )
     vec = b * stride_lb + h * stride_lh + rows
     lse2 = _load_lse2(LSE + vec, rows, Nq, not EVEN_M, ROWVEC)
     delta = _load_vec(DELTA + vec, rows, Nq, 0.0, not (EVEN_M or ROWVEC))
     k_src = _head_source(K + b * stride_kb + hk * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM,
                          BLOCK_D, TMA)  # fmt: skip
-    v_src = _head_source(V + b * stride_vb + hk * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM,
-                         BLOCK_D, TMA)  # fmt: skip
+    v_src = _head_source(V + b * stride_vb + hk * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM_V,
+                         BLOCK_DV, TMA)  # fmt: skip
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo_shift = Nk - Nq - win_left
@@ -623,24 +638,25 @@ def attn_bwd_dq_kernel(
             dq = _dq_steps(
                 dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, lo, mid_lo, Nk,
                 lo_shift, hi_shift, qk_scale, cap_scale, True, not EVEN_N, False, HEAD_DIM,
-                BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
+                BLOCK_N, BLOCK_D, HEAD_DIM_V, BLOCK_DV, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
             )  # fmt: skip
         dq = _dq_steps(
             dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, mid_lo, mid_hi, Nk,
             lo_shift, hi_shift, qk_scale, cap_scale, False, not (EVEN_N or CAUSAL), PEEL_TAIL,
-            HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
+            HEAD_DIM, BLOCK_N, BLOCK_D, HEAD_DIM_V, BLOCK_DV, DOT_PREC, TMA, SOFTCAP, CAUSAL,
+            LOCAL,
         )  # fmt: skip
         if CAUSAL:
             dq = _dq_steps(
                 dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, mid_hi, hi, Nk,
                 lo_shift, hi_shift, qk_scale, cap_scale, True, not EVEN_N, False, HEAD_DIM,
-                BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
+                BLOCK_N, BLOCK_D, HEAD_DIM_V, BLOCK_DV, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
             )  # fmt: skip
     else:
         dq = _dq_steps(
             dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, rows, 0, Nk, Nk,
             lo_shift, hi_shift, qk_scale, cap_scale, False, not EVEN_N, PEEL_TAIL, HEAD_DIM,
-            BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
+            BLOCK_N, BLOCK_D, HEAD_DIM_V, BLOCK_DV, DOT_PREC, TMA, SOFTCAP, CAUSAL, LOCAL,
         )  # fmt: skip
 
     dq *= sm_scale
@@ -691,7 +707,8 @@ def launch_preprocess(ops, p: Problem, cfg: BwdConfig, o, do, lse, dlse, lse2, d
         stride_lb=lse_strides[0], stride_lh=lse_strides[1],
         stride_vb=0 if packed else delta.stride(0), stride_vh=delta.stride(1),
         H=p.heads, Nq=p.nq if pad else rows, HAS_DLSE=dlse is not None,
-        HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=block_m, ROWVEC=pad, ROW_PAD=ROW_PAD,
+        HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, HEAD_DIM_V=p.head_dim_v, BLOCK_DV=p.block_dv,
+        BLOCK_M=block_m, ROWVEC=pad, ROW_PAD=ROW_PAD,
         VARLEN=pad and packed, ZERO_DQ=dq_acc is not None, num_warps=4,
     )  # fmt: skip
 
@@ -705,8 +722,9 @@ def _common(p: Problem, cfg: BwdConfig, s: Scores, t, varlen: Varlen | None, del
     ), dict(
         Nq=p.nq, Nk=p.nk, qk_scale=s.qk_scale, sm_scale=s.sm_scale, cap_scale=s.cap_scale,
         win_left=max(p.left, 0), win_right=p.right,
-        HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        CAUSAL=p.causal, EVEN_M=not packed and bool(p.nq % t.block_m == 0),
+        HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, HEAD_DIM_V=p.head_dim_v, BLOCK_DV=p.block_dv,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, CAUSAL=p.causal,
+        EVEN_M=not packed and bool(p.nq % t.block_m == 0),
         EVEN_N=not packed and bool(p.nk % t.block_n == 0), DOT_PREC=dot_precision(p.dtype),
         TMA=tma, SOFTCAP=s.softcap, LOCAL=p.local, VARLEN=packed, PEEL_TAIL=cfg.peel_tail,
         ROWVEC=cfg.pad_rows, ROW_PAD=ROW_PAD, SEQUSED=packed and varlen.seqused_k is not None,

@@ -1,8 +1,11 @@
 """Triton kernels of flash-attn: FlashAttention-2 forward and backward, and a split-KV forward
 for decoding (its own section below).
 
-Layout: q and o are (B, Nq, H, D), k and v (B, Nk, Hkv, D), read through runtime strides with a
-unit stride along D (the host makes D contiguous); the LSE and delta are (B, H, Nq) float32.
+Layout: q is (B, Nq, H, D), k (B, Nk, Hkv, D), v (B, Nk, Hkv, Dv) and o (B, Nq, H, Dv), read
+through runtime strides with a unit stride along the head dim (the host makes it contiguous);
+the LSE and delta are (B, H, Nq) float32. The value head dim Dv (HEAD_DIM_V, padded BLOCK_DV)
+may differ from D (HEAD_DIM, BLOCK_D): v, o, do, dv and the forward's accumulator are Dv wide,
+q, k, dq, dk D wide; where they are equal the host passes the same values for both.
 Query head h reads kv head h // GROUP. The backward kernels read the LSE (in log2 units) and
 delta from the preprocess's padded copies by default (ROWVEC, `attn_bwd_preprocess_kernel`):
 rows past the end hold values that make them add nothing, so those reads need no row checks.

@@ -52,18 +52,21 @@ def _fwd_steps(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
     SOFTCAP: tl.constexpr,
     LOCAL: tl.constexpr,
     PAGED: tl.constexpr,
 ):
-    """Online-softmax accumulation of key blocks [lo, hi). MASK: apply the window (causal) and
-    end-of-sequence masks (the scores of hidden keys are -inf). PAGED: K/V in a paged cache
-    (`_load_kv`; pages: the sequence's block-table row, stride_kp / stride_vp the page
-    strides)."""
+    """Online-softmax accumulation of key blocks [lo, hi) into acc (BLOCK_M x BLOCK_DV: v's
+    head dim, HEAD_DIM_V). MASK: apply the window (causal) and end-of-sequence masks (the
+    scores of hidden keys are -inf). PAGED: K/V in a paged cache (`_load_kv`; pages: the
+    sequence's block-table row, stride_kp / stride_vp the page strides)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k = _load_kv(k_src, pages, page_size, stride_kp, start_n, stride_kn, offs_n, Nk, offs_d,
@@ -86,8 +89,8 @@ def _fwd_steps(
             alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = _load_kv(v_src, pages, page_size, stride_vp, start_n, stride_vn, offs_n, Nk, offs_d,
-                     CHECK_N, HEAD_DIM, TMA, PAGED)  # fmt: skip
+        v = _load_kv(v_src, pages, page_size, stride_vp, start_n, stride_vn, offs_n, Nk, offs_dv,
+                     CHECK_N, HEAD_DIM_V, TMA, PAGED)  # fmt: skip
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
         m_i = m_ij
     return acc, l_i, m_i
@@ -127,6 +130,8 @@ def attn_fwd_kernel(
     win_right,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -139,9 +144,10 @@ def attn_fwd_kernel(
     VARLEN: tl.constexpr,
     SEQUSED: tl.constexpr,
 ):
-    """o and LSE of one block of query rows of one head. CAUSAL: keys past i + shift + win_right
-    are hidden (win_right = 0: causal); LOCAL: keys before i + shift - win_left. SEQUSED
-    (VARLEN): sequence b sees only its first SEQUSED_K[b] keys (the shift counts those)."""
+    """o (HEAD_DIM_V wide: v's head dim) and LSE of one block of query rows of one head.
+    CAUSAL: keys past i + shift + win_right are hidden (win_right = 0: causal); LOCAL: keys
+    before i + shift - win_left. SEQUSED (VARLEN): sequence b sees only its first SEQUSED_K[b]
+    keys (the shift counts those)."""
     # Scalars may arrive as float64 (torch.compile passes Python floats so): keep math float32.
     qk_scale = tl.cast(qk_scale, tl.float32)
     cap_scale = tl.cast(cap_scale, tl.float32)
@@ -166,16 +172,17 @@ def attn_fwd_kernel(
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
 
     q_ptrs = Q + b * stride_qb + h * stride_qh + start_m.to(tl.int64) * stride_qn
     q_ptrs = q_ptrs + offs_m[:, None] * stride_qn + offs_d[None, :]
     q = _load_rows(q_ptrs, rows, Nq, offs_d, not EVEN_M, HEAD_DIM)
     k_src = _head_source(K + b * stride_kb + hk * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM,
                          BLOCK_D, TMA)  # fmt: skip
-    v_src = _head_source(V + b * stride_vb + hk * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM,
-                         BLOCK_D, TMA)  # fmt: skip
+    v_src = _head_source(V + b * stride_vb + hk * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM_V,
+                         BLOCK_DV, TMA)  # fmt: skip
 
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
     lo_shift = Nk - Nq - win_left
@@ -188,25 +195,25 @@ def attn_fwd_kernel(
         acc, l_i, m_i = _fwd_steps(
             acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, None, 1, 0, 0, rows, lo,
             mid_lo, Nk, lo_shift, hi_shift, qk_scale, cap_scale, True, CAUSAL, not EVEN_N,
-            HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, LOCAL, 0,
+            HEAD_DIM, BLOCK_N, BLOCK_D, HEAD_DIM_V, BLOCK_DV, DOT_PREC, TMA, SOFTCAP, LOCAL, 0,
         )  # fmt: skip
     acc, l_i, m_i = _fwd_steps(
         acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, None, 1, 0, 0, rows, mid_lo,
         mid_hi, Nk, lo_shift, hi_shift, qk_scale, cap_scale, False, CAUSAL, False, HEAD_DIM,
-        BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, LOCAL, 0,
+        BLOCK_N, BLOCK_D, HEAD_DIM_V, BLOCK_DV, DOT_PREC, TMA, SOFTCAP, LOCAL, 0,
     )  # fmt: skip
     if CAUSAL or LOCAL or not EVEN_N:
         acc, l_i, m_i = _fwd_steps(
             acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, None, 1, 0, 0, rows, mid_hi,
             hi, Nk, lo_shift, hi_shift, qk_scale, cap_scale, True, CAUSAL, not EVEN_N,
-            HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, LOCAL, 0,
+            HEAD_DIM, BLOCK_N, BLOCK_D, HEAD_DIM_V, BLOCK_DV, DOT_PREC, TMA, SOFTCAP, LOCAL, 0,
         )  # fmt: skip
 
     # A row that sees no key (causal with Nq > Nk, windows) has l = 0: zeros and LSE = -inf.
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_ptrs = O + b * stride_ob + h * stride_oh + start_m.to(tl.int64) * stride_on
-    o_ptrs = o_ptrs + offs_m[:, None] * stride_on + offs_d[None, :]
-    _store_rows(o_ptrs, o.to(O.dtype.element_ty), rows, Nq, offs_d, not EVEN_M, HEAD_DIM)
+    o_ptrs = o_ptrs + offs_m[:, None] * stride_on + offs_dv[None, :]
+    _store_rows(o_ptrs, o.to(O.dtype.element_ty), rows, Nq, offs_dv, not EVEN_M, HEAD_DIM_V)
     lse = (m_i + tl.math.log2(l_i)) * LN2
     lse_ptrs = LSE + b * stride_lb + h * stride_lh + rows
     if EVEN_M:
@@ -233,7 +240,8 @@ def can_implement(p: Problem, cfg: FwdConfig) -> str | None:
 
 
 def launch(ops, p: Problem, cfg: FwdConfig, s: Scores, q, k, v, o, lse, varlen: Varlen | None):
-    """Launch the portable forward into o and lse for q, k, v (4-D, or packed with `varlen`)."""
+    """Launch the portable forward into o and lse for q, k, v (4-D, or packed with `varlen`;
+    v and o may have a head dim of their own)."""
     t, packed = cfg.tile, varlen is not None
     lse_strides = (0, lse.stride(0)) if packed else (lse.stride(0), lse.stride(1))
     ops.launch(
@@ -246,8 +254,9 @@ def launch(ops, p: Problem, cfg: FwdConfig, s: Scores, q, k, v, o, lse, varlen: 
         H=p.heads, GROUP=p.heads // p.kv_heads, Nq=p.nq, Nk=p.nk,
         qk_scale=s.qk_scale, cap_scale=s.cap_scale,
         win_left=max(p.left, 0), win_right=p.right,
-        HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        CAUSAL=p.causal, EVEN_M=not packed and bool(p.nq % t.block_m == 0),
+        HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, HEAD_DIM_V=p.head_dim_v, BLOCK_DV=p.block_dv,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, CAUSAL=p.causal,
+        EVEN_M=not packed and bool(p.nq % t.block_m == 0),
         EVEN_N=not packed and bool(p.nk % t.block_n == 0), DOT_PREC=dot_precision(p.dtype),
         TMA=cfg.tma, SOFTCAP=s.softcap, LOCAL=p.local, VARLEN=packed,
         SEQUSED=packed and varlen.seqused_k is not None,

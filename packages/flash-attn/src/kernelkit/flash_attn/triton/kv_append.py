@@ -59,17 +59,21 @@ def kv_append_kernel(
     page_size,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     BLOCK_R: tl.constexpr,
     VAR_K: tl.constexpr,
     PAGED: tl.constexpr,
 ):
     """New rows [pid0 * BLOCK_R, +BLOCK_R) of kv head (pid1 % Hkv) of sequence (pid1 // Hkv)
-    written at the sequence's length (SEQLENS[b] with VAR_K, else `length`) onwards."""
+    written at the sequence's length (SEQLENS[b] with VAR_K, else `length`) onwards; K rows
+    HEAD_DIM wide, V rows HEAD_DIM_V."""
     bh = tl.program_id(1)
     b = (bh // Hkv).to(tl.int64)
     h = (bh % Hkv).to(tl.int64)
     i = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     if VAR_K:
         length = tl.load(SEQLENS + b)
     pos = length + i
@@ -80,14 +84,15 @@ def kv_append_kernel(
     _append_rows(KC, KN, b, h, i, pos, page, stride_kcb, stride_kcn, stride_kch, stride_knb,
                  stride_knn, stride_knh, n_new, page_size, offs_d, HEAD_DIM, PAGED)  # fmt: skip
     _append_rows(VC, VN, b, h, i, pos, page, stride_vcb, stride_vcn, stride_vch, stride_vnb,
-                 stride_vnn, stride_vnh, n_new, page_size, offs_d, HEAD_DIM, PAGED)  # fmt: skip
+                 stride_vnn, stride_vnh, n_new, page_size, offs_dv, HEAD_DIM_V, PAGED)  # fmt: skip
 
 
 APPEND_BLOCK_R = 16  # new rows per program
 
 
 def launch(ops, p: Problem, cache: KVCache, k_cache, v_cache, k, v) -> None:
-    """Write k, v (B, n_new, Hkv, D) into the cache at each sequence's length."""
+    """Write k (B, n_new, Hkv, D), v (B, n_new, Hkv, Dv) into the cache at each sequence's
+    length."""
     ops.launch(
         kv_append_kernel, (cdiv(cache.n_new, APPEND_BLOCK_R), p.batch * p.kv_heads),
         KC=k_cache, VC=v_cache, KN=k, VN=v, SEQLENS=cache.seqlens, TABLE=cache.table,
@@ -95,6 +100,6 @@ def launch(ops, p: Problem, cache: KVCache, k_cache, v_cache, k, v) -> None:
         **strides("vn", v), stride_tb=0 if cache.table is None else cache.table.stride(0),
         Hkv=p.kv_heads, n_new=cache.n_new, length=cache.length,
         page_size=max(cache.page_size, 1), HEAD_DIM=p.head_dim, BLOCK_D=p.block_d,
-        BLOCK_R=APPEND_BLOCK_R, VAR_K=cache.seqlens is not None,
-        PAGED=cache.table is not None, num_warps=4,
+        HEAD_DIM_V=p.head_dim_v, BLOCK_DV=p.block_dv, BLOCK_R=APPEND_BLOCK_R,
+        VAR_K=cache.seqlens is not None, PAGED=cache.table is not None, num_warps=4,
     )  # fmt: skip

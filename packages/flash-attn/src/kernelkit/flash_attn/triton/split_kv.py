@@ -9,9 +9,10 @@ sum, and its LSE in log2 units) per packed row; `attn_fwd_combine_kernel` merges
 a row through their LSEs in split order (deterministic). A split in which a row sees no key
 (causal) leaves the neutral partial o = 0, LSE = -inf, which the merge weighs by exp2(-inf) = 0.
 
-Partials: OP (B * Hkv, SPLITS, ROWS_PAD, BLOCK_D) and LP (B * Hkv, SPLITS, ROWS_PAD), float32
-and contiguous, ROWS_PAD = GROUP * Nq rounded up to BLOCK_M: every program writes its whole
-tile unmasked (rows past GROUP * Nq are padding the merge never stores).
+Partials: OP (B * Hkv, SPLITS, ROWS_PAD, BLOCK_DV), BLOCK_DV v's padded head dim, and LP
+(B * Hkv, SPLITS, ROWS_PAD), float32 and contiguous, ROWS_PAD = GROUP * Nq rounded up to
+BLOCK_M: every program writes its whole tile unmasked (rows past GROUP * Nq are padding the
+merge never stores).
 """
 
 import torch
@@ -74,6 +75,8 @@ def attn_fwd_split_kernel(
     cache_rows,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -94,7 +97,7 @@ def attn_fwd_split_kernel(
     every sequence has Nk keys. PAGED (1: a page per row, 2: a page per key block, through TMA):
     K and V are (pages, page_size, Hkv, D) and key j of sequence b is row j % page_size of page
     TABLE[b, j // page_size] (stride_kb, stride_vb: the page strides; cache_rows: pages x
-    page_size, the rows of PAGED = 2's descriptor)."""
+    page_size, the rows of PAGED = 2's descriptor). V and the partial o: HEAD_DIM_V wide."""
     qk_scale = tl.cast(qk_scale, tl.float32)
     cap_scale = tl.cast(cap_scale, tl.float32)
     # Program order: row block fastest, then split, then (batch, kv head): the row blocks that
@@ -110,6 +113,7 @@ def attn_fwd_split_kernel(
     start_r = mb * BLOCK_M
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     r = start_r + offs_m
     qi = r // GROUP  # query index of each packed row (>= Nq on padding rows)
     if VAR_K:
@@ -132,9 +136,9 @@ def attn_fwd_split_kernel(
         v_base = V + b * stride_vb + hk * stride_vh
         src_rows = Nk
     k_src = _head_source(k_base, src_rows, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D, TMA)
-    v_src = _head_source(v_base, src_rows, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D, TMA)
+    v_src = _head_source(v_base, src_rows, stride_vn, BLOCK_N, HEAD_DIM_V, BLOCK_DV, TMA)
 
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
     lo_shift = Nk - Nq - win_left
@@ -151,24 +155,27 @@ def attn_fwd_split_kernel(
         acc, l_i, m_i = _fwd_steps(
             acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, pages, page_size, stride_kb,
             stride_vb, qi, lo, mid_lo, Nk, lo_shift, hi_shift, qk_scale, cap_scale, True,
-            CAUSAL, True, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, LOCAL, PAGED,
+            CAUSAL, True, HEAD_DIM, BLOCK_N, BLOCK_D, HEAD_DIM_V, BLOCK_DV, DOT_PREC, TMA,
+            SOFTCAP, LOCAL, PAGED,
         )  # fmt: skip
     acc, l_i, m_i = _fwd_steps(
         acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, pages, page_size, stride_kb,
         stride_vb, qi, mid_lo, mid_hi, Nk, lo_shift, hi_shift, qk_scale, cap_scale, False,
-        CAUSAL, False, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, LOCAL, PAGED,
+        CAUSAL, False, HEAD_DIM, BLOCK_N, BLOCK_D, HEAD_DIM_V, BLOCK_DV, DOT_PREC, TMA, SOFTCAP,
+        LOCAL, PAGED,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_steps(
         acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, pages, page_size, stride_kb,
         stride_vb, qi, mid_hi, hi, Nk, lo_shift, hi_shift, qk_scale, cap_scale, True, CAUSAL,
-        True, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, TMA, SOFTCAP, LOCAL, PAGED,
+        True, HEAD_DIM, BLOCK_N, BLOCK_D, HEAD_DIM_V, BLOCK_DV, DOT_PREC, TMA, SOFTCAP, LOCAL,
+        PAGED,
     )  # fmt: skip
 
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse2 = tl.where(empty, -float("inf"), m_i + tl.math.log2(l_i))
     part = (bhk.to(tl.int64) * num_splits + split) * rows_pad + start_r + offs_m
-    tl.store(OP + part[:, None] * BLOCK_D + offs_d[None, :], o)
+    tl.store(OP + part[:, None] * BLOCK_DV + offs_dv[None, :], o)
     tl.store(LP + part, lse2)
 
 
@@ -193,7 +200,7 @@ def attn_fwd_combine_kernel(
 ):
     """o and the natural-log LSE of BLOCK_R packed rows of one kv head: the splits' partials
     weighted by exp2(lse_s - max_s lse_s), summed in split order. A row no split saw (all
-    partials neutral) gets o = 0, LSE = -inf."""
+    partials neutral) gets o = 0, LSE = -inf. HEAD_DIM, BLOCK_D: o's (v's head dim)."""
     pid = tl.program_id(0)
     n_rows = GROUP * Nq
     row_blocks = tl.cdiv(n_rows, BLOCK_R)
@@ -258,7 +265,7 @@ def launch(ops, p: Problem, cfg: FwdConfig, s: Scores, q, k, v, o, lse,
     row_blocks = cdiv(group * p.nq, t.block_m)
     rows_pad = row_blocks * t.block_m
     bhk = p.batch * p.kv_heads
-    o_part = ops.empty((bhk, split.splits, rows_pad, p.block_d), torch.float32, q.device)
+    o_part = ops.empty((bhk, split.splits, rows_pad, p.block_dv), torch.float32, q.device)
     lse_part = ops.empty((bhk, split.splits, rows_pad), torch.float32, q.device)
     seqlens = table = None
     nk, stride_tb, page_size, cache_rows, paged = p.nk, 0, 1, 0, 0
@@ -276,15 +283,15 @@ def launch(ops, p: Problem, cfg: FwdConfig, s: Scores, q, k, v, o, lse,
         num_splits=split.splits, split_len=split.split_len, rows_pad=rows_pad,
         k_start=split.start, win_left=max(p.left, 0), win_right=p.right,
         page_size=page_size, cache_rows=cache_rows,
-        HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        CAUSAL=p.causal, DOT_PREC=dot_precision(p.dtype), TMA=cfg.tma, SOFTCAP=s.softcap,
-        LOCAL=p.local, VAR_K=seqlens is not None, PAGED=paged,
+        HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, HEAD_DIM_V=p.head_dim_v, BLOCK_DV=p.block_dv,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, CAUSAL=p.causal, DOT_PREC=dot_precision(p.dtype),
+        TMA=cfg.tma, SOFTCAP=s.softcap, LOCAL=p.local, VAR_K=seqlens is not None, PAGED=paged,
         num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     ops.launch(
         attn_fwd_combine_kernel, (cdiv(group * p.nq, split.combine_rows) * bhk,),
         OP=o_part, LP=lse_part, O=o, LSE=lse, **strides("o", o),
         H=p.heads, Hkv=p.kv_heads, GROUP=group, Nq=p.nq, num_splits=split.splits,
-        rows_pad=rows_pad, HEAD_DIM=p.head_dim, BLOCK_D=p.block_d,
+        rows_pad=rows_pad, HEAD_DIM=p.head_dim_v, BLOCK_D=p.block_dv,
         BLOCK_R=split.combine_rows, num_warps=4,
     )  # fmt: skip
