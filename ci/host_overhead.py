@@ -1,23 +1,29 @@
 """Host cost per call of each op's eager path, next to eager PyTorch and torch.compile.
 
     PYTHONPATH=shared/src:packages/act/src:packages/lrpe-core/src:packages/lrpe-rotate/src:\
-packages/lrpe-cosine/src:packages/flash-attn/src python ci/host_overhead.py [--shape small|tiny] [--no-breakdown] [--profile]
-    python ci/host_overhead.py --cpu     # the breakdowns on a machine without a GPU
+packages/lrpe-cosine/src:packages/flash-attn/src python ci/host_overhead.py \
+        [--shape tiny|small|decode] [--no-breakdown] [--profile] [--rounds 5]
+    python ci/host_overhead.py --cpu [--rounds 9]     # on a machine without a GPU
 
 Per op, microseconds of host time per call (the clock runs while Python issues the calls, not
 while the GPU drains them) for ours, eager PyTorch (the reference) and torch.compile of the
 reference: forward without and with autograd recording (x requires grad), and backward
-(`y.backward(dy)`). Where this exceeds the kernels' device time, a call costs this much.
+(`y.backward(dy)`), at the tiny, small (1, 256, 32, 128) and decode (8, 1, 32, 128) shapes.
+Where this exceeds the kernels' device time, a call costs this much.
 
 Then (unless --no-breakdown), for the act ops, where the microseconds of our eager path go,
 step by step (launch, plan lookup, allocation, KernelOp checks, autograd wrapper, validation),
 measured by timing nested layers of the path and differencing; Triton's own
 `kernel[grid](...)` for the same launch is printed beside the cached launch it replaces (the
-"before" of that step). Then the same for flash_attn(x, x, x, causal=True): its replayed launch
-sequence, replay key, KernelOp and validation, forward and backward.
---cpu: the same breakdown on CPU: Triton's launch path runs against kernelkit.shared's fake
-CUDA driver (no compile; the C launcher replaced by a no-op), so every step but the driver
-call itself is measured. Absolute numbers depend on the host CPU.
+"before" of that step). Then the same for lrpe_cosine (act none, softmax over N) and
+lrpe_rotate (softmax over D): replayed launch sequence, replay key, KernelOp, validation; and
+for flash_attn(x, x, x, causal=True), forward and backward.
+--cpu: on CPU, Triton's launch path runs against kernelkit.shared's fake CUDA driver (no
+compile; the C launcher replaced by a counter), so every step but the driver call itself is
+measured; plans are made for an H100's 132 multiprocessors. The per-op table shows ours only
+(eager PyTorch on CPU tensors computes instead of launching) and the kernels each call
+launches: Triton's (the fake driver's count) plus torch ops that would launch a GPU kernel.
+Absolute numbers depend on the host CPU (a GPU host's Python has been 2-3.5x slower).
 --profile: the functions that take the host time of our forward + backward (cProfile).
 
 To compare with an older checkout, run this script with that checkout's sources first on
@@ -34,8 +40,9 @@ import pstats
 import sys
 import time
 
-SHAPES = {"tiny": (1, 64, 2, 64), "small": (1, 256, 32, 128)}
+SHAPES = {"tiny": (1, 64, 2, 64), "small": (1, 256, 32, 128), "decode": (8, 1, 32, 128)}
 CALLS = 200  # per timed loop: below the GPU's launch queue depth (1024)
+ROUNDS = 5  # timed loops per measurement (the best counts); --rounds
 
 
 def sync():
@@ -45,13 +52,13 @@ def sync():
         torch.cuda.synchronize()
 
 
-def per_call_us(fn, calls=CALLS, rounds=5):
+def per_call_us(fn, calls=CALLS, rounds=None):
     """Host time per call: best of `rounds` loops of `calls` calls, the clock stopped before the
     closing sync (fewer launches than the GPU's queue holds, so issuing never waits for it)."""
     for _ in range(20):
         fn()
     best = float("inf")
-    for _ in range(rounds):
+    for _ in range(ROUNDS if rounds is None else rounds):
         sync()
         t0 = time.perf_counter()
         for _ in range(calls):
@@ -61,20 +68,21 @@ def per_call_us(fn, calls=CALLS, rounds=5):
     return best
 
 
-def op_cases(shape):
+def op_cases(shape, device="cuda"):
+    """(name, ours, eager PyTorch) per op; the lrpe ops at their issue-33 settings (theta (H, E)
+    float32, int offset 0)."""
     import torch
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     from kernelkit.act import act
     from kernelkit.act.reference import act_reference
-    from kernelkit.flash_attn import flash_attn
     from kernelkit.lrpe_cosine import lrpe_cosine
     from kernelkit.lrpe_cosine.reference import lrpe_cosine_reference
     from kernelkit.lrpe_rotate import lrpe_rotate
     from kernelkit.lrpe_rotate.reference import lrpe_rotate_reference
 
     _, _, h, d = shape
-    theta = 10000.0 ** (-torch.arange(d, device="cuda", dtype=torch.float32) / d)
+    theta = 10000.0 ** (-torch.arange(d, device=device, dtype=torch.float32) / d)
     theta = theta.expand(h, d).contiguous()
     half = theta[:, : d // 2].contiguous()
     yield "act silu", lambda x: act(x, "silu"), lambda x: act_reference(x, "silu")
@@ -86,15 +94,28 @@ def op_cases(shape):
         lambda x: lrpe_rotate_reference(x, half),
     )
     yield (
+        "lrpe_rotate softmax -1",
+        lambda x: lrpe_rotate(x, half, 0, "softmax", -1),
+        lambda x: lrpe_rotate_reference(x, half, 0, "softmax", -1),
+    )
+    yield (
+        "lrpe_rotate softmax N",
+        lambda x: lrpe_rotate(x, half, 0, "softmax", 1),
+        lambda x: lrpe_rotate_reference(x, half, 0, "softmax", 1),
+    )
+    yield (
         "lrpe_cosine none",
         lambda x: lrpe_cosine(x, theta),
         lambda x: lrpe_cosine_reference(x, theta),
     )
-    yield (
-        "flash_attn causal",
-        lambda x: flash_attn(x, x, x, causal=True),
-        lambda x: sdpa(x.transpose(1, 2), x.transpose(1, 2), x.transpose(1, 2), is_causal=True),
-    )
+    if device == "cuda":  # --cpu: flash_attn has its own breakdown (below the table)
+        from kernelkit.flash_attn import flash_attn
+
+        yield (
+            "flash_attn causal",
+            lambda x: flash_attn(x, x, x, causal=True),
+            lambda x: sdpa(*(x.transpose(1, 2),) * 3, is_causal=True),
+        )
     yield (
         "lrpe_cosine softmax N",
         lambda x: lrpe_cosine(x, theta, act="softmax", dim=1),
@@ -102,11 +123,11 @@ def op_cases(shape):
     )
 
 
-def fwd_bwd_us(f, shape):
+def fwd_bwd_us(f, shape, device="cuda"):
     """(forward, forward with x requiring grad, backward) us per call."""
     import torch
 
-    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(*shape, device=device, dtype=torch.bfloat16)
     xg = x.clone().requires_grad_()
     y = f(xg)
     dy = torch.randn_like(y)
@@ -330,6 +351,79 @@ def flash_breakdown(shape, device):
     return rows
 
 
+def lrpe_breakdown(shape, device):
+    """{case: {step: us}} of lrpe_cosine (act none, softmax over N) and lrpe_rotate (softmax
+    over D) forward: the replayed launch sequence (allocations, launches), + the replay key and
+    lookup (launch.forward), + the KernelOp (fwd / fwd_seq), + validation (the public call),
+    then the public call with x requiring grad and y.backward(dy)."""
+    import torch
+
+    import kernelkit.lrpe_cosine.launch as CL
+    import kernelkit.lrpe_cosine.op as CO
+    import kernelkit.lrpe_rotate.launch as RL
+    import kernelkit.lrpe_rotate.op as RO
+    from kernelkit.lrpe_cosine import lrpe_cosine
+    from kernelkit.lrpe_rotate import lrpe_rotate
+    from kernelkit.shared import replay
+
+    _, _, h, d = shape
+    theta = (10000.0 ** (-torch.arange(d, device=device, dtype=torch.float32) / d)).expand(h, d)
+    theta = theta.contiguous()
+    half = theta[:, : d // 2].contiguous()
+    x = torch.randn(*shape, device=device, dtype=torch.bfloat16)
+    xg = x.clone().requires_grad_()
+    cases = [
+        ("cosine none", lrpe_cosine, CL, CO.fwd, theta, "none", None, "none"),
+        ("cosine softmax N", lrpe_cosine, CL, CO.fwd_seq, theta, "softmax", 1, "softmax_seq"),
+        ("rotate softmax -1", lrpe_rotate, RL, RO.fwd, half, "softmax", -1, "softmax"),
+    ]
+    cols = {}
+    for name, public, L, op, th, act, dim, kind in cases:
+        y = public(xg, th, 0, act, dim)
+        dy = torch.randn_like(y)
+        y.backward(dy, retain_graph=True)
+        inputs = (x, th, 0, None, None, None)
+        seq = next(  # the key: run, options (kind first), launch, device, x's layout, ...
+            s
+            for k, s in replay._SEQUENCES._plans.items()
+            if k[0] is L._forward and k[1][0] == kind and k[4:6] == (x.shape, x.stride())
+        )
+        seq_kind = () if op is CO.fwd_seq or op is RO.fwd_seq else (kind,)
+        fwd = [
+            ("replayed sequence (allocations, launches)", lambda s=seq, i=inputs: s(i)),
+            (
+                "+ replay key, lookup",
+                lambda L=L, th=th, k=kind: L.forward(x, th, 0, None, None, None, k),
+            ),
+            ("+ KernelOp", lambda op=op, th=th, k=seq_kind: op(x, th, 0, None, None, None, *k)),
+            (
+                "+ validate, theta: public call",
+                lambda f=public, th=th, a=act, dm=dim: f(x, th, 0, a, dm),
+            ),
+        ]
+        col = _layers("fwd", fwd)
+        col["fwd: public call, x requires grad"] = per_call_us(
+            lambda f=public, th=th, a=act, dm=dim: f(xg, th, 0, a, dm)
+        )
+
+        def backward(y=y, dy=dy):
+            xg.grad = None
+            y.backward(dy, retain_graph=True)
+
+        col["bwd: y.backward(dy) (engine + our backward)"] = per_call_us(backward)
+        cols[name] = col
+    return cols
+
+
+def print_lrpe_breakdown(shape, device):
+    cols = lrpe_breakdown(shape, device)
+    names = list(cols)
+    print(f"\nlrpe eager forward, us per call, bf16 {shape} on {device} (steps are differences)")
+    print(f"{'step':46s}" + "".join(f"{n:>19s}" for n in names))
+    for row in cols[names[0]]:
+        print(f"{row:46s}" + "".join(f"{cols[n][row]:19.2f}" for n in names))
+
+
 def print_flash_breakdown(shape, device):
     print(f"\nflash_attn(x, x, x, causal=True) eager path, us per call, bf16 {shape} on {device}")
     for row, us in flash_breakdown(shape, device).items():
@@ -359,10 +453,14 @@ def main():
     ap.add_argument("--no-breakdown", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--cpu", action="store_true", help="breakdowns on CPU (fake driver)")
+    ap.add_argument("--rounds", type=int, default=5, help="timed loops (the best counts)")
     args = ap.parse_args()
+    global ROUNDS
+    ROUNDS = args.rounds
     if args.cpu:
-        return cpu_breakdown(SHAPES[args.shape or "small"])
-    for name in [args.shape] if args.shape else ["tiny", "small"]:
+        names = [args.shape] if args.shape else ["small", "decode"]
+        return cpu_breakdown(SHAPES[args.shape or "small"], names, not args.no_breakdown)
+    for name in [args.shape] if args.shape else ["tiny", "small", "decode"]:
         op_table(SHAPES[name], args.profile)
         print()
     if args.no_breakdown:
@@ -373,21 +471,98 @@ def main():
         print("breakdown: not available for this checkout (no cached launch plans)")
         return None
     print_breakdown(SHAPES[args.shape or "small"], "cuda")
+    print_lrpe_breakdown(SHAPES[args.shape or "small"], "cuda")
     return print_flash_breakdown(SHAPES[args.shape or "small"], "cuda")
 
 
-def cpu_breakdown(shape):
-    """Run the act ops' GPU launch path on CPU tensors against the fake CUDA driver."""
+def cpu_breakdown(shape, shapes, breakdown=True):
+    """Run the ops' GPU launch path on CPU tensors against the fake CUDA driver: the per-op
+    table at `shapes` (ours only: eager PyTorch on CPU tensors computes), then the act and
+    flash_attn breakdowns at `shape`."""
     os.environ.pop("TRITON_INTERPRET", None)
     if "kernelkit.act" in sys.modules:
         raise RuntimeError("--cpu must patch use_triton before kernelkit.act is imported")
+    import torch
+
     import kernelkit.shared.runtime as runtime
     from kernelkit.shared.fake_driver import fake_cuda
 
     runtime.use_triton = lambda t: True  # CPU tensors take the Triton path
-    with fake_cuda(record=False):
-        print_breakdown(shape, "cpu")
-        print_flash_breakdown(shape, "cpu")
+    runtime.num_sms = lambda device: CPU_SMS  # plans (chunk counts, grids) as on an H100
+    # One thread: torch's CPU ops stand for GPU launches here, and intra-op threads on a small
+    # tensor cost milliseconds on a shared 2-core machine (torch.exp of 8192 floats: 7 ms).
+    torch.set_num_threads(1)
+    # The fake launches write nothing: buffers hold whatever memory held, and denormals in it
+    # make CPU arithmetic on them (a torch op between launches) slow.
+    torch.set_flush_denormal(True)
+    with fake_cuda(record=False) as log:
+        for name in shapes:
+            cpu_op_table(SHAPES[name], log)
+            print()
+        if breakdown:
+            print_breakdown(shape, "cpu")
+            print_lrpe_breakdown(shape, "cpu")
+            print_flash_breakdown(shape, "cpu")
+
+
+CPU_SMS = 132  # --cpu: the multiprocessors plans see (an H100 SXM's)
+
+# aten ops that run no kernel on a GPU (besides views, which say so themselves)
+_NO_KERNEL = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided"}
+
+
+def kernels_per_call(fn, log) -> tuple[int, list[str]]:
+    """(Triton launches, torch ops that launch a GPU kernel) of one fn() on CPU tensors: the
+    fake driver's count, and the aten ops that are neither views nor allocations."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view and func.overloadpacket.__name__ not in _NO_KERNEL:
+                ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    before = log.count
+    with Count():
+        fn()
+    return log.count - before, ops
+
+
+def cpu_op_table(shape, log):
+    """Host us per call of our ops on CPU (fake driver), forward, forward with x requiring
+    grad, backward, and the kernels each launches: Triton's + torch ops' (aten kernels)."""
+    import torch
+
+    print(f"host us per call, ours, bf16 {shape} on cpu (fake driver, plans for {CPU_SMS} SMs)")
+    cols = ("fwd", "fwd, grad", "bwd", "launches f/g/b", "us/launch f/g/b")
+    print(
+        f"{'case':24s}" + "".join(f"{c:>10s}" for c in cols[:3]) + f"{cols[3]:>16s}{cols[4]:>22s}"
+    )
+    for name, ours, _ in op_cases(shape, "cpu"):
+        us = fwd_bwd_us(ours, shape, "cpu")
+        x = torch.randn(*shape, dtype=torch.bfloat16)
+        xg = x.clone().requires_grad_()
+        y = ours(xg)
+        dy = torch.randn_like(y)
+        y.backward(dy, retain_graph=True)
+
+        def bwd(y=y, dy=dy, xg=xg):
+            xg.grad = None
+            y.backward(dy, retain_graph=True)
+
+        counts, extra = [], []
+        for fn in (lambda f=ours, x=x: f(x), lambda f=ours, x=xg: f(x), bwd):
+            launches, ops = kernels_per_call(fn, log)
+            counts.append(launches + len(ops))
+            extra.append(ops)
+        per = "/".join(f"{t / max(c, 1):.1f}" for t, c in zip(us, counts))
+        cells = "".join(f"{t:10.1f}" for t in us)
+        print(f"{name:24s}{cells}{'/'.join(map(str, counts)):>16s}{per:>22s}")
+        for direction, ops in zip(("fwd", "fwd, grad", "bwd"), extra):
+            if ops:
+                print(f"{'':26s}{direction} torch kernels: {' '.join(ops)}")
 
 
 if __name__ == "__main__":

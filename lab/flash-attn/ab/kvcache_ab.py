@@ -61,9 +61,19 @@ def variants(p, page):
 
 def main():
     bw = copy_bandwidth_gbs()
-    cells = [(1, 65536, 0), (1, 131072, 0), (8, 16384, 0), (8, 65536, 0), (64, 16384, 0),
-             (8, 16384, 16), (8, 65536, 16), (8, 16384, 64), (8, 65536, 64), (1, 65536, 64),
-             (64, 16384, 64)]
+    cells = [
+        (1, 65536, 0),
+        (1, 131072, 0),
+        (8, 16384, 0),
+        (8, 65536, 0),
+        (64, 16384, 0),
+        (8, 16384, 16),
+        (8, 65536, 16),
+        (8, 16384, 64),
+        (8, 65536, 64),
+        (1, 65536, 64),
+        (64, 16384, 64),
+    ]
     if len(sys.argv) > 1:
         cells = [tuple(map(int, c.split(","))) for c in sys.argv[1:]]
     rows = []
@@ -71,19 +81,33 @@ def main():
         for b, nk, page in cells:
             args, p = setup(b, nk, page)
             cfgs = variants(p, page)
-            fns = {name: (lambda c=c: kvcache_forward(*args, False, D**-0.5, config=c))
-                   for name, c in cfgs.items()}
+            fns = {
+                name: (lambda c=c, a=args: kvcache_forward(*a, False, D**-0.5, config=c))
+                for name, c in cfgs.items()
+            }
             res = interleaved_ms(fns, rounds=5)
             kv = 2 * b * nk * HKV * D * 2
             print(f"\n== B={b} nk={nk} page={page} (copy {bw:.0f} GB/s)", flush=True)
             for name, (ms, spread) in sorted(res.items(), key=lambda x: x[1][0]):
                 pct = kv / (ms * 1e-3) / 1e9 / bw * 100
-                print(f"  {name:26s} {ms * 1000:9.1f} us  {pct:5.1f}%  spread {spread:.2f}  {cfgs[name]}")
-                rows.append(dict(b=b, nk=nk, page=page, variant=name, us=ms * 1000, pct=pct,
-                                 config=str(cfgs[name])))
+                print(
+                    f"  {name:26s} {ms * 1000:9.1f} us  {pct:5.1f}%  spread {spread:.2f}  {cfgs[name]}"
+                )
+                rows.append(
+                    dict(
+                        b=b,
+                        nk=nk,
+                        page=page,
+                        variant=name,
+                        us=ms * 1000,
+                        pct=pct,
+                        config=str(cfgs[name]),
+                    )
+                )
     out = os.environ.get("OUT")
     if out:
-        json.dump(rows, open(f"{out}/kvcache_ab.json", "w"), indent=1)
+        with open(f"{out}/kvcache_ab.json", "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

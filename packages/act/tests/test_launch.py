@@ -228,6 +228,41 @@ def test_grid_function_and_unkeyed_arguments_take_tritons_path(fake):
     assert not launcher._cache
 
 
+def test_replayed_sequence_with_a_varying_int(fake, monkeypatch):
+    """`replay`: an int input is a per-call value (`vary`), keyed by its width only. Launches
+    whose tensors are not the leading parameters (given by keyword, the int between them) run
+    one by one on the first replay, then fused (the kept launchers), each call with its own
+    tensors and value; a new width records a new sequence."""
+    from kernelkit.shared import replay
+
+    kernel = make_kernel()
+    launchers = {}
+    monkeypatch.setattr(
+        runtime, "launch", lambda k: launchers.setdefault(id(k), runtime._Launcher(k))
+    )
+
+    def run(ops, x, key):
+        y = ops.empty(x.shape, x.dtype, x.device)
+        ops.launch(kernel, (2,), n=32, y_ptr=y, x_ptr=x, key=key, flag=True, BLOCK=64,
+                   vary={"key": 1})  # fmt: skip
+        ops.launch(kernel, (3,), x_ptr=y, y_ptr=x, n=16, key=key, flag=False, BLOCK=32,
+                   vary={"key": 1})  # fmt: skip
+        return (y,)
+
+    for key in (5, 7, 0, 2**40, 9, -3):
+        x = torch.zeros(64, dtype=torch.float16)
+        (y,) = replay.replayed(run, (x, key), "test", x, key)
+        assert fake.launches[-2][3][:4] == (x, y, 32, key)
+        assert fake.launches[-1][3][:4] == (y, x, 16, key)
+        check_last_launch(fake, kernel, (3,), (y, x, 16, key, False), {"BLOCK": 32})
+    sequences = [s for k, s in replay._SEQUENCES._plans.items() if k[0] is run]
+    assert len(sequences) == 2  # i32 and i64 keys
+    assert all(s._fused is not None and s._fused._direct for s in sequences[:1])
+    x = torch.zeros(64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="vary"):  # the value must be the int input it names
+        replay.replayed(lambda ops, x: run(ops, x, 4), (x, 5), "bad", x)
+
+
 def test_tensor_subclass_in_keywords_is_not_eager():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

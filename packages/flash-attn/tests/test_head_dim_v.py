@@ -42,6 +42,7 @@ from kernelkit.flash_attn.config import (
     H100,
     KVCache,
     Problem,
+    Target,
 )
 from kernelkit.flash_attn.kvcache import kvcache_forward
 from kernelkit.flash_attn.reference import (
@@ -201,7 +202,9 @@ def test_decode_takes_the_split_kernel(call, device):
     q, k, v, _ = call.inputs(device)
     window = window_for(call.window, call.causal, call.nq, call.nk)
     probe = families.probe_forward(q, k, v, call.causal, call.d**-0.5, call.softcap, window)
-    assert probe.config.kernel == FWD_SPLIT and probe.config.split.splits >= 2
+    # (several splits under the interpreter's 4 stand-in SMs; a GPU gives these shapes one)
+    interpreted = Target.of(q.device).interpreter
+    assert probe.config.kernel == FWD_SPLIT and (probe.config.split.splits >= 2 or not interpreted)
     block_dv = max(16, 1 << (call.dv - 1).bit_length())
     split_kw, combine_kw = (kw for _, _, _, kw in probe.launches)
     assert split_kw["OP"].shape[-1] == block_dv == split_kw["BLOCK_DV"]

@@ -6,7 +6,10 @@ The LRPE ops' own tests cover these pieces end to end; these pin each piece down
 
 import itertools
 import math
+from decimal import Decimal, localcontext
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 import triton
@@ -15,6 +18,8 @@ import triton.language as tl
 from kernelkit.act import MAX_PACKED_SEQUENCES
 from kernelkit.lrpe_core.kernels import cos_sin, grid_positions, packed_starts, token_positions
 from kernelkit.lrpe_core.op import (
+    merge_chunk_stats,
+    merge_chunk_sums,
     position_args,
     position_strides,
     reduce_dtheta,
@@ -154,6 +159,83 @@ def test_frequency_forms():
     assert slot_frequencies(theta[:, :1], 4).tolist() == [[1.0] * 4, [4.0] * 4]
     assert slot_frequencies(theta[:, :2], 4).tolist() == [[1, 2, 0, 0], [4, 5, 0, 0]]
     assert wrap_frequencies(theta, 7).tolist()[0] == [1, 2, 3, 1, 2, 3, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Softmax over the sequence: merging per-chunk partials (float64 sums, rounded once)
+# ---------------------------------------------------------------------------------------------
+
+
+def _ulp32(v: float) -> float:
+    """The spacing of float32 at the float32 nearest |v|."""
+    return float(np.spacing(np.float32(abs(v))))
+
+
+def _chunk_stats(rows, chunks, cols, seed):
+    """float32 (2, rows, chunks, cols) chunk stats: maxima in a wide range, sums >= 1; chunk 1
+    of row 0 and every chunk of row 1 empty (-inf, 0)."""
+    g = torch.Generator().manual_seed(seed)
+    m = torch.randn(rows, chunks, cols, generator=g) * 8
+    s = 1 + torch.rand(rows, chunks, cols, generator=g) * 300
+    m[0, 1], s[0, 1] = -math.inf, 0.0
+    m[1], s[1] = -math.inf, 0.0
+    return torch.stack((m, s))
+
+
+def test_merge_chunk_stats_is_the_nearest_float32(device):
+    """The merged sum is within half a float32 ulp of the exact merge of the float32 chunk
+    stats (50 digits), and never further from it than the float32 torch merge it replaced
+    (exp, products and sum in float32); the maxima are exact; empty rows merge to (-inf, 0)."""
+    rows, chunks, cols = 6, 5, 40
+    stats = _chunk_stats(rows, chunks, cols, 0)
+    got = merge_chunk_stats(stats.to(device)).cpu()
+    m, s = stats[0], stats[1]
+    top = m.amax(1, keepdim=True)
+    shift = torch.where(top == -math.inf, torch.zeros_like(top), top)
+    before = (s * torch.exp(m - shift)).sum(1, keepdim=True)
+    assert got.shape == (2, rows, 1, cols)
+    assert torch.equal(got[0], top)
+    with localcontext() as ctx:
+        ctx.prec = 50
+        for r, i in itertools.product(range(rows), range(cols)):
+            base = Decimal(shift[r, 0, i].item())
+            exact = sum(
+                (Decimal(s[r, c, i].item()) * (Decimal(m[r, c, i].item()) - base).exp())
+                for c in range(chunks)
+                if m[r, c, i] != -math.inf
+            )
+            new, old = got[1, r, 0, i].item(), before[r, 0, i].item()
+            err = abs(Decimal(new) - exact)
+            assert err <= Decimal(_ulp32(float(exact))) / 2, (r, i, new, exact)
+            assert err <= abs(Decimal(old) - exact), (r, i, new, old, exact)
+    assert got[1, 1].eq(0).all() and got[0, 1].eq(-math.inf).all()
+
+
+def test_merge_chunk_stats_nan_as_torch(device):
+    """A NaN chunk maximum makes the row's maximum and sum NaN (torch's amax propagates it)."""
+    stats = _chunk_stats(3, 4, 8, 1)
+    stats[0, 2, 2, 5] = math.nan
+    got = merge_chunk_stats(stats.to(device)).cpu()
+    assert got[0, 2, 0, 5].isnan() and got[1, 2, 0, 5].isnan()
+    assert not got[:, :2].isnan().any() and not got[:, 2, 0, :5].isnan().any()
+
+
+def test_merge_chunk_sums_is_the_nearest_float32(device):
+    """Sums over chunks of float32 partials of both signs: within half an ulp of the exact
+    sum and never further from it than torch's float32 sum."""
+    g = torch.Generator().manual_seed(2)
+    rows, chunks, cols = 5, 7, 33
+    sums = torch.randn(rows, chunks, cols, generator=g) * torch.logspace(-3, 3, chunks)[:, None]
+    got = merge_chunk_sums(sums.to(device)).cpu()
+    before = sums.sum(1, keepdim=True)
+    assert got.shape == (rows, 1, cols)
+    for r, i in itertools.product(range(rows), range(cols)):
+        exact = sum(Fraction(sums[r, c, i].item()) for c in range(chunks))
+        err = abs(Fraction(got[r, 0, i].item()) - exact)
+        assert err <= Fraction(_ulp32(float(exact))) / 2, (r, i)
+        assert err <= abs(Fraction(before[r, 0, i].item()) - exact), (r, i)
+    one = sums[:, :1].to(device)
+    assert merge_chunk_sums(one) is one  # one chunk: nothing to merge, no launch
 
 
 def test_reduce_dtheta_forms():

@@ -2,7 +2,7 @@
 
     PYTHONPATH=... python packages/lrpe-cosine/benchmarks/tune.py [--rounds 5]
 
-Times the forward and backward launches directly (kernels.cosine_fwd / cosine_bwd with a
+Times the forward and backward launches directly (launch.forward / launch.backward with a
 `Plan`), interleaved round-robin (kernelkit.shared.bench.interleaved_ms), at the seed shape
 (12, 32768, 12, 128) and the training shape (8, 4096, 32, 128), bf16, for act none / silu with
 theta fixed and learnable, and a 3-D grid. Prints ms, GB/s and % of the copy bandwidth against
@@ -17,6 +17,7 @@ import functools
 import torch
 
 from kernelkit.lrpe_cosine import kernels as K
+from kernelkit.lrpe_cosine import launch
 from kernelkit.shared.bench import copy_bandwidth_gbs, interleaved_ms
 
 PLANS = {
@@ -54,7 +55,9 @@ def main():
             where = "seq" if grid is None else "grid3d"
             for act in ("none", "silu"):
                 fwd = {
-                    name: functools.partial(K.cosine_fwd, x, th, SEQ, act, grid=grid, plan=p)
+                    name: functools.partial(
+                        launch.forward, x, th, *SEQ, None, act, grid=grid, plan=p
+                    )
                     for name, p in PLANS.items()
                 }
                 label = f"{shape_name} {where} fwd {act}"
@@ -63,11 +66,13 @@ def main():
                     xs = x if (act != "none" or dtheta) else None
                     bwd = {
                         name: functools.partial(
-                            K.cosine_bwd,
+                            launch.backward,
                             dy,
                             xs,
                             th,
-                            SEQ,
+                            *SEQ,
+                            None,
+                            None,
                             act,
                             need_dtheta=dtheta,
                             grid=grid,

@@ -11,7 +11,7 @@ import torch
 from kernelkit.lrpe_core.reference import packed_positions
 from kernelkit.lrpe_cosine import lrpe_cosine
 from kernelkit.lrpe_cosine.kernels import PLAN, ROWS, batch_groups, sequence_chunks, tile_sizes
-from kernelkit.lrpe_cosine.op import bwd, fwd
+from kernelkit.lrpe_cosine.op import bwd, fwd, fwd_seq
 from kernelkit.lrpe_cosine.reference import lrpe_cosine_reference
 from kernelkit.shared.runtime import interpreting
 from kernelkit.shared.testing import assert_close, compilations
@@ -158,8 +158,8 @@ def test_packed_opcheck(device):
     x = make((1, 23, 2, 8), torch.float32, device).requires_grad_()
     theta = make_theta(2, 8, device).requires_grad_()
     cu = packing([9, 0, 14], device)  # positions from cu_seqlens on the device: no table
-    torch.library.opcheck(fwd.op, (x, theta, 0, None, None, cu, "softmax_seq"))
-    y, stats = fwd(x.detach(), theta.detach(), 0, None, None, cu, "softmax_seq")
+    torch.library.opcheck(fwd_seq.op, (x, theta, 0, None, None, cu))
+    y, stats = fwd_seq(x.detach(), theta.detach(), 0, None, None, cu)
     dy = make(y.shape, y.dtype, device, seed=3)
     args = (dy, x.detach(), theta.detach(), 0, None, None, cu, stats, "softmax_seq", True, True)
     torch.library.opcheck(bwd.op, args)
@@ -441,8 +441,12 @@ def test_opcheck(act, where, device):
     g = torch.Generator().manual_seed(7)  # a fixed table: the test must be reproducible
     table = torch.randint(0, 999, (1, 19), generator=g).to(device) if where == "table" else None
     start = 5 if where == "int" else 0
-    torch.library.opcheck(fwd.op, (x, theta, start, starts, table, None, act))
-    y, stats = fwd(x.detach(), theta.detach(), start, starts, table, None, act)
+    if act == "softmax_seq":  # its own op: y and the stats the backward reuses
+        torch.library.opcheck(fwd_seq.op, (x, theta, start, starts, table, None))
+        y, stats = fwd_seq(x.detach(), theta.detach(), start, starts, table, None)
+    else:
+        torch.library.opcheck(fwd.op, (x, theta, start, starts, table, None, act))
+        y, stats = fwd(x.detach(), theta.detach(), start, starts, table, None, act), None
     dy = make(y.shape, y.dtype, device, seed=3)
     args = (dy, x.detach(), theta.detach(), start, starts, table, None, stats, act, True, True)
     torch.library.opcheck(bwd.op, args)
@@ -509,14 +513,16 @@ def test_no_recompile_on_new_n_b_offset(case, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("case", "packed"),
-    [(("silu", None), False), (("softmax", 1), False), (("softmax", -1), False),
-     (("softmax", 1), True)],
+    ("case", "packed", "theta_grad"),
+    [(("silu", None), False, True), (("softmax", 1), False, True),
+     (("softmax", -1), False, True), (("softmax", 1), True, True),
+     (("softmax", 1), False, False), (("none", None), False, False)],
     ids=str,
 )  # fmt: skip
-def test_cuda_graph_replay(case, packed, device):
-    """Forward and backward (x and a learnable theta) captured into a CUDA graph replay new
-    inputs bit-exactly: no host sync, allocation outside the pool or compile in the path."""
+def test_cuda_graph_replay(case, packed, theta_grad, device):
+    """Forward and backward (x, and theta where learnable) captured into a CUDA graph replay new
+    inputs bit-exactly: no host sync, allocation outside the pool or compile in the path (the
+    host path replays its recorded launch sequence, merges of chunk statistics included)."""
     from kernelkit.shared.testing import assert_graph_replays
 
     a, dim = case
@@ -525,11 +531,11 @@ def test_cuda_graph_replay(case, packed, device):
 
     def fwd_bwd(x, theta, dy):
         y = lrpe_cosine(x, theta, offset, a, dim, cu_seqlens=cu)
-        return (y, *torch.autograd.grad(y, (x, theta), dy))
+        return (y, *torch.autograd.grad(y, (x, theta) if theta_grad else (x,), dy))
 
     def data(seed):
         x = make((b, n, h, d), torch.bfloat16, device, seed=seed).requires_grad_()
-        theta = make_theta(h, d, device, seed=seed + 1).requires_grad_()
+        theta = make_theta(h, d, device, seed=seed + 1).requires_grad_(theta_grad)
         return [x, theta, make((b, n, h, 2 * d), torch.bfloat16, device, seed=seed + 2)]
 
     assert_graph_replays(fwd_bwd, data(0), [data(10), data(20)])

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kernelkit.act import kernels as act_kernels
+from kernelkit.lrpe_core import kernels as core_kernels
 from kernelkit.lrpe_core.reference import packed_positions
 from kernelkit.lrpe_cosine import kernels as K
 from kernelkit.lrpe_cosine import lrpe_cosine
@@ -27,7 +28,8 @@ from kernelkit.shared.testing import (
     run_cases_without_interpreter,
 )
 
-FAMILY = entry_kernels(K, act_kernels)  # softmax over N reads act's chunk-stats kernel
+# softmax over N: act's chunk-stats kernel and lrpe-core's merges of chunks
+FAMILY = entry_kernels(K, act_kernels, core_kernels)
 
 
 def check(act, dim, where, shape, device, *, backend, x_grad=True, kernels=None, name=""):
@@ -86,11 +88,14 @@ def test_torch_compile_on_cpu_without_interpreter():
 MAIN = {"cosine_fwd_kernel", "cosine_bwd_kernel"}  # element-wise acts, softmax over D
 SEQ = {
     "softmax_chunk_stats_kernel",  # kernelkit-act
+    "merge_chunk_stats_kernel",  # kernelkit-lrpe-core (these shapes have several chunks)
     "cosine_fwd_kernel",
     "cosine_bwd_seq_sums_kernel",
+    "merge_chunk_sums_kernel",  # kernelkit-lrpe-core
     "cosine_bwd_kernel",
 }
-SEQ_DTHETA_ONLY = SEQ - {"cosine_bwd_kernel"}  # x frozen: the sums kernel alone
+# x frozen: the sums kernel alone (its sums are not merged: no main kernel reads them)
+SEQ_DTHETA_ONLY = SEQ - {"cosine_bwd_kernel", "merge_chunk_sums_kernel"}
 
 # id -> (act, dim, positions, shape, x requires grad, kernels launched)
 GPU_CASES = {

@@ -4,7 +4,7 @@
 $ROOT/packages/lrpe-core/src:$ROOT/packages/lrpe-rotate/src:$ROOT/packages/lrpe-rotate/benchmarks \
         python packages/lrpe-rotate/benchmarks/positions_ab.py [--rounds 3] [--tilings old,ahead]
 
-Times the launchers directly (kernels.rotate_fwd / rotate_bwd, theta fixed, bf16), interleaved
+Times the host paths directly (launch.forward / backward, theta fixed, bf16), interleaved
 round-robin (kernelkit.shared.bench.interleaved_ms) with the switch flipped per call, at the
 positions table's row (1, 65536, 32, 128) (int offset / (1, N) positions table / cu_seqlens of
 the suite's log-normal documents) and the training shape (8, 4096, 32, 128) (int offset / (B, N)
@@ -24,6 +24,7 @@ from bench_lrpe_rotate import inputs
 
 from kernelkit.lrpe_core.op import validate_positions
 from kernelkit.lrpe_rotate import kernels as K
+from kernelkit.lrpe_rotate import launch
 from kernelkit.shared.bench import copy_bandwidth_gbs, interleaved_ms, layout_row, position_forms
 
 SHAPES = {
@@ -54,12 +55,12 @@ def cell(shape, forms, direction, act, tilings, rounds, lengths):
         pos = validate_positions(x, op_kw.get("offset", 0), op_kw.get("positions"), cu)
         extra = sum(t.numel() * t.element_size() for t in (pos[1], pos[2], cu) if t is not None)
         if direction == "fwd":
-            fn, args, units = K.rotate_fwd, (x, theta, pos, act, cu), 2
+            fn, args, units = launch.forward, (x, theta, *pos, cu, act), 2
         else:
             xs = x if act != "none" else None
             fn, args, units = (
-                K.rotate_bwd,
-                (dy, xs, theta, pos, act, False, cu),
+                launch.backward,
+                (dy, xs, theta, *pos, cu, None, act, False),
                 2 + (xs is not None),
             )
         for tiling in tilings if form != "offset" else ("old",):
@@ -69,8 +70,7 @@ def cell(shape, forms, direction, act, tilings, rounds, lengths):
     for name, fn in fns.items():  # every tiling computes what the old kernels do
         form = name.split()[0]
         if form != "offset" and f"{form} old" in fns and name != f"{form} old":
-            out, ref = fn(), fns[f"{form} old"]()
-            out, ref = (out, ref) if direction == "fwd" else (out[0], ref[0])
+            out, ref = fn()[0], fns[f"{form} old"]()[0]  # y, or dx
             diff = (out.float() - ref.float()).abs().max().item()
             # one bf16 rounding step at the largest magnitude (FMA contraction may differ)
             tol = 2.0**-7 * max(1.0, ref.float().abs().max().item())

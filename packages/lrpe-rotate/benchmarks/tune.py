@@ -2,7 +2,7 @@
 
     PYTHONPATH=... python packages/lrpe-rotate/benchmarks/tune.py [--rounds 5]
 
-Times the launches directly (kernels.rotate_fwd / rotate_bwd / seq_softmax_* with a `Plan`),
+Times the launches directly (launch.forward / launch.backward with a `Plan`),
 interleaved round-robin (kernelkit.shared.bench.interleaved_ms), at the seed shape
 (12, 32768, 12, 128) and the training shape (8, 4096, 32, 128), bf16, theta (H, D/2); backward
 with theta fixed and learnable. Prints ms, GB/s and % of copy bandwidth against the ideal
@@ -15,9 +15,8 @@ import functools
 
 import torch
 
-from kernelkit.lrpe_core.op import sequence_softmax_stats
 from kernelkit.lrpe_rotate import kernels as K
-from kernelkit.lrpe_rotate import seq_softmax
+from kernelkit.lrpe_rotate import launch
 from kernelkit.shared.bench import copy_bandwidth_gbs, interleaved_ms
 
 PLANS = {
@@ -51,27 +50,27 @@ def main():
         unit = x.numel() * x.element_size()
         for kind in ("none", "silu", "softmax"):
             fwd = {
-                name: functools.partial(K.rotate_fwd, x, theta, SEQ, kind, plan=p)
+                name: functools.partial(launch.forward, x, theta, *SEQ, None, kind, plan=p)
                 for name, p in PLANS.items()
             }
             report(f"{shape_name} fwd {kind}", interleaved_ms(fwd, args.rounds), 2 * unit)
             for dtheta in (False, True):
                 xs = x if (kind != "none" or dtheta) else None
                 bwd = {
-                    name: functools.partial(K.rotate_bwd, dy, xs, theta, SEQ, kind, dtheta, plan=p)
+                    name: functools.partial(
+                        launch.backward, dy, xs, theta, *SEQ, None, None, kind, dtheta, plan=p
+                    )
                     for name, p in PLANS.items()
                 }
                 label = f"{shape_name} bwd {kind}{' dtheta' if dtheta else ''}"
                 report(label, interleaved_ms(bwd, args.rounds), (2 + (xs is not None)) * unit)
-        stats = sequence_softmax_stats(x)
         seq = {
-            name: functools.partial(seq_softmax.seq_softmax_fwd, x, theta, SEQ, stats, plan=p)
+            name: functools.partial(launch.forward, x, theta, *SEQ, None, "softmax_seq", plan=p)
             for name, p in PLANS.items()
         }
-        report(f"{shape_name} fwd softmax_seq*", interleaved_ms(seq, args.rounds), 2 * unit)
+        report(f"{shape_name} fwd softmax_seq", interleaved_ms(seq, args.rounds), 3 * unit)
         del x, dy
         torch.cuda.empty_cache()
-    print("* without the chunk-stats pass (one more read of x)")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ def launch_calls():
 
     op.use_triton = lambda t: True
     x, packed = torch.randn(3, 20, 2, 16), torch.randn(1, 20, 2, 16)
-    wheres = ({"offset": 4}, {"offset": torch.tensor([1, 5, 9])},
+    # (offset 11 replays offset 4's recorded launches with its own value)
+    wheres = ({"offset": 4}, {"offset": 11}, {"offset": torch.tensor([1, 5, 9])},
               {"positions": torch.randint(0, 99, (3, 20))},
               {"cu_seqlens": torch.tensor([0, 7, 7, 20], dtype=torch.int32)})  # fmt: skip
     for grad in (False, True):

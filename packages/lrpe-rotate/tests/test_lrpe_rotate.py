@@ -10,7 +10,7 @@ import torch
 
 from kernelkit.lrpe_core.reference import packed_positions
 from kernelkit.lrpe_rotate import lrpe_rotate
-from kernelkit.lrpe_rotate.op import bwd, fwd
+from kernelkit.lrpe_rotate.op import bwd, fwd, fwd_seq
 from kernelkit.lrpe_rotate.reference import lrpe_rotate_reference
 from kernelkit.shared.testing import assert_close, compilations
 
@@ -289,20 +289,20 @@ def test_theta_dtypes(theta_dtype, device):
 
 
 def test_parameter_theta_takes_the_cached_path(device):
-    """A learnable theta is an nn.Parameter: it must hit the cached launch plans (a Parameter
-    once counted as a traced tensor: a plan was rebuilt on every call) and give the same
-    results and gradients as a plain tensor."""
-    from kernelkit.lrpe_core import op as core_op
+    """A learnable theta is an nn.Parameter: it must hit the replayed launch sequences (a
+    Parameter once counted as a traced tensor: a plan was rebuilt on every call) and give the
+    same results and gradients as a plain tensor."""
+    from kernelkit.shared import replay
 
     x = make((2, 19, 2, 16), torch.float32, device)  # a layout no other test uses
     theta = torch.nn.Parameter(make_theta("full", 2, 16, device))
-    plans = len(core_op._PLANS._plans)
+    plans = len(replay._SEQUENCES._plans)
     lrpe_rotate(x, theta, 3, "silu").sum().backward()
-    cached = len(core_op._PLANS._plans)
-    assert cached == plans + 2  # the forward's and the backward's launch plans
-    for _ in range(3):
-        lrpe_rotate(x, theta, 3, "silu").sum().backward()
-    assert len(core_op._PLANS._plans) == cached
+    cached = len(replay._SEQUENCES._plans)
+    assert cached == plans + 2  # the forward's and the backward's launch sequences
+    for offset in (3, 4, 2**40 + 1):  # new offsets (and, last, a new int width: recorded anew)
+        lrpe_rotate(x, theta, offset, "silu").sum().backward()
+    assert len(replay._SEQUENCES._plans) == cached + 2
     check(x, theta, 3, "silu")
 
 
@@ -463,9 +463,13 @@ def test_opcheck(kind, where, device):
     starts = torch.tensor([5, 70_000], device=device) if where == "starts" else None
     table = torch.randint(0, 99, (2, 37), device=device) if where == "table" else None
     start = 9 if where == "int" else 0
-    args = (x.requires_grad_(), theta.requires_grad_(), start, starts, table, None, kind)
-    torch.library.opcheck(fwd.op, args)
-    _, stats = fwd(x.detach(), theta.detach(), start, starts, table, None, kind)
+    args = (x.requires_grad_(), theta.requires_grad_(), start, starts, table, None)
+    if kind == "softmax_seq":  # its own op: y and the stats the backward reuses
+        torch.library.opcheck(fwd_seq.op, args)
+        _, stats = fwd_seq(x.detach(), theta.detach(), start, starts, table, None)
+    else:
+        torch.library.opcheck(fwd.op, (*args, kind))
+        stats = None
     dy = make(x.shape, x.dtype, device, seed=3)
     torch.library.opcheck(
         bwd.op, (dy, x.detach(), theta.detach(), start, starts, table, None, stats, kind, True)
@@ -533,9 +537,11 @@ def test_benchmark_shape(case, device):
         ("softmax", 1, "packed"),
     ],
 )
-def test_cuda_graph_replay(act, dim, where, device):
-    """Forward and backward (x and a learnable theta) captured into a CUDA graph replay new
-    inputs bit-exactly: no host sync, allocation outside the pool or compile in the path."""
+@pytest.mark.parametrize("theta_grad", [True, False], ids=["theta", "frozen_theta"])
+def test_cuda_graph_replay(act, dim, where, theta_grad, device):
+    """Forward and backward (x, and theta where learnable) captured into a CUDA graph replay new
+    inputs bit-exactly: no host sync, allocation outside the pool or compile in the path (the
+    host path replays its recorded launch sequence, the chunk-stats merge included)."""
     from kernelkit.shared.testing import assert_graph_replays
 
     b, n, h, d = (1, 900, 4, 64) if where == "packed" else (3, 300, 4, 64)
@@ -545,11 +551,11 @@ def test_cuda_graph_replay(act, dim, where, device):
 
     def fwd_bwd(x, theta, dy):
         y = lrpe_rotate(x, theta, offset, act, dim, positions=positions, cu_seqlens=cu)
-        return (y, *torch.autograd.grad(y, (x, theta), dy))
+        return (y, *torch.autograd.grad(y, (x, theta) if theta_grad else (x,), dy))
 
     def data(seed):
         x = make((b, n, h, d), torch.bfloat16, device, seed=seed).requires_grad_()
-        theta = make_theta("full", h, d, device, seed=seed + 1).requires_grad_()
+        theta = make_theta("full", h, d, device, seed=seed + 1).requires_grad_(theta_grad)
         return [x, theta, make((b, n, h, d), torch.bfloat16, device, seed=seed + 2)]
 
     assert_graph_replays(fwd_bwd, data(0), [data(10), data(20)])
@@ -569,19 +575,22 @@ runtime._Launcher._run = lambda self, grid, *a, **k: bound.append(grid) or run(s
 x = torch.randn(1, 20, 2, 16)
 cu = torch.tensor([0, 7, 7, 20], dtype=torch.int32)
 with fake_cuda() as log:
-    for _ in range(3):
+    for i in range(3):
         leaf = x.clone().requires_grad_()
         theta = torch.rand(2, 8).requires_grad_()
         lrpe_rotate(leaf, theta, act="silu", cu_seqlens=cu).backward(torch.ones_like(x))
+        if i == 0:  # recorded (kernelkit.shared.replay) through launcher[grid]
+            bound.clear()
 print(len(log.launches), len(bound))
 """
 
 
 def test_packed_tokens_launches_take_the_prepared_path():
     """Packed sequences through the per-token kernels (POSITIONS_TILING "ahead"): their int
-    offset (unused, not in TOKENS_RUNTIME) is fixed in the prepared launch, so no call goes
-    through launcher[grid] (`runtime._Replay`, which binds every argument per call). Runs
-    against the fake CUDA driver, without the interpreter (which replays every launch)."""
+    offset (unused, not in TOKENS_RUNTIME) is fixed in the prepared launch, so no call after
+    the recorded first one goes through launcher[grid] (`runtime._Replay`, which binds every
+    argument per call). Runs against the fake CUDA driver, without the interpreter (which
+    replays every launch)."""
     import os
     import subprocess
     import sys
@@ -590,7 +599,7 @@ def test_packed_tokens_launches_take_the_prepared_path():
     cmd = [sys.executable, "-c", _PACKED_CACHED_PATH]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["6", "0"]  # 3 forward + 3 backward launches, none bound
+    assert out.stdout.split() == ["6", "0"]  # 3 forward + 3 backward launches, no replay bound
 
 
 def test_prepared_launches_match_tritons_path():
@@ -613,14 +622,14 @@ def tiling(request, monkeypatch):
     """Per-token positions through the *_tokens_kernel pair, several work items per program
     (programs_target 1: as many items as the plan allows, so every loop runs and reloads), and
     through the old kernels (a program per tile and row), which the switch still selects."""
-    from kernelkit.lrpe_core import op as core_op
     from kernelkit.lrpe_rotate import kernels as K
+    from kernelkit.shared import replay
 
     monkeypatch.setattr(K, "POSITIONS_TILING", request.param)
     monkeypatch.setattr(K, "programs_target", lambda device, per_sm: 1)
-    core_op._PLANS.clear()
+    replay.clear()  # the plans read programs_target
     yield request.param
-    core_op._PLANS.clear()
+    replay.clear()
 
 
 @pytest.mark.parametrize(

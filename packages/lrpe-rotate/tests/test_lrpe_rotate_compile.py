@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kernelkit.act import kernels as act_kernels
+from kernelkit.lrpe_core import kernels as core_kernels
 from kernelkit.lrpe_core.reference import packed_positions
 from kernelkit.lrpe_rotate import kernels as K
 from kernelkit.lrpe_rotate import lrpe_rotate, seq_softmax
@@ -27,7 +28,8 @@ from kernelkit.shared.testing import (
     run_cases_without_interpreter,
 )
 
-FAMILY = entry_kernels(K, seq_softmax, act_kernels)  # softmax over N: act's chunk-stats kernel
+# softmax over N: act's chunk-stats kernel and lrpe-core's merge of its chunks
+FAMILY = entry_kernels(K, seq_softmax, act_kernels, core_kernels)
 
 
 def make(shape, device, seed=0, scale=2.0):
@@ -91,6 +93,7 @@ ROTATE = {"rotate_fwd_kernel", "rotate_bwd_kernel"}  # int offsets: a program pe
 TOKENS = {"rotate_fwd_tokens_kernel", "rotate_bwd_tokens_kernel"}  # per-token positions
 SEQ = {
     "softmax_chunk_stats_kernel",  # kernelkit-act
+    "merge_chunk_stats_kernel",  # kernelkit-lrpe-core (these shapes have several chunks)
     "seq_softmax_fwd_kernel",
     "seq_softmax_bwd_sums_kernel",
     "seq_softmax_bwd_apply_kernel",

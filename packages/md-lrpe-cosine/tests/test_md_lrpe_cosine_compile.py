@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kernelkit.act import kernels as act_kernels
+from kernelkit.lrpe_core import kernels as core_kernels
 from kernelkit.lrpe_cosine import kernels as K
 from kernelkit.md_lrpe_cosine import md_lrpe_cosine
 from kernelkit.md_lrpe_cosine.reference import md_lrpe_cosine_reference
@@ -26,7 +27,8 @@ from kernelkit.shared.testing import (
     run_cases_without_interpreter,
 )
 
-FAMILY = entry_kernels(K, act_kernels)  # softmax over N reads act's chunk-stats kernel
+# softmax over N: act's chunk-stats kernel and lrpe-core's merges of chunks
+FAMILY = entry_kernels(K, act_kernels, core_kernels)
 
 
 def check(act, dim, grid, l, b, heads, d, device, *, backend, cache=False, x_grad=True,
@@ -79,11 +81,14 @@ def test_torch_compile_on_cpu_without_interpreter():
 MAIN = {"cosine_fwd_kernel", "cosine_bwd_kernel"}  # element-wise acts, softmax over D
 SEQ = {
     "softmax_chunk_stats_kernel",  # kernelkit-act
+    "merge_chunk_stats_kernel",  # kernelkit-lrpe-core (these shapes have several chunks)
     "cosine_fwd_kernel",
     "cosine_bwd_seq_sums_kernel",
+    "merge_chunk_sums_kernel",  # kernelkit-lrpe-core
     "cosine_bwd_kernel",
 }
-SEQ_DTHETA_ONLY = SEQ - {"cosine_bwd_kernel"}  # x frozen: the sums kernel alone
+# x frozen: the sums kernel alone (its sums are not merged: no main kernel reads them)
+SEQ_DTHETA_ONLY = SEQ - {"cosine_bwd_kernel", "merge_chunk_sums_kernel"}
 
 # id -> (act, dim, grid, l, (B, H, D), angle cache, x requires grad, kernels launched)
 GPU_CASES = {

@@ -21,18 +21,20 @@ __all__ = ["FakeCompiled", "FakeLaunches", "fake_cuda"]
 
 class FakeLaunches:
     """What the fake launchers saw: `launches` holds (grid, stream, function, args) tuples,
-    `compiled` the FakeCompiled kernels in the order Triton asked for them."""
+    `compiled` the FakeCompiled kernels in the order Triton asked for them, `count` the number
+    of launches (also those of launchers made while `record` was off, which record nothing)."""
 
     def __init__(self, record: bool = True):
         self.record = record
+        self.count = 0  # launches seen, recorded or not
         self.launches: list[tuple] = []
         self.compiled: list[FakeCompiled] = []
         self.device = 0
         self.stream = 0x5EED
 
-
-def _ignore(*args):
-    return None
+    def tick(self, *args) -> None:
+        """The launch function of launchers made while not recording: counts, nothing else."""
+        self.count += 1
 
 
 def _launcher_class():
@@ -40,7 +42,7 @@ def _launcher_class():
 
     class FakeLauncher(CudaLauncher):
         """CudaLauncher with its C `launch` replaced: reads each tensor's data_ptr (as the C
-        launcher does) and records the launch; does nothing at all when not recording."""
+        launcher does) and records the launch; only counts it when not recording."""
 
         def __init__(self, log: FakeLaunches):
             self.num_ctas = 1
@@ -49,9 +51,10 @@ def _launcher_class():
             self.launch_cooperative_grid = self.launch_pdl = False
             self._log = log
             if not log.record:  # timing the host path: the cheapest possible stand-in
-                self.launch = _ignore
+                self.launch = log.tick
 
         def launch(self, gx, gy, gz, stream, function, coop, pdl, gscr, pscr, *rest):
+            self._log.count += 1
             _packed, meta, enter, exit_, *args = rest
             if enter is not None:
                 enter(meta)

@@ -291,17 +291,31 @@ class _Launcher(TritonLauncher):
         slots = [i for i, a in enumerate(args) if isinstance(a, _T)]
         slots += [names.index(k) for k, v in kwargs.items() if isinstance(v, _T)]
         slots += [names.index(k) for k in vary]
-        return _Prepared(self, grid, params, options, tuple(slots))
+        return _Prepared(self, grid, params, options, tuple(slots), len(vary))
 
 
-def _slot_key(t):
-    """Key part of a prepared launch's per-call value: a tensor's dtype and alignment, or a
-    varying (do_not_specialize) int's width."""
-    if t.__class__ in PLAIN_TENSORS:
-        return t.dtype, not t.data_ptr() & 15
-    if t.__class__ is int:
-        return 0 if _I32_MIN <= t <= _I32_MAX else 1 if t <= _I64_MAX else 2
-    return _other(t)
+def _key_function(n_tensors: int, n_ints: int):
+    """`key(device, *values)` of a prepared launch taking `n_tensors` tensors then `n_ints`
+    varying (do_not_specialize) ints: the device, each tensor's dtype and 16-byte alignment,
+    each int's width (what Triton specialises on), or None where a value is not a plain tensor
+    (fake, functional: traced) or an int. Generated code: one condition, one tuple display."""
+    tensors = [f"v{i}" for i in range(n_tensors)]
+    ints = [f"v{i}" for i in range(n_tensors, n_tensors + n_ints)]
+    checks = [f"{v}.__class__ in _kk_plain" for v in tensors]
+    checks += [f"{v}.__class__ is int" for v in ints]
+    parts = [f"{v}.dtype, not {v}.data_ptr() & 15" for v in tensors]
+    parts += [
+        f"0 if {_I32_MIN} <= {v} <= {_I32_MAX} else 1 if {v} <= {_I64_MAX} else 2" for v in ints
+    ]
+    src = (
+        f"def key(_kk_device, {', '.join(tensors + ints)}):\n"
+        f"    if {' and '.join(checks) or 'True'}:\n"
+        f"        return (_kk_device, {''.join(p + ', ' for p in parts)})\n"
+        f"    return None\n"
+    )
+    namespace = {"_kk_plain": PLAIN_TENSORS}
+    exec(src, namespace)  # source generated from counts only
+    return namespace["key"]
 
 
 class _Prepared:
@@ -310,8 +324,9 @@ class _Prepared:
     The fixed arguments' specialisation never changes, so the key is the device and each
     tensor's dtype and alignment; a hit calls the compiled launcher directly."""
 
-    def __init__(self, launcher: _Launcher, grid, params, options, slots):
+    def __init__(self, launcher: _Launcher, grid, params, options, slots, n_vary=0):
         self._launcher = launcher
+        self._key = _key_function(len(slots) - n_vary, n_vary)
         self._kernel = launcher._kernel
         self._grid = grid
         self._g = (*grid, 1, 1)[:3]
@@ -331,26 +346,44 @@ class _Prepared:
             params[i] = t
         return params
 
-    def direct(self, device, tensors):
-        """(launch function, grid, head, rest) of the compiled kernel cached for plain `tensors`
-        on `device`, called as `call(*grid, stream, *head, *tensors, *rest)` (what a cache hit
-        of `__call__` does); None where the tensors are not the leading parameters or no kernel
-        is cached for their key. For callers that key the tensors themselves (`fused_sequence`)."""
-        if not self._leading:
-            return None
+    def direct(self, device, values):
+        """(launch function, grid, head) of the compiled kernel cached for the per-call `values`
+        (plain tensors, varying ints) on `device`, called as `call(*grid, stream, *head,
+        *params)` with `params` all of the kernel's parameters (`param_maker`), as a cache hit
+        of `__call__` does; None where no kernel is cached for their key. For callers that key
+        the values themselves (`fused_sequence`)."""
         try:
-            entry = self._cache.get((device, *map(_slot_key, tensors)))
-        except (_UnkeyedArgError, TypeError):
+            entry = self._cache.get(self._key(device, *values))
+        except TypeError:  # not as many values as the launch takes
             return None
-        return None if entry is None else (entry[0], self._g, entry[1], self._rest)
+        return None if entry is None else (entry[0], self._g, entry[1])
+
+    def param_maker(self, places):
+        """A function of a pool (a sequence) returning this launch's parameters, its per-call
+        values taken from `pool[places[k]]` (in the order `__call__` takes them), the fixed
+        ones filled in: generated code, one tuple display."""
+        where = dict(zip(self._slots, places))
+        items, fixed = [], {}
+        for i, a in enumerate(self._template):
+            if i in where:
+                items.append(f"pool[{where[i]}]")
+            else:
+                fixed[f"_kk_{i}"] = a
+                items.append(f"_kk_{i}")
+        # fixed values as defaults: local lookups, and no name of the kernel's in the source
+        defaults = "".join(f", {name}={name}" for name in fixed)
+        src = f"def make(pool{defaults}):\n    return ({', '.join(items)},)\n"
+        namespace = dict(fixed)
+        exec(src, namespace)  # source generated from indices and fixed names only
+        return namespace["make"]
 
     def __call__(self, *tensors):
         key = None
         if _fast_ok(self._kernel):
             try:
                 device = _get_device()
-                key = (device, *map(_slot_key, tensors))
-            except (_UnkeyedArgError, TypeError):
+                key = self._key(device, *tensors)
+            except TypeError:  # no CUDA in this torch build, or not as many values
                 key = None
             entry = self._cache.get(key)
             if entry is not None:  # an entry implies plain tensors: not traced
@@ -377,8 +410,8 @@ _pre_run_hooks = operator.attrgetter("pre_run_hooks")
 
 
 class _FusedSequence:
-    """Runs a recorded sequence of `_Prepared` launches (each taking its tensors as leading
-    parameters) on a pool of tensors. The launch functions their caches hold for this
+    """Runs a recorded sequence of `_Prepared` launches on a pool of tensors (and varying ints,
+    whose widths the caller's key fixes). The launch functions their caches hold for this
     sequence's tensors (dtypes fixed by the layout, every data pointer 16-byte aligned) are
     kept per current device (`_direct`) after a run that found them all; later runs with every
     tensor aligned and no launch hooks call them directly, as each prepared launch's cache hit
@@ -386,9 +419,11 @@ class _FusedSequence:
     a key per launch. Otherwise the prepared launches run one by one."""
 
     def __init__(self, launches, used):
-        self._launches = launches  # (prepared launch, pool -> its tensors)
+        # (prepared launch, pool -> its per-call values, pool -> all its parameters)
+        self._launches = tuple((run, gather) for run, gather, _ in launches)
+        self._makers = tuple(make for _, _, make in launches)
         self._used = used  # pool -> the tensors the launches take (what the alignment covers)
-        kernels = list(dict.fromkeys(run._kernel for run, _ in launches))
+        kernels = list(dict.fromkeys(run._kernel for run, _ in self._launches))
         self._kernel, self._more_kernels = kernels[0], tuple(kernels[1:])
         self._direct: dict = {}
 
@@ -406,8 +441,8 @@ class _FusedSequence:
             and not any(map(_pre_run_hooks, self._more_kernels))
         ):
             stream = _get_stream(device)
-            for call, grid, head, gather, rest in direct:
-                call(*grid, stream, *head, *gather(pool), *rest)
+            for call, grid, head, make in direct:
+                call(*grid, stream, *head, *make(pool))
             return
         for run, gather in self._launches:
             run(*gather(pool))
@@ -418,20 +453,21 @@ class _FusedSequence:
         """Keep the launch functions of the aligned run on `device` that just ran (the
         prepared launches' caches hold them now), where it found all of them."""
         direct = []
-        for run, gather in self._launches:
+        for (run, gather), make in zip(self._launches, self._makers):
             entry = run.direct(device, gather(pool))
             if entry is None:  # not cached (a launch hook, say, sent it down Triton's path)
                 return
-            call, grid, head, rest = entry
-            direct.append((call, grid, head, gather, rest))
+            call, grid, head = entry
+            direct.append((call, grid, head, make))
         self._direct[device] = tuple(direct)
 
 
 def fused_sequence(launches, used):
-    """A function of the pool that runs `launches` ((launch, pool -> its tensors) pairs, in
-    order) through `_FusedSequence`, where every launch is a `_Prepared` one taking its tensors
-    as leading parameters; else None (the caller runs the launches one by one). `used`: pool ->
-    every tensor the launches take."""
-    if not launches or not all(isinstance(run, _Prepared) and run._leading for run, _ in launches):
+    """A function of the pool that runs `launches` ((launch, pool -> its per-call values, their
+    places in the pool) triples, in order) through `_FusedSequence`, where every launch is a
+    `_Prepared` one; else None (the caller runs the launches one by one). `used`: pool -> every
+    tensor the launches take."""
+    if not launches or not all(isinstance(run, _Prepared) for run, _, _ in launches):
         return None
-    return _FusedSequence(tuple(launches), used)
+    made = [(run, gather, run.param_maker(places)) for run, gather, places in launches]
+    return _FusedSequence(made, used)

@@ -2,14 +2,16 @@
 host code (plan choice, strides, grids, constexprs of several kernels) costs more than the
 launches themselves.
 
-An op writes its host path against an `ops` object: `ops.empty(shape, dtype, device)` for
-every tensor it allocates, `ops.launch(kernel, grid, *args, **kwargs)` for every launch and
-`ops.unplannable()` before anything a replay could not repeat (an in-place fill, say), and
-`ops.on_replay(fn)` for host state each replay must set up again first (in its own thread,
-e.g. Triton's scratch allocator, a context variable).
+An op writes its host path against an `ops` object: `ops.empty(shape, dtype, device)` (or
+`ops.empty_like(t)`) for every tensor it allocates, `ops.launch(kernel, grid, *args,
+**kwargs)` for every launch and `ops.unplannable()` before anything a replay could not repeat
+(an in-place fill, say), and `ops.on_replay(fn)` for host state each replay must set up again
+first (in its own thread, e.g. Triton's scratch allocator, a context variable).
 `replayed(run, inputs, options, *args)` calls `run(ops, *args)`: the first call with a given
 layout of `inputs` (shapes, strides, dtypes, 16-byte alignment, which of them are the same
-tensor, device) and `options` runs it
+tensor, device; an int input counts by its width only, its value comes anew at every call:
+`ops.launch(..., vary={"offset": i})` passes input i as the keyword `offset`, which the kernel
+must not specialise on) and `options` runs it
 through a `Recorder`, which launches as usual and keeps each launch prepared
 (`runtime.launch(kernel).prepare`) with the places of its tensors (an input or a buffer the
 sequence allocated); later calls with that layout allocate the buffers and call the prepared
@@ -44,7 +46,13 @@ class _Direct:
         return torch.empty(shape, dtype=dtype, device=device)
 
     @staticmethod
-    def launch(kernel, grid, *args, **kwargs):
+    def empty_like(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(t)
+
+    @staticmethod
+    def launch(kernel, grid, *args, vary=None, **kwargs):
+        """`kernel[grid](*args, **kwargs)`; `vary` ({keyword: index of an int input}) names the
+        arguments a replay takes from its call's inputs (the value is in `kwargs` as well)."""
         return runtime.launch(kernel)[grid](*args, **kwargs)
 
     @staticmethod
@@ -69,7 +77,7 @@ class Probe(_Direct):
         self.launches: list[tuple] = []  # (kernel, grid, args, kwargs)
         self.outputs = None
 
-    def launch(self, kernel, grid, *args, **kwargs):
+    def launch(self, kernel, grid, *args, vary=None, **kwargs):
         self.launches.append((kernel, grid, args, kwargs))
 
     @property
@@ -89,8 +97,35 @@ def _gather(indices) -> Callable[[tuple], tuple]:
 
 
 # How a replay allocates a buffer: torch.empty, or input 0's new_empty (same device) with its
-# dtype or another.
-_EMPTY, _NEW, _NEW_DTYPE = "empty", "new", "new_dtype"
+# dtype or another, or torch.empty_strided (`empty_like` of a tensor that is not contiguous).
+_EMPTY, _NEW, _NEW_DTYPE, _STRIDED = "empty", "new", "new_dtype", "strided"
+
+
+def _allocator(buffers) -> Callable[[Sequence], tuple]:
+    """inputs -> the pool: the inputs, then a new tensor per buffer (shape, dtype, device,
+    how), allocated as `how` says. Generated code (one tuple display, the buffers' shapes and
+    dtypes as default arguments): a replay allocates without looking at what it allocates."""
+    items, fixed = [], {}
+    for k, (shape, dtype, device, how) in enumerate(buffers):
+        fixed.update({f"s{k}": shape, f"d{k}": dtype, f"v{k}": device})
+        if how is _NEW:
+            items.append(f"new(s{k})")
+        elif how is _NEW_DTYPE:
+            items.append(f"new(s{k}, dtype=d{k})")
+        elif how is _EMPTY:
+            items.append(f"empty(s{k}, dtype=d{k}, device=v{k})")
+        else:  # (_STRIDED, strides)
+            fixed[f"t{k}"] = how[1]
+            items.append(f"empty_strided(s{k}, t{k}, dtype=d{k}, device=v{k})")
+    defaults = "".join(f", {name}={name}" for name in fixed)
+    src = (
+        f"def alloc(inputs, empty=empty, empty_strided=empty_strided{defaults}):\n"
+        f"    new = inputs[0].new_empty\n"
+        f"    return (*inputs, {''.join(item + ', ' for item in items)})\n"
+    )
+    namespace = {"empty": torch.empty, "empty_strided": torch.empty_strided, **fixed}
+    exec(src, namespace)  # source generated from indices only
+    return namespace["alloc"]
 
 
 class _Sequence:
@@ -98,40 +133,33 @@ class _Sequence:
     buffers, return the output buffers. The `before` callables run first (e.g. installing Triton's
     scratch allocator in the calling thread).
 
-    The inputs and then the buffers form one `pool` that each launch picks its tensors from.
-    Buffers on input 0's device (part of the key) are allocated with its `new_empty` (fewer
-    arguments to parse than torch.empty's).
-    Where every launch is a prepared launch of the direct launch path taking its tensors as
-    leading parameters, `fast_launch.fused_sequence` runs them (after a replay that found all
-    their compiled kernels, with one device, stream, hook and alignment check for the whole
-    sequence instead of a key per launch); otherwise they run one by one.
+    The inputs and then the buffers form one `pool` that each launch picks its tensors (and
+    varying ints) from. Buffers on input 0's device (part of the key) are allocated with its
+    `new_empty` (fewer arguments to parse than torch.empty's).
+    Where every launch is a prepared launch of the direct launch path,
+    `fast_launch.fused_sequence` runs them (after a replay that found all their compiled
+    kernels, with one device, stream, hook and alignment check for the whole sequence instead
+    of a key per launch); otherwise they run one by one.
     """
 
-    def __init__(self, n_inputs, buffers, launches, outputs, before):
-        self._buffers = tuple(buffers)  # (shape, dtype, device, how: _EMPTY, _NEW or _NEW_DTYPE)
+    def __init__(self, n_inputs, buffers, launches, outputs, before, ints=()):
+        # (shape, dtype, device, how: _EMPTY, _NEW, _NEW_DTYPE or (_STRIDED, strides))
+        self._buffers = tuple(buffers)
         places = [[i if pool == 0 else n_inputs + i for pool, i in where] for _, where in launches]
         self._launches = tuple((run, _gather(p)) for (run, _), p in zip(launches, places))
+        self._alloc = _allocator(self._buffers)
         self._outputs = _gather(n_inputs + i for i in outputs)
         self._before = tuple(before)
-        # the tensors the launches take (what the fused path's alignment check covers)
-        used = _gather(sorted({i for p in places for i in p}))
-        self._fused = fast_launch.fused_sequence(self._launches, used)
+        # the tensors the launches take (what the fused path's alignment check covers): not the
+        # int inputs (their widths are part of the key)
+        used = _gather(sorted({i for p in places for i in p} - set(ints)))
+        fused = [(run, gather, p) for (run, gather), p in zip(self._launches, places)]
+        self._fused = fast_launch.fused_sequence(fused, used)
 
     def __call__(self, inputs):
         for fn in self._before:
             fn()
-        first = inputs[0]
-        pool = (
-            *inputs,
-            *[
-                first.new_empty(shape)
-                if how is _NEW
-                else first.new_empty(shape, dtype=dtype)
-                if how is _NEW_DTYPE
-                else torch.empty(shape, dtype=dtype, device=device)
-                for shape, dtype, device, how in self._buffers
-            ],
-        )
+        pool = self._alloc(inputs)
         fused = self._fused
         if fused is not None:
             fused(pool)
@@ -147,9 +175,11 @@ _NOT_REPLAYED = object()
 class Recorder:
     """`ops` that allocate and launch as `DIRECT` does and record the sequence."""
 
-    def __init__(self, inputs: Sequence[torch.Tensor | None]):
-        self._alive = [t for t in inputs if t is not None]  # their ids stay theirs meanwhile
-        self._places = {id(t): (0, i) for i, t in enumerate(inputs) if t is not None}
+    def __init__(self, inputs: Sequence[torch.Tensor | int | None]):
+        tensors = [(i, t) for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)]
+        self._alive = [t for _, t in tensors]  # their ids stay theirs meanwhile
+        self._places = {id(t): (0, i) for i, t in tensors}
+        self._ints = {i: t for i, t in enumerate(inputs) if t.__class__ is int}
         self._n_inputs = len(inputs)
         self._first = inputs[0].device, inputs[0].dtype
         self._buffers: list = []
@@ -171,15 +201,30 @@ class Recorder:
         self._buffers.append((tuple(shape), dtype, device, how))
         return t
 
-    def launch(self, kernel, grid, *args, **kwargs):
+    def empty_like(self, like: torch.Tensor) -> torch.Tensor:
+        t = torch.empty_like(like)
+        if t.is_contiguous():
+            return self.empty(t.shape, t.dtype, t.device)
+        self._alive.append(t)
+        self._places[id(t)] = (1, len(self._buffers))
+        # (the layout of `like` is keyed: its empty_like's strides are the same at every replay)
+        self._buffers.append((tuple(t.shape), t.dtype, t.device, (_STRIDED, t.stride())))
+        return t
+
+    def launch(self, kernel, grid, *args, vary=None, **kwargs):
         out = runtime.launch(kernel)[grid](*args, **kwargs)
         if self._ok:
             tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
             places = [self._places.get(id(t)) for t in tensors]
+            vary = vary or {}
+            for name, i in vary.items():
+                if self._ints.get(i) != kwargs[name] or kwargs[name].__class__ is not int:
+                    raise ValueError(f"vary: {name}={kwargs[name]!r} is not int input {i}")
+                places.append((0, i))
             if None in places:  # a tensor made on the way (a copy): not replayable
                 self._ok = False
             else:
-                prepared = runtime.launch(kernel).prepare(grid, *args, **kwargs)
+                prepared = runtime.launch(kernel).prepare(grid, *args, vary=tuple(vary), **kwargs)
                 self._launches.append((prepared, places))
         return out
 
@@ -196,7 +241,9 @@ class Recorder:
         if not self._ok or any(p is None or p[0] != 1 for p in places):
             return _NOT_REPLAYED
         outputs = [i for _, i in places]
-        return _Sequence(self._n_inputs, self._buffers, self._launches, outputs, self._before)
+        return _Sequence(
+            self._n_inputs, self._buffers, self._launches, outputs, self._before, self._ints
+        )
 
 
 _SEQUENCES = PlanCache()
@@ -207,21 +254,33 @@ def clear() -> None:
     _SEQUENCES.clear()
 
 
-def replayed(run: Callable, inputs: Sequence[torch.Tensor | None], options, *args):
+# The key entry of an int input: its width as Triton keys a do_not_specialize int.
+_I32, _I64, _U64 = "i32", "i64", "u64"
+
+
+def _width(v: int) -> str:
+    return _I32 if -(2**31) <= v < 2**31 else _I64 if -(2**63) <= v < 2**63 else _U64
+
+
+def replayed(run: Callable, inputs: Sequence[torch.Tensor | int | None], options, *args):
     """`run(ops, *args)` (a tuple of output tensors), replayed per layout of `inputs` (None
-    allowed; inputs[0] a tensor) and hashable `options`; traced calls (fake, functional tensors)
-    always run."""
+    allowed; inputs[0] a tensor; an int input is a per-call value, see `ops.launch`'s `vary`)
+    and hashable `options`; traced calls (fake, functional tensors, symbolic ints) always run."""
     # The key: run, options, the launch function (a patched one, in tests and tools, records
     # anew), input 0's device, then per input None, or the index of the earlier input that is
     # the same tensor (flash_attn(x, x, x): which inputs are one tensor is layout too, and the
     # same tensor has the same layout), or its shape, strides, dtype and storage offset mod 16
-    # (with the dtype, this decides the offset's 16-byte alignment). Each kind of entry starts
-    # with a different type (None, int, torch.Size): the flat key reads back one way only.
+    # (with the dtype, this decides the offset's 16-byte alignment), or an int's width (a str).
+    # Each kind of entry starts with a different type (None, int, torch.Size, str): the flat key
+    # reads back one way only.
     key = [run, options, runtime.launch, inputs[0].device]
     seen: dict[int, int] = {}
     for i, t in enumerate(inputs):
         if t is None:
             key.append(None)
+            continue
+        if t.__class__ is int:
+            key.append(_width(t))
             continue
         j = seen.setdefault(id(t), i)
         if j != i:

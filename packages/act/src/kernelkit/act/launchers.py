@@ -92,7 +92,11 @@ def run_elementwise(kernel, out: torch.Tensor, *tensors: torch.Tensor, act: str)
             break
     else:  # plain and contiguous: the plan depends on the size only
         # (id: a JITFunction hashes its source's cache key, ~0.3 us)
-        _PLANS.get((id(kernel), act, n), _elementwise_plan, kernel, act, *ts)(*ts)
+        key = (id(kernel), act, n)
+        plan = _PLANS._plans.get(key)  # PlanCache.get without its call, on a hit
+        if plan is None:
+            plan = _PLANS.get(key, _elementwise_plan, kernel, act, *ts)
+        plan(*ts)
         return out
     if all(t.__class__ in PLAIN_TENSORS for t in ts):
         key = (id(kernel), act, out.shape, *(t.stride() for t in ts))
@@ -212,7 +216,12 @@ class _StatsPlan(_SplitLaunches):
 
 
 def softmax_chunk_stats(
-    x: torch.Tensor, dim: int, *, cu_seqlens: torch.Tensor | None = None
+    x: torch.Tensor,
+    dim: int,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    ops=None,
+    view: tuple | None = None,
 ) -> torch.Tensor:
     """Per-chunk float32 (max, sum) of a softmax over `dim` of x: shape (2, O, C, I), where O
     is the product of the dims before `dim`, I of those after it, and C the number of chunks
@@ -226,7 +235,29 @@ def softmax_chunk_stats(
     `kernels.combine_chunk_stats` while they write their output. The dims before `dim` must
     collapse to at most two and those after it to one (always true for a (B, H, N, D) view).
     Arguments are not validated (callers in other packages validate their own).
+
+    `view` = (shape, strides): read x's storage (from x's first element) as that view instead,
+    without making it. `ops` (kernelkit.shared.replay's interface): allocate the stats and
+    launch through it, for a caller whose launch sequence is recorded and replayed (a replay
+    takes only the tensors it was given, hence `view` rather than a view of x).
     """
+    if ops is not None:
+        shape, strides = view if view is not None else (x.shape, x.stride())
+        lay = _stats_plan(x, dim, cu_seqlens, shape, strides, prepare=False)
+        stats = ops.empty(lay.shape, torch.float32, x.device)
+        ops.launch(
+            K.softmax_chunk_stats_kernel,
+            lay.grid,
+            x,
+            stats,
+            *lay.sizes,
+            *lay.strides,
+            cu_seqlens=cu_seqlens,
+            **lay.blocks,
+        )
+        return stats
+    if view is not None:
+        x = x.as_strided(*view)
     if x.__class__ in PLAIN_TENSORS:
         seqs = None if cu_seqlens is None else cu_seqlens.shape[0]
         key = ("stats", dim, seqs, x.get_device(), x.shape, x.stride())
@@ -234,11 +265,19 @@ def softmax_chunk_stats(
     return _stats_plan(x, dim, cu_seqlens)(x, cu_seqlens)[0]
 
 
-def _stats_plan(x: torch.Tensor, dim: int, cu_seqlens) -> _StatsPlan:
-    view = SoftmaxView(x.shape, dim, [x.stride()])
+def _stats_plan(x: torch.Tensor, dim: int, cu_seqlens, shape=None, strides=None, prepare=True):
+    """The `_StatsPlan` of x (or of x read as `shape` / `strides`); `prepare=False`: only its
+    layout (`_SplitLaunches`, plus the view's strides as `strides`)."""
+    view = SoftmaxView(
+        x.shape if shape is None else shape, dim, [x.stride() if strides is None else strides]
+    )
     if not view.ok:
         raise ValueError("x: layout not supported by the split softmax (collapse failed)")
-    return _StatsPlan(x, view, cu_seqlens=cu_seqlens)
+    if prepare:
+        return _StatsPlan(x, view, cu_seqlens=cu_seqlens)
+    lay = _SplitLaunches(x, view, cu_seqlens=cu_seqlens)
+    lay.strides = view.strides[0]
+    return lay
 
 
 class _SplitSoftmaxFwd(_SplitLaunches):

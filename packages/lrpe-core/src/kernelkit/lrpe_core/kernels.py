@@ -165,3 +165,54 @@ def store_dtheta_partial(partials_ptr, part, H, h, slots, n_slots, acc):
     host sums the partials in a fixed order (deterministic, no atomics)."""
     out = (part.to(tl.int64) * H + h) * n_slots + slots
     tl.store(partials_ptr + out, acc, mask=slots < n_slots)
+
+
+# ---------------------------------------------------------------------------------------------
+# Softmax over the sequence: merging per-chunk partials once per call
+# ---------------------------------------------------------------------------------------------
+# Two small launches of `kernelkit.lrpe_core.op` (they replace a handful of torch ops between
+# the LRPE launches: one launch each instead of up to nine). Sums run in float64 and are rounded
+# to float32 once: the result is the float32 nearest to the exact merge of the float32 inputs
+# (up to a double rounding at near-ties), never further from it than a float32 merge.
+
+
+@triton.jit(do_not_specialize=["C"])
+def merge_chunk_stats_kernel(stats, out, C, I, BLOCK_I: tl.constexpr):
+    """Per-chunk softmax stats (2, R, C, I) float32 (maxima, then sums of exp(x - max), as
+    kernelkit-act's chunk-stats kernel writes them) -> the stats of the whole axis (2, R, 1, I):
+    the maximum over chunks (NaN if any is NaN, as torch's amax), and the sum over chunks of
+    s_c * exp(m_c - max) (with a max of -inf read as 0: all-(-inf) rows sum to 0) in float64.
+    Grid (R, column blocks)."""
+    r = tl.program_id(0)
+    rows = tl.num_programs(0).to(tl.int64)  # R
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    ok = cols < I
+    m_ptr = stats + r.to(tl.int64) * C * I + cols
+    s_ptr = m_ptr + rows * C * I
+    top = tl.full([BLOCK_I], -float("inf"), tl.float32)
+    for c in range(C):
+        m = tl.load(m_ptr + c * I, mask=ok, other=-float("inf"))
+        top = tl.maximum(top, m, propagate_nan=tl.PropagateNan.ALL)
+    shift = tl.where(top == -float("inf"), 0.0, top).to(tl.float64)
+    total = tl.zeros([BLOCK_I], tl.float64)
+    for c in range(C):
+        m = tl.load(m_ptr + c * I, mask=ok, other=-float("inf")).to(tl.float64)
+        s = tl.load(s_ptr + c * I, mask=ok, other=0.0).to(tl.float64)
+        total += s * tl.exp(m - shift)
+    o_ptr = out + r.to(tl.int64) * I + cols
+    tl.store(o_ptr, top, mask=ok)
+    tl.store(o_ptr + rows * I, total.to(tl.float32), mask=ok)
+
+
+@triton.jit(do_not_specialize=["C"])
+def merge_chunk_sums_kernel(sums, out, C, I, BLOCK_I: tl.constexpr):
+    """Per-chunk float32 partial sums (R, C, I) -> their sum over chunks (R, 1, I), in float64.
+    Grid (R, column blocks)."""
+    r = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    ok = cols < I
+    p_ptr = sums + r.to(tl.int64) * C * I + cols
+    total = tl.zeros([BLOCK_I], tl.float64)
+    for c in range(C):
+        total += tl.load(p_ptr + c * I, mask=ok, other=0.0).to(tl.float64)
+    tl.store(out + r.to(tl.int64) * I + cols, total.to(tl.float32), mask=ok)

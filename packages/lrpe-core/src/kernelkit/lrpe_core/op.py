@@ -20,7 +20,10 @@ from kernelkit.act import (
 )
 from kernelkit.act import act as apply_act
 from kernelkit.shared.packed import check_cu_seqlens
-from kernelkit.shared.runtime import PLAIN_TENSORS, PlanCache, num_sms
+from kernelkit.shared.replay import DIRECT
+from kernelkit.shared.runtime import cdiv, next_power_of_2, num_sms
+
+from .kernels import merge_chunk_stats_kernel, merge_chunk_sums_kernel
 
 __all__ = [
     "KINDS",
@@ -29,13 +32,13 @@ __all__ = [
     "SEQ",
     "act_and_dim",
     "as_float32",
-    "cached_plan",
     "cpu_reference_args",
+    "launch_positions",
+    "merge_chunk_stats",
+    "merge_chunk_sums",
     "packed_chunks",
     "position_args",
     "position_strides",
-    "position_values",
-    "prepared_positions",
     "programs_target",
     "reduce_dtheta",
     "sequence_softmax_stats",
@@ -234,39 +237,15 @@ def position_strides(table: torch.Tensor | None) -> dict:
     }
 
 
-def prepared_positions(starts: torch.Tensor | None, table: torch.Tensor | None):
-    """(keyword arguments, vary) of the positions of a launch prepared once per layout
-    (`launch(kernel).prepare`): pass the keywords after the launch's other tensors; per call
-    `position_values` follows those tensors. An int offset varies per call (`vary`)."""
-    kwargs = {**position_args(0, starts, table), **position_strides(table)}
-    return kwargs, (("offset",) if starts is None and table is None else ())
-
-
-def position_values(start: int, starts: torch.Tensor | None, table: torch.Tensor | None):
-    """The per-call values of a prepared launch's positions (see `prepared_positions`)."""
-    if table is not None:
-        return (table,)
-    if starts is not None:
-        return (starts,)
-    return (start,)
-
-
-_PLANS = PlanCache()
-
-
-def cached_plan(build, tensors, *args):
-    """`build(*tensors, *args)` (a launch plan: grid and the non-tensor kernel arguments), made
-    once per layout (shapes and strides of `tensors`, None allowed; the hashable `args`; the
-    device of the first tensor) and reused; traced calls build it every time."""
-    key = [build, tensors[0].get_device(), *args]
-    for t in tensors:  # one pass: the key, and whether the call is traced
-        if t is None:
-            key.append(None)
-        elif t.__class__ in PLAIN_TENSORS:
-            key += (t.shape, t.stride())
-        else:  # fake, functional or symbolic-size tensors: build, do not cache
-            return build(*tensors, *args)
-    return _PLANS.get(tuple(key), build, *tensors, *args)
+def launch_positions(start: int, starts, table, index: int | None):
+    """(keyword arguments, vary) of the positions of a launch through `ops` (kernelkit.shared
+    .replay): `offset`, `positions` and their strides, and, for an int offset, `vary` mapping
+    `offset` to the int input `index` of the replayed call (each replay passes its own value).
+    `index` None: the kernel reads no int offset (and specialises on it): fixed at `start`,
+    which must then be the same at every call (0 with packed sequences)."""
+    kwargs = {**position_args(start, starts, table), **position_strides(table)}
+    per_call = index is not None and starts is None and table is None
+    return kwargs, ({"offset": index} if per_call else None)
 
 
 def theta_args(theta: torch.Tensor, slots: int) -> dict:
@@ -290,24 +269,57 @@ def programs_target(device: torch.device, per_sm: int) -> int:
     return per_sm * num_sms(device)
 
 
-def sequence_softmax_stats(x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+def _merge_launch(rows: int, cols: int) -> tuple[tuple[int, int], dict]:
+    """(grid, block keywords) of the chunk-merge kernels for `rows` x `cols` outputs."""
+    block = min(next_power_of_2(cols), 1024)
+    return (rows, cdiv(cols, block)), {"BLOCK_I": block, "num_warps": min(4, max(1, block // 128))}
+
+
+def sequence_softmax_stats(
+    x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *, ops=None
+) -> torch.Tensor:
     """Float32 (max, sum) of the softmax over the sequence of x (B, N, H, D), shape
     (2, B * H, 1, D), or with `cu_seqlens` (B = 1, sequences packed along N) one row per
     (sequence, head): (2, S * H, 1, D), row s * H + h. kernelkit-act's chunk-stats kernel reads
-    x once for per-chunk stats, which a few small torch ops merge here, once per call. (The
-    kernels read them through `kernelkit.act.kernels.combine_chunk_stats` with one chunk:
-    merging C chunks inside every program instead cost lrpe-cosine, whose programs are 8
-    tokens long, more loads than its data in the backward: 3.1 -> 6.7 ms at the seed shape on
-    an H100.)"""
-    # (B, H, N, D): outer dims B and H, inner D, whatever x's layout.
-    stats = softmax_chunk_stats(x.transpose(1, 2), 2, cu_seqlens=cu_seqlens)
-    if stats.shape[2] == 1:
+    x once for per-chunk stats, which `kernels.merge_chunk_stats_kernel` merges (one launch,
+    float64 sums) when there is more than one chunk. (The LRPE kernels read them through
+    `kernelkit.act.kernels.combine_chunk_stats` with one chunk: merging C chunks inside every
+    program instead cost lrpe-cosine, whose programs are 8 tokens long, more loads than its
+    data in the backward: 3.1 -> 6.7 ms at the seed shape on an H100.) `ops`: allocations and
+    launches through kernelkit.shared.replay's interface (None: run them, act's plan cached)."""
+    # x read as (B, H, N, D): outer dims B and H, inner D, whatever x's layout (a view given
+    # as shape and strides: a replay takes only the tensors it was given).
+    b, n, h, d = x.shape
+    sb, sn, sh, sd = x.stride()
+    view = ((b, h, n, d), (sb, sh, sn, sd))
+    stats = softmax_chunk_stats(x, 2, cu_seqlens=cu_seqlens, ops=ops, view=view)
+    return merge_chunk_stats(stats, ops=DIRECT if ops is None else ops)
+
+
+def merge_chunk_stats(stats: torch.Tensor, *, ops=DIRECT) -> torch.Tensor:
+    """float32 per-chunk softmax stats (2, R, C, I) (kernelkit-act's `softmax_chunk_stats`) ->
+    the stats of the whole axis (2, R, 1, I), one launch (`kernels.merge_chunk_stats_kernel`,
+    float64 sums rounded once) when C > 1; `ops` as in `sequence_softmax_stats`."""
+    _, rows, chunks, cols = stats.shape
+    if chunks == 1:
         return stats
-    m, s = stats[0], stats[1]
-    top = m.amax(1, keepdim=True)
-    shift = torch.where(top == -torch.inf, torch.zeros_like(top), top)  # as act's softmax_merge
-    total = (s * torch.exp(m - shift)).sum(1, keepdim=True)
-    return torch.stack((top, total))
+    out = ops.empty((2, rows, 1, cols), torch.float32, stats.device)
+    grid, blocks = _merge_launch(rows, cols)
+    ops.launch(merge_chunk_stats_kernel, grid, stats, out, chunks, cols, **blocks)
+    return out
+
+
+def merge_chunk_sums(sums: torch.Tensor, *, ops=DIRECT) -> torch.Tensor:
+    """float32 per-chunk partial sums (R, C, I) -> their sums over the chunks (R, 1, I), one
+    launch (`kernels.merge_chunk_sums_kernel`, float64 sums) when C > 1; `ops` as in
+    `sequence_softmax_stats`."""
+    rows, chunks, cols = sums.shape
+    if chunks == 1:
+        return sums
+    out = ops.empty((rows, 1, cols), torch.float32, sums.device)
+    grid, blocks = _merge_launch(rows, cols)
+    ops.launch(merge_chunk_sums_kernel, grid, sums, out, chunks, cols, **blocks)
+    return out
 
 
 def reduce_dtheta(partials: torch.Tensor, theta_shape, *, wrap: bool = False) -> torch.Tensor:

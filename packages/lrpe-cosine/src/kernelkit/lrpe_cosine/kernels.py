@@ -1,4 +1,5 @@
-"""Triton kernels of lrpe-cosine, each followed by the host function that plans and launches it.
+"""Triton kernels of lrpe-cosine and the plan helpers (tiles, batch groups, chunks, keyword
+arguments) of their launches; the host paths that launch them are in launch.py.
 
 Tiles are 3-D: [BLOCK_N tokens, ROWS batch rows, BLOCK_D >= D features] of one head. When the
 positions are shared by all batch rows, cos/sin are a [BLOCK_N, 1, BLOCK_D] tile computed once
@@ -49,16 +50,8 @@ from kernelkit.lrpe_core.kernels import (
     token_positions,
     wrapped_frequencies,
 )
-from kernelkit.lrpe_core.op import (
-    SEQ,
-    cached_plan,
-    packed_chunks,
-    position_values,
-    prepared_positions,
-    programs_target,
-    theta_args,
-)
-from kernelkit.shared.runtime import cdiv, launch, next_power_of_2
+from kernelkit.lrpe_core.op import packed_chunks, programs_target, theta_args
+from kernelkit.shared.runtime import cdiv, next_power_of_2
 
 # Sizes, offsets, grid sizes and batch-group sizes change with every call: never specialise.
 RUNTIME = [
@@ -401,72 +394,6 @@ def cosine_fwd_kernel(
         tl.store(y_rows + D * stride_yd, (xbar * sin_t).to(y.dtype.element_ty), mask=mask)
 
 
-def _fwd_plan(x, y, theta, starts, table, stats, cu_seqlens, angles, kind, grid, plan):
-    """The launch of cosine_fwd_kernel prepared for this layout: a function of (x, y, theta,
-    stats, cu_seqlens, angles (each if given), *position_values)."""
-    b, n, heads, d = x.shape
-    per_row = (starts is not None or table is not None or cu_seqlens is not None) and grid is None
-    block_n, block_d = tile_sizes(d, plan.small_tile if per_row else plan.tile, load_rows(b))
-    n_blocks = cdiv(n, block_n)
-    rows, groups = batch_groups(plan, b, n_blocks * heads, x.device)
-    pos_kwargs, vary = prepared_positions(starts, table)
-    return launch(cosine_fwd_kernel).prepare(
-        (n_blocks, heads, groups),
-        x=x,
-        y=y,
-        theta=theta,
-        stats=stats,
-        cu_seqlens=cu_seqlens,
-        angles=angles,
-        B=b,
-        N=n,
-        D=d,
-        num_seqs=_num_seqs(cu_seqlens),
-        rows_per_program=rows,
-        num_stat_chunks=stats.shape[2] if stats is not None else 0,
-        **_strides("x", x),
-        **_strides("y", y),
-        **_angle_args(theta, d, grid),
-        ACT=kind,
-        ROWS=load_rows(b),
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        num_warps=plan.warps,
-        **pos_kwargs,
-        vary=vary,
-    )
-
-
-def _num_seqs(cu_seqlens) -> int:
-    """The number of sequences packed along N (0: not packed)."""
-    return 0 if cu_seqlens is None else cu_seqlens.shape[0] - 1
-
-
-def cosine_fwd(
-    x,
-    theta,
-    pos,
-    kind,
-    stats=None,
-    cu_seqlens=None,
-    *,
-    grid: Grid | None = None,
-    angles=None,
-    plan: Plan = PLAN,
-) -> torch.Tensor:
-    """y (B, N, H, 2D) = [act(x) cos, act(x) sin]; pos = (start, starts, table) of a sequence
-    (ignored with a `grid`), or positions restarting in each sequence packed along N with
-    `cu_seqlens`; `stats` for softmax_seq (over each packed sequence with `cu_seqlens`);
-    `angles` (N, H, D) float32 to fill."""
-    b, n, heads, d = x.shape
-    y = x.new_empty((b, n, heads, 2 * d))
-    tensors = (x, y, theta, pos[1], pos[2], stats, cu_seqlens, angles)
-    run = cached_plan(_fwd_plan, tensors, kind, grid, plan)
-    given = [t for t in (x, y, theta, stats, cu_seqlens, angles) if t is not None]
-    run(*given, *position_values(*pos))
-    return y
-
-
 # --------------------------------------------------------------------------------------------
 # Backward
 # --------------------------------------------------------------------------------------------
@@ -747,133 +674,3 @@ def cosine_bwd_seq_sums_kernel(
         store_dtheta_partial(
             dtheta_partials, part, H, h, feats, D, tl.sum(tl.sum(acc, axis=1), axis=0)
         )
-
-
-def _bwd_plan(
-    dy, x, dx, theta, starts, table, stats, cu_seqlens, angles, kind, grid, plan, need_dtheta
-):  # fmt: skip
-    """The backward's launches prepared for this layout: {"sums": (grid, chunks, launch) of the
-    softmax_seq sums kernel or None, "main": (grid, launch) of cosine_bwd_kernel or None
-    (d(theta) only, from the sums kernel)}. Each launch is a function of its given tensors in
-    the order x, dy, dx, sums, d(theta) partials, theta, stats, angles, cu_seqlens (if given),
-    then position_values."""
-    b, n, heads, d2 = dy.shape
-    d = d2 // 2
-    per_row = (starts is not None or table is not None or cu_seqlens is not None) and grid is None
-    pos_kwargs, vary = prepared_positions(starts, table)
-    scratch = dy.new_empty((0,))  # stands for the per-call float32 buffers in their slots
-    common = dict(
-        theta=theta,
-        stats=stats,
-        angles=angles,
-        B=b,
-        N=n,
-        D=d,
-        num_seqs=_num_seqs(cu_seqlens),
-        num_stat_chunks=stats.shape[2] if stats is not None else 0,
-        cu_seqlens=cu_seqlens,
-        **_strides("x", x),
-        **_strides("g", dy),
-        **_angle_args(theta, d, grid),
-        ROWS=load_rows(b),
-        num_warps=plan.warps,
-    )
-    sums, num_chunks = None, 0
-    if kind == SEQ:
-        block_n, block_d = tile_sizes(d, plan.small_tile, load_rows(b))
-        if cu_seqlens is None:
-            groups = cdiv(b, load_rows(b))
-            chunk, num_chunks = sequence_chunks(plan, heads * groups, n, block_n, dy.device)
-            sums_grid = (num_chunks, heads, groups)
-        else:  # B = 1, each packed sequence split into num_chunks on the device
-            seqs = cu_seqlens.shape[0] - 1
-            chunk, num_chunks = sequence_chunks(plan, heads * seqs, n, block_n, dy.device, True)
-            sums_grid = (seqs * num_chunks, heads, 1)
-        run = launch(cosine_bwd_seq_sums_kernel).prepare(
-            sums_grid,
-            x=x,
-            dy=dy,
-            sums=scratch,
-            dtheta_partials=scratch if need_dtheta else None,
-            **common,
-            chunk=chunk,
-            num_chunks=num_chunks,
-            BLOCK_N=block_n,
-            BLOCK_D=block_d,
-            **pos_kwargs,
-            vary=vary,
-        )
-        sums = (sums_grid, num_chunks, run)
-    main = None
-    if dx is not None or (need_dtheta and kind != SEQ):
-        block_n, block_d = tile_sizes(d, plan.small_tile if per_row else plan.tile, load_rows(b))
-        n_blocks = cdiv(n, block_n)
-        rows, groups = batch_groups(plan, b, n_blocks * heads, dy.device)
-        main_grid = (n_blocks, heads, groups)
-        run = launch(cosine_bwd_kernel).prepare(
-            main_grid,
-            x=x,
-            dy=dy,
-            dx=dx,
-            sums=scratch if kind == SEQ else None,
-            dtheta_partials=scratch if need_dtheta and kind != SEQ else None,
-            **common,
-            rows_per_program=rows,
-            num_chunks=min(num_chunks, 1),  # the chunk sums are merged before this kernel
-            **_strides("d", dx),
-            ACT=kind,
-            BLOCK_N=block_n,
-            BLOCK_D=block_d,
-            **pos_kwargs,
-            vary=vary,
-        )
-        main = (main_grid, run)
-    return {"sums": sums, "main": main}
-
-
-def cosine_bwd(
-    dy,
-    x,
-    theta,
-    pos,
-    kind,
-    stats=None,
-    cu_seqlens=None,
-    *,
-    need_dx=True,
-    need_dtheta=False,
-    grid: Grid | None = None,
-    angles=None,
-    plan: Plan = PLAN,
-):
-    """(dx or None, float32 d(theta) partials (programs, H, D) or None). x may be None for act
-    none without d(theta); `stats` for softmax_seq, over the sequences packed along N with
-    `cu_seqlens`; `angles` the forward's table or None."""
-    b, n, heads, d2 = dy.shape
-    d = d2 // 2
-    dx = None
-    if need_dx:
-        dx = torch.empty_like(x) if x is not None else dy.new_empty((b, n, heads, d))
-    tensors = (dy, x, dx, theta, pos[1], pos[2], stats, cu_seqlens, angles)
-    launches = cached_plan(_bwd_plan, tensors, kind, grid, plan, need_dtheta)
-    where = position_values(*pos)
-    tail = [t for t in (theta, stats, angles, cu_seqlens) if t is not None]
-    sums, partials = None, None
-    if launches["sums"] is not None:
-        sums_grid, chunks, run = launches["sums"]
-        sums = dy.new_empty((stats.shape[1], chunks, d), dtype=torch.float32)
-        if need_dtheta:
-            partials = dy.new_empty((sums_grid[0] * sums_grid[2], heads, d), dtype=torch.float32)
-        given = [t for t in (x, dy, sums, partials) if t is not None]
-        run(*given, *tail, *where)
-        sums = sums.sum(1, keepdim=True)  # merged once, not in each short main-kernel program
-    if launches["main"] is not None:
-        main_grid, run = launches["main"]
-        fused = None
-        if need_dtheta and kind != SEQ:
-            fused = partials = dy.new_empty(
-                (main_grid[0] * main_grid[2], heads, d), dtype=torch.float32
-            )
-        given = [t for t in (x, dy, dx, sums, fused) if t is not None]
-        run(*given, *tail, *where)
-    return dx, partials

@@ -1,5 +1,6 @@
-"""Validation, torch.library registration and autograd of `lrpe_cosine`. The kernels and the host
-functions that plan and launch them are in kernels.py; the registered ops only launch."""
+"""Validation, torch.library registration and autograd of `lrpe_cosine`. The kernels are in
+kernels.py, the host paths that launch them (replayed per layout) in launch.py; the registered
+ops only launch."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from kernelkit.lrpe_core.op import (
     as_float32,
     cpu_reference_args,
     reduce_dtheta,
-    sequence_softmax_stats,
     validate_act,
     validate_positions,
     validate_theta,
@@ -19,10 +19,8 @@ from kernelkit.lrpe_core.op import (
 from kernelkit.lrpe_core.reference import packed_positions
 from kernelkit.shared.runtime import define_op, use_triton
 
-from . import kernels as K
+from . import launch
 from .reference import lrpe_cosine_reference
-
-_NO_STATS = (0,)
 
 
 def validate(x, theta, offset, act, dim, positions=None, cu_seqlens=None):
@@ -45,19 +43,33 @@ def fwd(
     positions: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
     kind: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y (B, N, H, 2D), stats): stats are the softmax-over-N stats (2, B*H, 1, D) the backward
-    reuses (empty for other kinds). theta is float32 (H|1, E). `cu_seqlens`: sequences packed
-    along N (B = 1), positions restart in each (`positions` is None then) and
-    softmax over N runs over each (stats (2, S*H, 1, D))."""
-    pos = (start, starts, positions)
-    stats = x.new_empty(_NO_STATS, dtype=torch.float32)
+) -> torch.Tensor:
+    """y (B, N, H, 2D) for an element-wise act or softmax over D (softmax over the sequence:
+    `fwd_seq`). theta is float32 (H|1, E). `cu_seqlens`: sequences packed along N (B = 1),
+    positions restart in each (`positions` is None then)."""
     if x.numel() == 0:
+        return x.new_empty((*x.shape[:-1], 2 * x.shape[-1]))
+    (y,) = launch.forward(x, theta, start, starts, positions, cu_seqlens, kind)
+    return y
+
+
+@define_op("kernelkit_lrpe_cosine::fwd_seq")
+def fwd_seq(
+    x: torch.Tensor,
+    theta: torch.Tensor,
+    start: int,
+    starts: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, stats) for softmax over the sequence: stats (2, B*H, 1, D) the backward reuses
+    (with `cu_seqlens`, softmax over N runs over each packed sequence: (2, S*H, 1, D)). A
+    separate op: the other kinds return y alone (a second output costs an allocation and its
+    autograd bookkeeping per call)."""
+    if x.numel() == 0:
+        stats = x.new_empty((0,), dtype=torch.float32)
         return x.new_empty((*x.shape[:-1], 2 * x.shape[-1])), stats
-    if kind != SEQ:
-        return K.cosine_fwd(x, theta, pos, kind, cu_seqlens=cu_seqlens), stats
-    stats = sequence_softmax_stats(x, cu_seqlens)
-    return K.cosine_fwd(x, theta, pos, kind, stats, cu_seqlens), stats
+    return launch.forward(x, theta, start, starts, positions, cu_seqlens, SEQ)
 
 
 @define_op("kernelkit_lrpe_cosine::bwd")
@@ -69,55 +81,66 @@ def bwd(
     starts: torch.Tensor | None,
     positions: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
-    stats: torch.Tensor,
+    stats: torch.Tensor | None,
     kind: str,
     need_dx: bool,
     need_dtheta: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dtheta float32); each is an empty tensor when not needed. x is None for act none
-    without dtheta (the backward does not read it)."""
+    without dtheta (the backward does not read it); `stats` fwd_seq's (softmax over the
+    sequence), else None."""
     b, n, heads, d2 = dy.shape
     if dy.numel() == 0:
         dx = dy.new_zeros((b, n, heads, d2 // 2)) if need_dx else dy.new_empty((0,))
         return dx, (torch.zeros_like(theta) if need_dtheta else theta.new_empty((0, 0)))
-    pos = (start, starts, positions)
-    dx, partials = K.cosine_bwd(
-        dy,
-        x,
-        theta,
-        pos,
-        kind,
-        (stats if kind == SEQ else None),
-        cu_seqlens,
-        need_dx=need_dx,
+    dx, partials = launch.backward(
+        dy, x, theta, start, starts, positions, cu_seqlens, stats, kind, need_dx=need_dx,
         need_dtheta=need_dtheta,
-    )
-    dx = dx if need_dx else dy.new_empty((0,))
-    dtheta = reduce_dtheta(partials, theta.shape) if need_dtheta else theta.new_empty((0, 0))
-    return dx, dtheta
+    )  # fmt: skip
+    # (without need_dtheta, `partials` is already the empty (0, 0) d(theta))
+    return dx, (reduce_dtheta(partials, theta.shape) if need_dtheta else partials)
 
 
-def _setup_context(ctx, inputs, output):
-    x, theta, start, starts, positions, cu_seqlens, kind = inputs
+def _save(ctx, kind, inputs, stats=None):
+    x, theta, start, starts, positions, cu_seqlens = inputs[:6]
     ctx.kind, ctx.start = kind, start
     # act none: dx needs only dy and the angles, x only matters for dtheta.
     keep_x = kind != "none" or ctx.needs_input_grad[1]
-    saved = (x if keep_x else None, theta, starts, positions, cu_seqlens, output[1])
-    ctx.save_for_backward(*saved)
+    ctx.save_for_backward(x if keep_x else None, theta, starts, positions, cu_seqlens, stats)
 
 
-def _backward(ctx, dy, _dstats):
+def _grads(ctx, dy):
+    """(dx, dtheta) of `bwd`, None where not needed."""
     x, theta, starts, positions, cu_seqlens, stats = ctx.saved_tensors
     need_dx, need_dtheta = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     dx, dtheta = bwd(
         dy, x, theta, ctx.start, starts, positions, cu_seqlens, stats, ctx.kind, need_dx,
         need_dtheta,
     )  # fmt: skip
-    dx = dx if need_dx else None
-    return dx, (dtheta if need_dtheta else None), None, None, None, None, None
+    return (dx if need_dx else None), (dtheta if need_dtheta else None)
+
+
+def _setup_context(ctx, inputs, output):
+    _save(ctx, inputs[6], inputs)
+
+
+def _backward(ctx, dy):
+    return *_grads(ctx, dy), None, None, None, None, None
+
+
+def _setup_context_seq(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # no zeros for the stats' gradient (a launch per call)
+    _save(ctx, SEQ, inputs, output[1])
+
+
+def _backward_seq(ctx, dy, _dstats):
+    if dy is None:  # only the stats (internal: their gradient is not propagated) got one
+        return None, None, None, None, None, None
+    return *_grads(ctx, dy), None, None, None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
+fwd_seq.register_autograd(_backward_seq, setup_context=_setup_context_seq)
 
 
 def lrpe_cosine(
@@ -153,8 +176,12 @@ def lrpe_cosine(
         return lrpe_cosine_reference(xr, theta, where, act_r, dim_r, cu_seqlens).to(x.dtype)
     three_d = x.dim() == 3
     x4 = x.unsqueeze(2) if three_d else x
-    y, _ = fwd(x4, as_float32(theta), start, starts, table, cu_seqlens, kind)
+    theta = as_float32(theta)
+    if kind == SEQ:
+        y, _ = fwd_seq(x4, theta, start, starts, table, cu_seqlens)
+    else:
+        y = fwd(x4, theta, start, starts, table, cu_seqlens, kind)
     return y.squeeze(2) if three_d else y
 
 
-__all__ = ["bwd", "fwd", "lrpe_cosine", "validate"]
+__all__ = ["bwd", "fwd", "fwd_seq", "lrpe_cosine", "validate"]

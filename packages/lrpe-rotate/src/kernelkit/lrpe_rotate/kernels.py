@@ -1,4 +1,5 @@
-"""Triton kernels of lrpe-rotate, each followed by the host function that plans and launches it.
+"""Triton kernels of lrpe-rotate and the plan helpers (tiles, batch groups, layouts) of their
+launches; the host paths that launch them are in launch.py.
 
 x is addressed as (B, N, H, D) through runtime strides (read in place, whatever the layout). A
 program holds the two halves of D of a block of tokens of one head as two [BLOCK_N, BLOCK_E]
@@ -37,16 +38,8 @@ from kernelkit.lrpe_core.kernels import (
     store_dtheta_partial,
     token_positions,
 )
-from kernelkit.lrpe_core.op import (
-    SEQ,
-    cached_plan,
-    packed_chunks,
-    position_values,
-    prepared_positions,
-    programs_target,
-    theta_args,
-)
-from kernelkit.shared.runtime import cdiv, interpreting, launch, next_power_of_2
+from kernelkit.lrpe_core.op import SEQ, packed_chunks, programs_target, theta_args
+from kernelkit.shared.runtime import cdiv, interpreting, next_power_of_2
 
 # Never specialised (Triton would otherwise make values of 1 constants and key on divisibility
 # by 16): everything that changes with N, B or the offset.
@@ -439,56 +432,6 @@ def _tokens(starts, table, cu_seqlens, tiling) -> bool:
     return tiling != "old" and (starts is not None or table is not None or cu_seqlens is not None)
 
 
-def _prepare(kernel, grid, vary, **kwargs):
-    """`launch(kernel).prepare(grid, **kwargs, vary=vary)`. The per-token kernels never read an
-    int offset (they take it only with packed sequences, whose cu_seqlens give every position;
-    validate_positions passes 0) and specialise on it (not in TOKENS_RUNTIME): prepared with it
-    varying, every call would go through `launcher[grid]` (`runtime._Replay`: all arguments bound
-    and keyed per call, about twice the host time of a prepared launch). There it is fixed at the
-    prepared value and the per-call value dropped."""
-    if vary and (kernel is rotate_fwd_tokens_kernel or kernel is rotate_bwd_tokens_kernel):
-        run = launch(kernel).prepare(grid, **kwargs)
-        return lambda *values: run(*values[: -len(vary)])
-    return launch(kernel).prepare(grid, **kwargs, vary=vary)
-
-
-def _rotate_fwd_plan(x, y, theta, starts, table, cu_seqlens, kind, plan, tiling="old"):
-    """The launch of rotate_fwd_kernel (or, per POSITIONS_TILING, rotate_fwd_tokens_kernel)
-    prepared for this layout: a function of (x, y, theta, cu_seqlens if given,
-    *position_values)."""
-    if _tokens(starts, table, cu_seqlens, tiling):
-        kernel = rotate_fwd_tokens_kernel
-        grid, kwargs = _tokens_layout(x, theta, cu_seqlens, kind, plan, tiling)
-    else:
-        kernel = rotate_fwd_kernel
-        grid, kwargs = _rotate_layout(x, theta, starts, table, cu_seqlens, kind, plan)
-    pos_kwargs, vary = prepared_positions(starts, table)
-    return _prepare(
-        kernel,
-        grid,
-        vary,
-        x=x,
-        y=y,
-        theta=theta,
-        cu_seqlens=cu_seqlens,
-        **_strides("x", x),
-        **_strides("y", y),
-        **kwargs,
-        **pos_kwargs,
-    )
-
-
-def rotate_fwd(x, theta, pos, kind, cu_seqlens=None, plan: Plan = PLAN) -> torch.Tensor:
-    """y = rotate(act(x)) for an element-wise act or softmax over D; pos = (start, starts,
-    table) from kernelkit.lrpe_core.op.validate_positions, or positions restarting in each
-    sequence packed along N with `cu_seqlens`."""
-    y = torch.empty_like(x)
-    tensors = (x, y, theta, pos[1], pos[2], cu_seqlens)
-    run = cached_plan(_rotate_fwd_plan, tensors, kind, plan, POSITIONS_TILING)
-    run(x, y, theta, *_given(cu_seqlens), *position_values(*pos))
-    return y
-
-
 @triton.jit(do_not_specialize=RUNTIME)
 def rotate_bwd_kernel(
     x,
@@ -704,55 +647,3 @@ def rotate_bwd_tokens_kernel(
     if NEED_DTHETA:
         store_dtheta_partial(dtheta_partials, tl.program_id(0), tl.num_programs(1), h, j, HALF,
                              tl.sum(acc, 0))  # fmt: skip
-
-
-def _rotate_bwd_plan(
-    dy, x, dx, theta, starts, table, cu_seqlens, kind, need_dtheta, plan, tiling="old"
-):
-    """(grid, the launch of rotate_bwd_kernel (or, per POSITIONS_TILING,
-    rotate_bwd_tokens_kernel) prepared for this layout: a function of (x if given, dy, dx,
-    theta, cu_seqlens if given, d(theta) partials if needed, *position_values))."""
-    if _tokens(starts, table, cu_seqlens, tiling):
-        kernel = rotate_bwd_tokens_kernel
-        grid, kwargs = _tokens_layout(dy, theta, cu_seqlens, kind, plan, tiling)
-    else:
-        kernel = rotate_bwd_kernel
-        grid, kwargs = _rotate_layout(dy, theta, starts, table, cu_seqlens, kind, plan)
-    pos_kwargs, vary = prepared_positions(starts, table)
-    partials = dy.new_empty((0,)) if need_dtheta else None  # a tensor slot, filled per call
-    run = _prepare(
-        kernel,
-        grid,
-        vary,
-        x=x,
-        dy=dy,
-        dx=dx,
-        theta=theta,
-        cu_seqlens=cu_seqlens,
-        dtheta_partials=partials,
-        **_strides("x", x if x is not None else dy),
-        **_strides("g", dy),
-        **_strides("d", dx),
-        **kwargs,
-        **pos_kwargs,
-    )
-    return grid, run
-
-
-def rotate_bwd(dy, x, theta, pos, kind, need_dtheta, cu_seqlens=None, plan: Plan = PLAN):
-    """(dx, float32 d(theta) partials (programs, H, D/2) or None) for an element-wise act or
-    softmax over D; x may be None for act none without d(theta); positions as rotate_fwd."""
-    dx = torch.empty_like(dy)
-    tensors = (dy, x, dx, theta, pos[1], pos[2], cu_seqlens)
-    grid, run = cached_plan(_rotate_bwd_plan, tensors, kind, need_dtheta, plan, POSITIONS_TILING)
-    partials = None
-    if need_dtheta:
-        partials = dy.new_empty((grid[0], grid[1], dy.shape[3] // 2), dtype=torch.float32)
-    given = [t for t in (x, dy, dx, theta, cu_seqlens, partials) if t is not None]
-    run(*given, *position_values(*pos))
-    return dx, partials
-
-
-def _given(*tensors) -> list:
-    """The tensors that are not None, in order: a prepared launch's per-call tensors."""
-    return [t for t in tensors if t is not None]

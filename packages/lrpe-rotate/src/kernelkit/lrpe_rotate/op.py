@@ -1,5 +1,6 @@
-"""Validation, torch.library registration and autograd of `lrpe_rotate`. The kernels and the host
-functions that plan and launch them are in kernels.py; the registered ops only launch."""
+"""Validation, torch.library registration and autograd of `lrpe_rotate`. The kernels are in
+kernels.py and seq_softmax.py, the host paths that launch them (replayed per layout) in
+launch.py; the registered ops only launch."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from kernelkit.lrpe_core.op import (
     as_float32,
     cpu_reference_args,
     reduce_dtheta,
-    sequence_softmax_stats,
     validate_act,
     validate_positions,
     validate_theta,
@@ -19,8 +19,7 @@ from kernelkit.lrpe_core.op import (
 from kernelkit.lrpe_core.reference import packed_positions
 from kernelkit.shared.runtime import define_op, use_triton
 
-from . import kernels as K
-from . import seq_softmax
+from . import launch
 from .reference import lrpe_rotate_reference
 
 
@@ -46,18 +45,32 @@ def fwd(
     positions: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
     kind: str,
+) -> torch.Tensor:
+    """y for 4-D x and an element-wise act or softmax over D (softmax over the sequence:
+    `fwd_seq`). theta is float32 (H|1, E). `cu_seqlens`: sequences packed along N (B = 1),
+    positions restart in each (`positions` is None then)."""
+    if x.numel() == 0:
+        return torch.empty_like(x)
+    (y,) = launch.forward(x, theta, start, starts, positions, cu_seqlens, kind)
+    return y
+
+
+@define_op("kernelkit_lrpe_rotate::fwd_seq")
+def fwd_seq(
+    x: torch.Tensor,
+    theta: torch.Tensor,
+    start: int,
+    starts: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, stats) for 4-D x; stats are the softmax-over-N stats the backward reuses (empty for
-    other kinds). theta is float32 (H|1, E). `cu_seqlens`: sequences packed along N (B = 1),
-    positions restart in each (`positions` is None then) and softmax over N runs
-    over each."""
-    pos = (start, starts, positions)
+    """(y, stats) for softmax over the sequence: stats the backward reuses (with
+    `cu_seqlens`, softmax over N runs over each packed sequence). A separate op: the other
+    kinds return y alone (a second output costs an allocation and its autograd bookkeeping per
+    call)."""
     if x.numel() == 0:
         return torch.empty_like(x), x.new_empty((0,), dtype=torch.float32)
-    if kind == SEQ:
-        stats = sequence_softmax_stats(x, cu_seqlens)
-        return seq_softmax.seq_softmax_fwd(x, theta, pos, stats, cu_seqlens), stats
-    return K.rotate_fwd(x, theta, pos, kind, cu_seqlens), x.new_empty((0,), dtype=torch.float32)
+    return launch.forward(x, theta, start, starts, positions, cu_seqlens, SEQ)
 
 
 @define_op("kernelkit_lrpe_rotate::bwd")
@@ -69,44 +82,62 @@ def bwd(
     starts: torch.Tensor | None,
     positions: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
-    stats: torch.Tensor,
+    stats: torch.Tensor | None,
     kind: str,
     need_dtheta: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, dtheta float32, empty unless need_dtheta); x is None for act none without dtheta."""
-    pos = (start, starts, positions)
+    """(dx, dtheta float32, empty unless need_dtheta); x is None for act none without dtheta;
+    `stats` fwd_seq's (softmax over the sequence), else None."""
     if dy.numel() == 0:
         return torch.empty_like(dy), torch.zeros_like(theta) if need_dtheta else theta.new_empty(
             (0, 0)
         )
-    if kind == SEQ:
-        dx, partials = seq_softmax.seq_softmax_bwd(
-            dy, x, theta, pos, stats, need_dtheta, cu_seqlens
-        )
-    else:
-        dx, partials = K.rotate_bwd(dy, x, theta, pos, kind, need_dtheta, cu_seqlens)
-    dtheta = reduce_dtheta(partials, theta.shape) if need_dtheta else theta.new_empty((0, 0))
-    return dx, dtheta
+    dx, partials = launch.backward(
+        dy, x, theta, start, starts, positions, cu_seqlens, stats, kind, need_dtheta
+    )
+    # (without need_dtheta, `partials` is already the empty (0, 0) d(theta))
+    return dx, (reduce_dtheta(partials, theta.shape) if need_dtheta else partials)
 
 
-def _setup_context(ctx, inputs, output):
-    x, theta, start, starts, positions, cu_seqlens, kind = inputs
+def _save(ctx, kind, inputs, stats=None):
+    x, theta, start, starts, positions, cu_seqlens = inputs[:6]
     ctx.kind, ctx.start = kind, start
     # The backward reads x only for an act or for d(theta): act none keeps nothing big.
     keep_x = kind != "none" or ctx.needs_input_grad[1]
-    ctx.save_for_backward(x if keep_x else None, theta, starts, positions, cu_seqlens, output[1])
+    ctx.save_for_backward(x if keep_x else None, theta, starts, positions, cu_seqlens, stats)
 
 
-def _backward(ctx, dy, _dstats):
+def _grads(ctx, dy):
+    """(dx, dtheta) of `bwd`, dtheta None where not needed."""
     x, theta, starts, positions, cu_seqlens, stats = ctx.saved_tensors
     need_dtheta = ctx.needs_input_grad[1]
     dx, dtheta = bwd(
         dy, x, theta, ctx.start, starts, positions, cu_seqlens, stats, ctx.kind, need_dtheta
     )
-    return dx, (dtheta if need_dtheta else None), None, None, None, None, None
+    return dx, (dtheta if need_dtheta else None)
+
+
+def _setup_context(ctx, inputs, output):
+    _save(ctx, inputs[6], inputs)
+
+
+def _backward(ctx, dy):
+    return *_grads(ctx, dy), None, None, None, None, None
+
+
+def _setup_context_seq(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # no zeros for the stats' gradient (a launch per call)
+    _save(ctx, SEQ, inputs, output[1])
+
+
+def _backward_seq(ctx, dy, _dstats):
+    if dy is None:  # only the stats (internal: their gradient is not propagated) got one
+        return None, None, None, None, None, None
+    return *_grads(ctx, dy), None, None, None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
+fwd_seq.register_autograd(_backward_seq, setup_context=_setup_context_seq)
 
 
 def lrpe_rotate(
@@ -139,8 +170,12 @@ def lrpe_rotate(
         xr, act_r, dim_r = cpu_reference_args(x, act, dim, cu_seqlens)
         return lrpe_rotate_reference(xr, theta, where, act_r, dim_r, cu_seqlens).to(x.dtype)
     x4 = x if x.dim() == 4 else x.unsqueeze(2)
-    y, _ = fwd(x4, as_float32(theta), start, starts, table, cu_seqlens, kind)
+    theta = as_float32(theta)
+    if kind == SEQ:
+        y, _ = fwd_seq(x4, theta, start, starts, table, cu_seqlens)
+    else:
+        y = fwd(x4, theta, start, starts, table, cu_seqlens, kind)
     return y if x.dim() == 4 else y.squeeze(2)
 
 
-__all__ = ["bwd", "fwd", "lrpe_rotate", "validate"]
+__all__ = ["bwd", "fwd", "fwd_seq", "lrpe_rotate", "validate"]

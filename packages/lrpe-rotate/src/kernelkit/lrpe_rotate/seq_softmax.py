@@ -1,16 +1,16 @@
 """Softmax over the sequence (act="softmax", dim=1) fused with the LRPE rotation: the kernels
-and the host functions that plan and launch them (the element-wise and softmax-over-D kernels
-are in `kernels.py`, whose device helpers, plan and launch glue these share).
+and their launch layout (the element-wise and softmax-over-D kernels are in `kernels.py`, whose
+device helpers and plan these share; the host path that launches them is in launch.py).
 
 Grid (chunks x B, H): a program owns a chunk of tokens of one (b, h) and combines the per-chunk
-stats of its columns once. Forward: act's chunk-stats kernel read x once, this kernel reads x
-and writes y (3 transfers). Backward: the sums kernel reads x and dy for sum_t(softmax * dxbar)
-per chunk, the apply kernel reads x, dy and writes dx (5 transfers).
+stats of its columns once. Forward: act's chunk-stats kernel read x once (lrpe-core merges its
+chunks), this kernel reads x and writes y (3 transfers). Backward: the sums kernel reads x and
+dy for sum_t(softmax * dxbar) per chunk, the apply kernel reads x, dy and writes dx (5
+transfers).
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -26,16 +26,11 @@ from kernelkit.lrpe_core.kernels import (
     store_dtheta_partial,
     token_positions,
 )
-from kernelkit.lrpe_core.op import SEQ, cached_plan, position_values, prepared_positions, theta_args
-from kernelkit.shared.runtime import launch
+from kernelkit.lrpe_core.op import SEQ, theta_args
 
 from .kernels import (
-    PLAN,
     SEQ_RUNTIME,
-    Plan,
-    _given,
     _seq_chunks,
-    _strides,
     _tile,
     load_halves,
     rotation,
@@ -152,33 +147,6 @@ def _seq_layout(x, theta, stats, cu_seqlens, plan):
         num_warps=warps,
     )
     return (chunks * rows, heads), kwargs
-
-
-def _seq_fwd_plan(x, y, theta, stats, starts, table, cu_seqlens, plan):
-    grid, kwargs = _seq_layout(x, theta, stats, cu_seqlens, plan)
-    pos_kwargs, vary = prepared_positions(starts, table)
-    return launch(seq_softmax_fwd_kernel).prepare(
-        grid,
-        x=x,
-        y=y,
-        theta=theta,
-        stats=stats,
-        **_strides("x", x),
-        **_strides("y", y),
-        **kwargs,
-        **pos_kwargs,
-        vary=vary,
-    )
-
-
-def seq_softmax_fwd(x, theta, pos, stats, cu_seqlens=None, plan: Plan = PLAN) -> torch.Tensor:
-    """y = rotate(softmax over the sequence of x) with `stats` from sequence_softmax_stats;
-    with `cu_seqlens`, over each packed sequence."""
-    y = torch.empty_like(x)
-    tensors = (x, y, theta, stats, pos[1], pos[2], cu_seqlens)
-    run = cached_plan(_seq_fwd_plan, tensors, plan)
-    run(x, y, theta, stats, *_given(cu_seqlens), *position_values(*pos))
-    return y
 
 
 @triton.jit
@@ -344,51 +312,3 @@ def seq_softmax_bwd_apply_kernel(
             acc += pos[:, None] * (xb1 * g2 - xb2 * g1)
     if dtheta_partials is not None:
         store_dtheta_partial(dtheta_partials, pid, tl.num_programs(1), h, j, HALF, tl.sum(acc, 0))
-
-
-def _seq_bwd_plan(dy, x, dx, theta, stats, starts, table, cu_seqlens, need_dtheta, plan):
-    """(grid, chunks, the sums launch, the apply launch) prepared for this layout."""
-    grid, kwargs = _seq_layout(dy, theta, stats, cu_seqlens, plan)
-    pos_kwargs, vary = prepared_positions(starts, table)
-    scratch = dy.new_empty((0,))  # stands for the per-call float32 buffers in their slots
-    common = dict(
-        theta=theta,
-        stats=stats,
-        sums=scratch,
-        **_strides("x", x),
-        **_strides("g", dy),
-        **kwargs,
-    )
-    sums = launch(seq_softmax_bwd_sums_kernel).prepare(
-        grid, x=x, dy=dy, **common, **pos_kwargs, vary=vary
-    )
-    apply = launch(seq_softmax_bwd_apply_kernel).prepare(
-        grid,
-        x=x,
-        dy=dy,
-        dx=dx,
-        dtheta_partials=scratch if need_dtheta else None,
-        **_strides("d", dx),
-        **common,
-        **pos_kwargs,
-        vary=vary,
-    )
-    return grid, kwargs["num_chunks"], sums, apply
-
-
-def seq_softmax_bwd(dy, x, theta, pos, stats, need_dtheta, cu_seqlens=None, plan: Plan = PLAN):
-    """(dx, d(theta) partials or None) of rotate(softmax over the sequence of x) (with
-    `cu_seqlens`, over each packed sequence)."""
-    dx = torch.empty_like(dy)
-    tensors = (dy, x, dx, theta, stats, pos[1], pos[2], cu_seqlens)
-    grid, chunks, run_sums, run_apply = cached_plan(_seq_bwd_plan, tensors, need_dtheta, plan)
-    heads, d = dy.shape[2], dy.shape[3]
-    sums = dy.new_empty((stats.shape[1], chunks, d), dtype=torch.float32)  # a row per stats row
-    partials = None
-    if need_dtheta:
-        partials = dy.new_empty((grid[0], heads, d // 2), dtype=torch.float32)
-    where = position_values(*pos)
-    packed = _given(cu_seqlens)
-    run_sums(x, dy, theta, stats, sums, *packed, *where)
-    run_apply(x, dy, dx, *_given(partials), theta, stats, sums, *packed, *where)
-    return dx, partials

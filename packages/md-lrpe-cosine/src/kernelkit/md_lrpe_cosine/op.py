@@ -9,15 +9,14 @@ import math
 import torch
 
 from kernelkit.lrpe_core.op import (
-    SEQ,
     as_float32,
     reduce_dtheta,
-    sequence_softmax_stats,
     validate_act,
     validate_theta,
     validate_x,
 )
 from kernelkit.lrpe_cosine import kernels as K
+from kernelkit.lrpe_cosine import launch
 from kernelkit.shared.runtime import define_op, use_triton
 
 from .reference import md_lrpe_cosine_reference
@@ -71,22 +70,12 @@ def fwd(
     """(y (B, N, H, 2D), stats, angles): softmax-over-N chunk stats (else empty) and, with
     `cache`, the float32 angle table (N, H, D) the backward reads (else empty)."""
     b, n, heads, d = x.shape
-    stats = x.new_empty((0,), dtype=torch.float32)
-    angles = x.new_empty((n, heads, d) if cache else (0,), dtype=torch.float32)
     if x.numel() == 0:
+        stats = x.new_empty((0,), dtype=torch.float32)
+        angles = x.new_empty((n, heads, d) if cache else (0,), dtype=torch.float32)
         return x.new_empty((b, n, heads, 2 * d)), stats, angles
-    if kind == SEQ:
-        stats = sequence_softmax_stats(x)
-    y = K.cosine_fwd(
-        x,
-        theta,
-        _SEQUENCE,
-        kind,
-        (stats if kind == SEQ else None),
-        grid=_grid(theta, shape, extra),
-        angles=angles if cache else None,
-    )
-    return y, stats, angles
+    grid = _grid(theta, shape, extra)
+    return launch.forward(x, theta, *_SEQUENCE, None, kind, grid=grid, cache=cache)
 
 
 @define_op("kernelkit_md_lrpe_cosine::bwd")
@@ -108,32 +97,25 @@ def bwd(
     if dy.numel() == 0:
         dx = dy.new_zeros((b, n, heads, d2 // 2)) if need_dx else dy.new_empty((0,))
         return dx, (torch.zeros_like(theta) if need_dtheta else theta.new_empty((0, 0)))
-    dx, partials = K.cosine_bwd(
-        dy,
-        x,
-        theta,
-        _SEQUENCE,
-        kind,
-        (stats if kind == SEQ else None),
-        need_dx=need_dx,
-        need_dtheta=need_dtheta,
-        grid=_grid(theta, shape, extra),
-        angles=angles if angles.numel() else None,
-    )
-    dx = dx if need_dx else dy.new_empty((0,))
-    if not need_dtheta:
-        return dx, theta.new_empty((0, 0))
-    return dx, reduce_dtheta(partials, theta.shape, wrap=True)
+    dx, partials = launch.backward(
+        dy, x, theta, *_SEQUENCE, None, stats, kind, need_dx=need_dx, need_dtheta=need_dtheta,
+        grid=_grid(theta, shape, extra), angles=angles if angles.numel() else None,
+    )  # fmt: skip
+    # (without need_dtheta, `partials` is already the empty (0, 0) d(theta))
+    return dx, (reduce_dtheta(partials, theta.shape, wrap=True) if need_dtheta else partials)
 
 
 def _setup_context(ctx, inputs, output):
     x, theta, shape, extra, kind, _cache = inputs
     ctx.kind, ctx.shape, ctx.extra = kind, shape, extra
+    ctx.set_materialize_grads(False)  # no zeros for the stats' and angles' gradients
     keep_x = kind != "none" or ctx.needs_input_grad[1]
     ctx.save_for_backward(x if keep_x else None, theta, output[1], output[2])
 
 
 def _backward(ctx, dy, _dstats, _dangles):
+    if dy is None:  # only the stats or angles (internal: not propagated) got a gradient
+        return None, None, None, None, None, None
     x, theta, stats, angles = ctx.saved_tensors
     need_dx, need_dtheta = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     dx, dtheta = bwd(
