@@ -501,8 +501,9 @@ def test_no_recompile_on_new_n_b_offset(case, device):
     a single row loads no row axis, kernels.load_rows)."""
     a, dim = case
     theta = make_theta(4, 64, device)
-    for b in (2, 1):
-        x = make((b, 100, 4, 64), torch.bfloat16, device).requires_grad_()
+    # (N = 4097 splits the softmax's sequence into chunks: its merge kernel compiles once here)
+    for b, n in ((2, 100), (1, 100), (2, 4097)):
+        x = make((b, n, 4, 64), torch.bfloat16, device).requires_grad_()
         lrpe_cosine(x, theta, 0, a, dim).sum().backward()
     with compilations() as compiled:
         for b, n, off in [(3, 37, 1), (5, 1000, 16), (1, 4097, 123_457), (7, 1, 99), (1, 3, 5)]:
