@@ -41,6 +41,7 @@ __all__ = [
     "position_strides",
     "programs_target",
     "reduce_dtheta",
+    "register_lrpe_autograd",
     "sequence_softmax_stats",
     "theta_args",
     "validate_act",
@@ -343,3 +344,37 @@ def reduce_dtheta(partials: torch.Tensor, theta_shape, *, wrap: bool = False) ->
     if rows == 1:
         g = g.sum(0, keepdim=True)
     return g.contiguous()
+
+
+def register_lrpe_autograd(fwd, fwd_seq, grads) -> None:
+    """The autograd of an LRPE package's ops. `fwd(x, theta, start, starts, positions,
+    cu_seqlens, kind) -> y` and `fwd_seq(x, theta, start, starts, positions, cu_seqlens) ->
+    (y, stats)` (softmax over the sequence: stats the backward reuses); `grads(ctx, dy) ->
+    (dx, dtheta)` (None where not needed) reads `ctx.saved_tensors` (x or None, theta, starts,
+    positions, cu_seqlens, stats), `ctx.kind` and `ctx.start`. x is kept only for an act or
+    d(theta) (act none's dx needs only dy and the angles); the stats output gets no
+    gradient, and autograd makes no zeros for it (a launch per call)."""
+
+    def save(ctx, kind, inputs, stats=None):
+        x, theta, start, starts, positions, cu_seqlens = inputs[:6]
+        ctx.kind, ctx.start = kind, start
+        keep_x = kind != "none" or ctx.needs_input_grad[1]
+        ctx.save_for_backward(x if keep_x else None, theta, starts, positions, cu_seqlens, stats)
+
+    def setup(ctx, inputs, output):
+        save(ctx, inputs[6], inputs)
+
+    def backward(ctx, dy):
+        return *grads(ctx, dy), None, None, None, None, None
+
+    def setup_seq(ctx, inputs, output):
+        ctx.set_materialize_grads(False)
+        save(ctx, SEQ, inputs, output[1])
+
+    def backward_seq(ctx, dy, _dstats):
+        if dy is None:  # only the stats (internal: their gradient is not propagated) got one
+            return None, None, None, None, None, None
+        return *grads(ctx, dy), None, None, None, None
+
+    fwd.register_autograd(backward, setup_context=setup)
+    fwd_seq.register_autograd(backward_seq, setup_context=setup_seq)

@@ -11,6 +11,7 @@ from kernelkit.lrpe_core.op import (
     as_float32,
     cpu_reference_args,
     reduce_dtheta,
+    register_lrpe_autograd,
     validate_act,
     validate_positions,
     validate_theta,
@@ -99,14 +100,6 @@ def bwd(
     return dx, (reduce_dtheta(partials, theta.shape) if need_dtheta else partials)
 
 
-def _save(ctx, kind, inputs, stats=None):
-    x, theta, start, starts, positions, cu_seqlens = inputs[:6]
-    ctx.kind, ctx.start = kind, start
-    # The backward reads x only for an act or for d(theta): act none keeps nothing big.
-    keep_x = kind != "none" or ctx.needs_input_grad[1]
-    ctx.save_for_backward(x if keep_x else None, theta, starts, positions, cu_seqlens, stats)
-
-
 def _grads(ctx, dy):
     """(dx, dtheta) of `bwd`, dtheta None where not needed."""
     x, theta, starts, positions, cu_seqlens, stats = ctx.saved_tensors
@@ -117,27 +110,7 @@ def _grads(ctx, dy):
     return dx, (dtheta if need_dtheta else None)
 
 
-def _setup_context(ctx, inputs, output):
-    _save(ctx, inputs[6], inputs)
-
-
-def _backward(ctx, dy):
-    return *_grads(ctx, dy), None, None, None, None, None
-
-
-def _setup_context_seq(ctx, inputs, output):
-    ctx.set_materialize_grads(False)  # no zeros for the stats' gradient (a launch per call)
-    _save(ctx, SEQ, inputs, output[1])
-
-
-def _backward_seq(ctx, dy, _dstats):
-    if dy is None:  # only the stats (internal: their gradient is not propagated) got one
-        return None, None, None, None, None, None
-    return *_grads(ctx, dy), None, None, None, None
-
-
-fwd.register_autograd(_backward, setup_context=_setup_context)
-fwd_seq.register_autograd(_backward_seq, setup_context=_setup_context_seq)
+register_lrpe_autograd(fwd, fwd_seq, _grads)
 
 
 def lrpe_rotate(
