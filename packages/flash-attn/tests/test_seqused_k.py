@@ -5,7 +5,8 @@ Against the loop over sequences of the float64 reference by FlashAttention's acc
 (attn_cases.py): used counts below, at and between block boundaries, equal to the sequence's
 keys, and 0; key blocks wholly past the used keys (the dk/dv kernel writes their rows as zeros);
 GQA, causal, a window, softcap, float16 and bfloat16. Then: seqused_k = every sequence's length
-is bitwise the call without it, argument errors, opcheck, torch.compile and the CPU fallback.
+is bitwise the call without it, argument errors, torch.compile and the CPU fallback (the ops'
+opcheck with seqused_k: test_varlen.py).
 
 Runs the real Triton kernels, on the GPU or under the Triton interpreter (see
 test_flash_attn.py), where the `poison_empty` fixture fills fresh outputs with NaN: an element
@@ -18,7 +19,6 @@ from attn_cases import ATOL, RULE, assert_rule
 from fa_testing import finite, make, packed, run_fwd_bwd
 
 from kernelkit.flash_attn import flash_attn_varlen
-from kernelkit.flash_attn import op as fa_op
 from kernelkit.flash_attn.reference import (
     attention_varlen_reference,
     attention_varlen_reference_grads,
@@ -120,21 +120,6 @@ def test_seqused_k_errors(case, device):
     seqused, match = cases[case]
     with pytest.raises(ValueError, match=match):
         flash_attn_varlen(q, k, v, seqused_k=seqused, **kw)
-
-
-def test_seqused_k_opcheck(device):
-    q, k, v, kw = packed([5, 0, 19], [8, 3, 21], 2, 1, 32, torch.float32, device)
-    cu_q, cu_k, mq, mk = kw.values()
-    used = torch.tensor([6, 0, 21], dtype=torch.int32, device=device)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    args = (q, k, v, cu_q, cu_k, used, mq, mk, True, 0.25)
-    torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_varlen_fwd, args)
-    o, lse = fa_op.attn_varlen_fwd(q.detach(), k.detach(), v.detach(), *args[3:])
-    do = make(o.shape, o.dtype, device, seed=3)
-    dlse = make(lse.shape, lse.dtype, device, seed=4)
-    bwd = (do, q.detach(), k.detach(), v.detach(), o, lse, dlse, cu_q, cu_k, used, mq, mk, False,
-           0.25, 1.5, 4, 2)  # fmt: skip
-    torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_varlen_bwd, bwd)
 
 
 def test_seqused_k_torch_compile_fullgraph(device):

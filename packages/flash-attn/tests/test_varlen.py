@@ -250,16 +250,18 @@ def test_varlen_errors(case, device):
         flash_attn_varlen(*args, **kw)
 
 
-def test_varlen_opcheck(device):
+@pytest.mark.parametrize("seqused", [False, True], ids=["all-keys", "seqused_k"])
+def test_varlen_opcheck(seqused, device):
     q, k, v, kw = packed([5, 0, 19], [8, 3, 21], 2, 1, 32, torch.float32, device)
     cu_q, cu_k, mq, mk = kw.values()
+    used = torch.tensor([6, 0, 21], dtype=torch.int32, device=device) if seqused else None
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    args = (q, k, v, cu_q, cu_k, None, mq, mk, True, 0.25)  # (None: no seqused_k)
+    args = (q, k, v, cu_q, cu_k, used, mq, mk, True, 0.25)
     torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_varlen_fwd, args)
     o, lse = fa_op.attn_varlen_fwd(q.detach(), k.detach(), v.detach(), *args[3:])
     do = make(o.shape, o.dtype, device, seed=3)
     dlse = make(lse.shape, lse.dtype, device, seed=4)
-    bwd = (do, q.detach(), k.detach(), v.detach(), o, lse, dlse, cu_q, cu_k, None, mq, mk, False,
+    bwd = (do, q.detach(), k.detach(), v.detach(), o, lse, dlse, cu_q, cu_k, used, mq, mk, False,
            0.25, 1.5, 4, 2)  # fmt: skip
     torch.library.opcheck(torch.ops.kernelkit_flash_attn.attn_varlen_bwd, bwd)
 
