@@ -37,10 +37,12 @@ from kernelkit.flash_attn.choose import (
     choose_bwd,
     choose_fwd,
     gluon_bwd_config,
+    gluon_fwd_config,
     portable_bwd_config,
     portable_fwd_config,
 )
 from kernelkit.flash_attn.config import (
+    BWD_GLUON,
     BWD_TRITON,
     DQ_KERNEL,
     FWD_GLUON,
@@ -339,24 +341,30 @@ def test_window_with_softcap(device):
     check((q.double() * 3).to(dtype=q.dtype), k, v, window_size=(9, 4), softcap=1.5)
 
 
+@pytest.mark.parametrize("half", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", ["keys-left-of-every-window", "queries-that-see-no-key"])
-def test_window_skips_blocks_outside(case, device):
+def test_window_skips_blocks_outside(case, half, device):
     """Blocks outside every window are never loaded: NaN in them (keys left of every query's
     window; queries whose window holds no key) must not reach any output, and dk/dv of keys
-    no query sees are zeros. P is a multiple of every tile size in use."""
+    no query sees are zeros. P is a multiple of every tile size in use. bf16 at d = 128 takes the
+    Gluon kernels on an sm_90 GPU (elsewhere the portable ones, as float32 does)."""
     p = 160 if device.type == "cpu" else 1024
     if case == "keys-left-of-every-window":  # keys < P + 14 are seen by no query
         nq, nk, causal, window, poison = 16, p + 40, True, (10, 0), ("k", "v")
     else:  # queries < P + 21 see no key
         nq, nk, causal, window, poison = p + 40, 16, False, (-1, 3), ("q", "do")
-    clean = dict(zip("qkv", qkv(1, nq, nk, 2, 1, 16, torch.float32, device)))
-    clean["do"] = make(clean["q"].shape, torch.float32, device, seed=9)
+    dtype, d = (torch.bfloat16, 128) if half else (torch.float32, 16)
+    clean = dict(zip("qkv", qkv(1, nq, nk, 2, 1, d, dtype, device)))
+    clean["do"] = make(clean["q"].shape, dtype, device, seed=9)
     bad = {name: t.clone() for name, t in clean.items()}
     for name in poison:
         bad[name][:, :p] = math.nan
     scale, window_arg = 0.25, fa_validation.window_for(window, causal, nq, nk)
     pf, pb = problems(bad["q"], bad["k"], bad["v"], causal, window_size=window)
     fwd, bwd = table_fwd(pf), choose_bwd(pb)  # the dense forward (not split-KV), its table tile
+    if half and pf.target.gluon:
+        fwd = gluon_fwd_config(pf)
+        assert bwd.kernel == BWD_GLUON
     o, lse = fa_launch.forward(bad["q"], bad["k"], bad["v"], causal, scale, window=window_arg,
                                config=fwd)  # fmt: skip
     grads = fa_launch.backward(bad["do"], bad["q"], bad["k"], bad["v"], o, lse, None, causal,

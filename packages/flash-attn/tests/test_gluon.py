@@ -66,12 +66,13 @@ from kernelkit.shared.testing import assert_close
 # ------------------------------------------------------------------------------------------
 
 
-def _probe_backward_as_on_h100(cfg, do, q, k, v, causal, deterministic=True) -> replay.Probe:
+def _probe_backward_as_on_h100(cfg, do, q, k, v, causal, deterministic=True, softcap=0.0,
+                               window=(-1, -1)) -> replay.Probe:  # fmt: skip
     """The backward's launches with config `cfg` for CPU tensors taken as on an H100 (TMA-aligned
     on sm_90), recorded instead of run; q stands in for the output, zeros for the LSE."""
     probe = replay.Probe()
     lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
-    fa_launch._backward(probe, do, q, k, v, q, lse, None, causal, 0.125, 0.0, (-1, -1), None,
+    fa_launch._backward(probe, do, q, k, v, q, lse, None, causal, 0.125, softcap, window, None,
                         deterministic, cfg, H100)  # fmt: skip
     return probe
 
@@ -81,24 +82,32 @@ def test_gluon_forward_launches_are_compile_checked():
     here its launches are probed as on an H100 (`target=H100`: CPU tensors taken as TMA-aligned
     on Hopper, softcap through tanh.approx as for half precision on a GPU) and recorded for the
     end-of-session compile check, which lowers them to TTGIR for sm_90. GQA, Nq != Nk, ragged
-    ends, a padded head dim, causal (single tiles, and pairs of a long and a short query block)
-    and softcap."""
+    ends, a padded head dim, causal (single tiles, and pairs of a long and a short query block),
+    softcap, sliding windows (causal; both edges off the diagonal)."""
     from kernelkit.shared.compile_check import record_launch
 
     launches = []
-    cases = [(64, False, (128, 64, 3), 0.0, 300), (80, False, (128, 128, 2), 0.0, 300),
-             (128, True, (128, 128, 2), 30.0, 300), (64, True, (128, 128, 2), 0.0, 256)]  # fmt: skip
-    for d, causal, tile, softcap, nq in cases:
+    cases = [(64, False, (128, 64, 3), 0.0, 300, (-1, -1)),
+             (80, False, (128, 128, 2), 0.0, 300, (-1, -1)),
+             (128, True, (128, 128, 2), 30.0, 300, (-1, -1)),
+             (64, True, (128, 128, 2), 0.0, 256, (-1, -1)),
+             (128, True, (128, 128, 2), 30.0, 256, (64, 0)),
+             (64, False, (128, 128, 2), 0.0, 300, (32, 16))]  # fmt: skip
+    for d, causal, tile, softcap, nq, window in cases:
         q, k, v = qkv(2, nq, 260, 4, 2, d, torch.bfloat16, "cpu")
-        p = fa_launch.forward_problem(q, k, v, causal, softcap, target=H100)
+        p = fa_launch.forward_problem(q, k, v, causal, softcap, window, target=H100)
         cfg = check_fwd(p, gluon_fwd_config(p, Tile(*tile[:2], 4, tile[2], tma=True)))
-        assert cfg.fast_tanh == (softcap > 0) and cfg.pairs == (causal and nq == 256)
+        assert cfg.fast_tanh == (softcap > 0)
+        assert cfg.pairs == (causal and nq == 256 and window == (-1, -1))
         probe = replay.Probe()
-        fa_launch._forward(probe, q, k, v, causal, 0.125, softcap, (-1, -1), None, cfg, H100)
+        fa_launch._forward(probe, q, k, v, causal, 0.125, softcap, window, None, cfg, H100)
         launches += probe.launches
-    assert [kernel_name(kernel) for kernel, *_ in launches] == ["attn_fwd_gluon_kernel"] * 4
-    assert launches[2][3]["SOFTCAP"] and not launches[0][3]["SOFTCAP"]
-    assert [kw["PAIRS"] for *_, kw in launches] == [False, False, False, True]
+    assert [kernel_name(kernel) for kernel, *_ in launches] == ["attn_fwd_gluon_kernel"] * 6
+    assert [kw["SOFTCAP"] for *_, kw in launches] == [False, False, True, False, True, False]
+    assert [kw["PAIRS"] for *_, kw in launches] == [False, False, False, True, False, False]
+    assert [kw["LOCAL"] for *_, kw in launches] == [False] * 4 + [True] * 2
+    assert [kw["CAUSAL"] for *_, kw in launches] == [False, False, True, True, True, True]
+    assert [(kw["win_left"], kw["win_right"]) for *_, kw in launches[4:]] == [(64, 0), (32, 16)]
     for kernel, _, args, kwargs in launches:
         record_launch(kernel, args, kwargs)
 
@@ -106,43 +115,51 @@ def test_gluon_forward_launches_are_compile_checked():
 def test_gluon_backward_launches_are_compile_checked():
     """The Gluon dk/dv kernel (gluon/bwd.py, attn_bwd_gluon_kernel) runs only on an sm_90 GPU:
     its launches are probed as on an H100 and recorded for the compile check, as the forward's
-    above. GQA with ragged ends and Nq != Nk (causal), a padded head dim, both ring depths; dq
-    summed in the kernel in both orders."""
+    above. GQA with ragged ends and Nq != Nk (causal), a padded head dim, both ring depths,
+    softcap, sliding windows (causal; both edges off the diagonal); dq summed in the kernel in
+    both orders, with and without a window and softcap."""
     from kernelkit.shared.compile_check import record_launch
 
     gluon = []
-    cases = [(64, True, 2, (300, 260)), (80, False, 3, (300, 300)), (128, True, 2, (260, 300)),
-             (128, False, 3, (256, 256))]  # fmt: skip
-    for d, causal, stages, (nq, nk) in cases:
+    cases = [(64, True, 2, (300, 260), 0.0, (-1, -1)), (80, False, 3, (300, 300), 0.0, (-1, -1)),
+             (128, True, 2, (260, 300), 0.0, (-1, -1)), (128, False, 3, (256, 256), 0.0, (-1, -1)),
+             (128, True, 2, (300, 260), 30.0, (64, 0)), (64, False, 2, (300, 300), 0.0, (32, 16))]  # fmt: skip
+    for d, causal, stages, (nq, nk), softcap, window in cases:
         q, k, v = qkv(2, nq, nk, 4, 2, d, torch.bfloat16, "cpu")
         do = torch.randn_like(q)
-        p = fa_launch.backward_problem(do, q, k, v, causal, target=H100)
+        p = fa_launch.backward_problem(do, q, k, v, causal, softcap, window, target=H100)
         tile = Tile(64, 128, 4, stages, tma=True)
         cfg = check_bwd(p, gluon_bwd_config(p, tile, DQ_KERNEL, T.INTERPRETER_DQ))
         assert cfg.persistent and not cfg.kv_regs and cfg.dq == T.INTERPRETER_DQ
-        probe = _probe_backward_as_on_h100(cfg, do, q, k, v, causal)
+        probe = _probe_backward_as_on_h100(cfg, do, q, k, v, causal, softcap=softcap,
+                                           window=window)  # fmt: skip
         assert launch_names(probe) == ["attn_bwd_preprocess_kernel", "attn_bwd_gluon_kernel",
                                  "attn_bwd_dq_kernel"]  # fmt: skip
         gluon.append(probe.launches[1])
-    assert [kw["CAUSAL"] for *_, kw in gluon] == [True, False, True, False]
-    assert [kw["STAGES"] for *_, kw in gluon] == [2, 3, 2, 3]
+    assert [kw["CAUSAL"] for *_, kw in gluon] == [True, False, True, False, True, True]
+    assert [kw["STAGES"] for *_, kw in gluon] == [2, 3, 2, 3, 2, 2]
+    assert [kw["LOCAL"] for *_, kw in gluon] == [False] * 4 + [True] * 2
+    assert [kw["SOFTCAP"] for *_, kw in gluon] == [False] * 4 + [True, False]
     # dq summed in the Gluon kernel: its launches run only there, the portable preprocess
-    # (ZERO_DQ) and dq conversion included.
+    # (ZERO_DQ) and dq conversion included; the window's tiles and dq order too.
     fused = []
-    for deterministic in (True, False):
+    for deterministic, softcap, window in ((True, 0.0, (-1, -1)), (False, 0.0, (-1, -1)),
+                                           (True, 30.0, (64, 0)), (False, 0.0, (32, 16))):  # fmt: skip
         q, k, v = qkv(2, 300, 260, 4, 2, 64, torch.bfloat16, "cpu")
         do = torch.randn_like(q)
-        p = fa_launch.backward_problem(do, q, k, v, True, deterministic=deterministic,
-                                       target=H100)  # fmt: skip
+        p = fa_launch.backward_problem(do, q, k, v, True, softcap, window,
+                                       deterministic=deterministic, target=H100)  # fmt: skip
         mode = DQ_ORDERED if deterministic else DQ_ANY_ORDER
         cfg = check_bwd(p, gluon_bwd_config(p, T.FUSED_DQ_DKDV, mode))
-        fused += _probe_backward_as_on_h100(cfg, do, q, k, v, True, deterministic).launches
+        fused += _probe_backward_as_on_h100(cfg, do, q, k, v, True, deterministic, softcap,
+                                            window).launches  # fmt: skip
     names = [kernel_name(kernel) for kernel, *_ in fused]
     assert names == ["attn_bwd_preprocess_kernel", "attn_bwd_gluon_kernel",
-                     "attn_bwd_dq_convert_kernel"] * 2  # fmt: skip
-    assert [kw["DQ_MODE"] for *_, kw in fused[1::3]] == [2, 1]
-    assert [kw["KV_REGS"] for *_, kw in fused[1::3]] == [True, True]
-    assert [kw["ZERO_DQ"] for *_, kw in fused[::3]] == [True, True]
+                     "attn_bwd_dq_convert_kernel"] * 4  # fmt: skip
+    assert [kw["DQ_MODE"] for *_, kw in fused[1::3]] == [2, 1, 2, 1]
+    assert [kw["KV_REGS"] for *_, kw in fused[1::3]] == [True] * 4
+    assert [kw["LOCAL"] for *_, kw in fused[1::3]] == [False, False, True, True]
+    assert [kw["ZERO_DQ"] for *_, kw in fused[::3]] == [True] * 4
     for kernel, _, args, kwargs in gluon + fused:
         record_launch(kernel, args, kwargs)
 
@@ -218,9 +235,8 @@ def _check_error_cases():
          "head dim 256 (BLOCK_D 64 or 128 only)"),
         (check_fwd, replace(p, head_dim_v=64), fwd, "the value head dim must equal the query's"),
         (check_fwd, replace(p, tma_q=False), fwd, "q, k, v rows not 16-byte aligned for TMA"),
-        (check_fwd, replace(p, left=256), fwd, "a window edge or a packed batch"),
-        (check_fwd, replace(p, packed=True), fwd, "a window edge or a packed batch"),
-        (check_fwd, replace(p, right=3), fwd, "a window edge or a packed batch"),
+        (check_fwd, replace(p, left=256), fwd, "no window's left edge"),
+        (check_fwd, replace(p, packed=True), fwd, "a packed batch"),
         (check_fwd, replace(p, softcap=True), fwd, "softcap only through tanh.approx"),
         (check_fwd, p, replace(fwd, tile=Tile(64, 128, 4, 2, tma=True)), "BLOCK_M must be 128"),
         (check_fwd, replace(p, target=NO_GLUON), fwd, "not an sm_90 GPU"),
@@ -235,8 +251,8 @@ def _check_error_cases():
         (check_bwd, p, replace(bwd, tile_heads=0), "tile_heads 0: must divide the 4"),
         (check_bwd, p, replace(bwd, tile_heads=3), "tile_heads 3: must divide the 4"),
         (check_bwd, p, replace(bwd, tile_heads=-4), "descending tiles (tile_heads < 0) only"),
-        (check_bwd, replace(p, softcap=True), bwd, "softcap"),
-        (check_bwd, replace(p, left=100), bwd, "a window edge or a packed batch"),
+        (check_bwd, replace(p, softcap=True), bwd, "softcap only through tanh.approx"),
+        (check_bwd, replace(p, packed=True), bwd, "a packed batch"),
         (check_bwd, p, replace(bwd, dkdv=Tile(64, 64, 4, 2, tma=True)), "BLOCK_N must be 128"),
         (check_bwd, p, replace(fused, dkdv=bwd.dkdv), "dq summed in the kernel only up to BLOCK_D 64"),
         (check_bwd, p, replace(bwd, kv_regs=True), "a dq tile and K/V in shared memory"),
@@ -271,13 +287,13 @@ def _check_error_cases():
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("case", range(47))
+@pytest.mark.parametrize("case", range(46))
 def test_check_errors_name_the_reason(case):
     """check_fwd / check_bwd (what launch.forward / backward do with a config passed in) accept
     a config only where its kernels can run the call, else raise a ValueError naming the config
     and the reason (the backend's `can_implement`)."""
     cases = _check_error_cases()
-    assert len(cases) == 47
+    assert len(cases) == 46
     check, p, cfg, reason = cases[case]
     with pytest.raises(ValueError) as error:
         check(p, cfg)
@@ -302,16 +318,18 @@ def test_check_accepts_the_chosen_configs():
 
 def test_chooser_takes_the_gluon_kernels_by_rule():
     """Where the Gluon kernels ship (choose.py, tables.py; H100 A/B), as on an H100: the d128
-    dk/dv kernel, causal or not, not for a window's left edge or a packed batch, nor d64 at
-    these lengths or float32; the d64 forward from GLUON_FWD_MIN_N query rows on (causal: fewer)
-    for a grid that fills the GPU."""
+    dk/dv kernel, causal or not, with a window or softcap too, not for a packed batch, nor d64
+    at these lengths or float32; the d64 forward from GLUON_FWD_MIN_N query rows on (causal:
+    fewer) for a grid that fills the GPU."""
     for causal in (False, True):
         cfg = choose_bwd(meta_problem(2, 1024, 1024, 8, 2, 128, causal=causal))
         assert cfg.kernel == BWD_GLUON and cfg.dq_mode == DQ_KERNEL
         assert cfg.dkdv == T.GLUON_DKDV_TILES[128][causal] and cfg.why
-        for masked in (dict(window_size=(256, -1)), dict(packed=True)):
-            p = meta_problem(2, 1024, 1024, 8, 2, 128, causal=causal, **masked)
-            assert choose_bwd(p).kernel == BWD_TRITON
+        for variant in (dict(window_size=(256, -1)), dict(softcap=30.0)):
+            p = meta_problem(2, 1024, 1024, 8, 2, 128, causal=causal, **variant)
+            assert (choose_fwd(p).kernel, choose_bwd(p).kernel) == (FWD_GLUON, BWD_GLUON)
+        p = meta_problem(2, 1024, 1024, 8, 2, 128, causal=causal, packed=True)
+        assert (choose_fwd(p).kernel, choose_bwd(p).kernel) == (FWD_TRITON, BWD_TRITON)
         assert choose_bwd(meta_problem(2, 1024, 1024, 8, 2, 64, causal=causal)).kernel == BWD_TRITON
         p = meta_problem(2, 1024, 1024, 8, 2, 128, torch.float32, causal=causal)
         assert choose_bwd(p).kernel == BWD_TRITON
@@ -384,8 +402,7 @@ def test_deterministic_option_launches():
     """As on an H100: a d64 causal backward of ANY_ORDER_DQ_MIN_N rows runs the Gluon kernel
     summing dq in any order (DQ_MODE 1, K/V in registers) and no dq kernel with
     deterministic=False, the dq kernel by default; from FUSED_DQ_MIN_N rows on the default sums
-    dq in the Gluon kernel in a fixed order (DQ_MODE 2). A window's left edge keeps the dq
-    kernel. Probed on meta tensors (nothing allocated or launched)."""
+    dq in the Gluon kernel in a fixed order (DQ_MODE 2); with a sliding window too. Probed on meta tensors (nothing allocated or launched)."""
 
     def backward(n, window, deterministic):
         q = torch.empty(1, n, 2, 64, dtype=torch.bfloat16, device="meta")
@@ -406,8 +423,8 @@ def test_deterministic_option_launches():
     assert "attn_bwd_dq_kernel" in names and modes == []  # (d64 dk/dv: the portable kernel)
     names, modes = backward(T.FUSED_DQ_MIN_N[64][1], (-1, -1), True)
     assert "attn_bwd_dq_kernel" not in names and modes == [(2, True)]
-    names, modes = backward(n, (100, 0), False)
-    assert "attn_bwd_dq_kernel" in names and modes == []
+    names, modes = backward(n, (100, 0), False)  # a window: the same kernels
+    assert "attn_bwd_dq_kernel" not in names and modes == [(1, True)]
 
 
 @pytest.mark.parametrize("causal", [False, True])

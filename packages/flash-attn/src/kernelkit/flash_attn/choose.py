@@ -122,15 +122,15 @@ def gluon_fwd_config(p: Problem, tile: Tile = T.GLUON_FWD_TILE, why: str = "") -
     """The Gluon forward's config for `p` with `tile` (2 x 64 rows, a `stages`-deep K/V ring):
     persistent (one program per SM), causal tiles in pairs of a long and a short query block
     where the query blocks pair up, the q tile in registers up to GLUON_FWD_Q_REGS_MAX_D."""
-    pairs = bool(p.causal and cdiv(p.nq, tile.block_m) % 2 == 0)
+    pairs = bool(p.causal and not p.local and cdiv(p.nq, tile.block_m) % 2 == 0)
     return FwdConfig(FWD_GLUON, tile, True, _fast_tanh(p), persistent=True, pairs=pairs,
                      q_regs=p.block_d <= T.GLUON_FWD_Q_REGS_MAX_D, why=why)  # fmt: skip
 
 
 def _gluon_fwd_wanted(p: Problem) -> str | None:
-    """Why the tables ask for the Gluon forward here, or None: half precision, no window's
-    left edge or packing, d128, or d64 from GLUON_FWD_MIN_N query rows."""
-    if not p.half or p.masked or p.target.interpreter or p.block_d not in T.GLUON_FWD_MIN_N:
+    """Why the tables ask for the Gluon forward here, or None: half precision, no packing, d128,
+    or d64 from GLUON_FWD_MIN_N query rows."""
+    if not p.half or p.packed or p.target.interpreter or p.block_d not in T.GLUON_FWD_MIN_N:
         return None
     min_n = T.GLUON_FWD_MIN_N[p.block_d][p.causal]
     if p.nq < min_n:
@@ -267,8 +267,8 @@ def portable_bwd_config(p: Problem, dkdv: Tile, dq: Tile, why: str = "given tile
 def _gluon_bwd_wanted(p: Problem) -> tuple[Tile, int, str] | None:
     """(dk/dv tile, dq mode, why) of the Gluon backward where the tables ask for it: d128 with
     the dq kernel beside it, d64 summing dq from FUSED_DQ_MIN_N query rows (ANY_ORDER_DQ_MIN_N
-    with deterministic=False); half precision, no window's left edge, no packing."""
-    if not p.half or p.masked or p.target.interpreter:
+    with deterministic=False); half precision, no packing."""
+    if not p.half or p.packed or p.target.interpreter:
         return None
     table = T.FUSED_DQ_MIN_N if p.deterministic else T.ANY_ORDER_DQ_MIN_N
     min_n = table.get(p.block_d, (None, None))[p.causal]

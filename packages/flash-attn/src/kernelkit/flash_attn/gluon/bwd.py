@@ -50,6 +50,7 @@ from .common import (
     gluon,
     maybe_constexpr,
     mbarrier,
+    tanh_approx,
     tma,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -112,7 +113,8 @@ def _red_release_add(ptr):
 class BwdTile:
     """One tile of the program's (`BwdArgs.tile`): batch b, kv head hk, key block pid_n and its
     first key start_n, the first query block m_lo (causal: the first with a row that sees a key
-    of the block), n_m query blocks from it and n_iter = GROUP x n_m steps."""
+    of the block), n_m query blocks from it (a window: up to the last with a row that sees one)
+    and n_iter = GROUP x n_m steps."""
 
     b: gl.tensor
     hk: gl.tensor
@@ -197,7 +199,15 @@ class BwdArgs:
     # The reducer warps' semaphores (DQ_MODE 2, else None).
     SEM: MaybeConstexpr
     sem_stride: MaybeConstexpr
+    # Softcap: scores tanh(s * cap_scale) (SOFTCAP). Query row i sees keys [i + lo_shift,
+    # i + hi_shift] (LOCAL: the window's left edge; CAUSAL: its right edge, the causal diagonal
+    # for hi_shift = Nk - Nq).
+    cap_scale: gl.tensor
+    lo_shift: gl.tensor
+    hi_shift: gl.tensor
     CAUSAL: gl.constexpr
+    LOCAL: gl.constexpr
+    SOFTCAP: gl.constexpr
     HEAD_DIM: gl.constexpr
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
@@ -213,8 +223,9 @@ class BwdArgs:
                  dq_free, LSE2, DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh,
                  stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn, stride_kh, stride_vb,
                  stride_vn, stride_vh, vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads,
-                 qk_scale, sm_scale, SEM, sem_stride, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
-                 STAGES, DQ_MODE, KV_REGS, PERSISTENT):  # fmt: skip
+                 qk_scale, sm_scale, SEM, sem_stride, cap_scale, lo_shift, hi_shift, CAUSAL, LOCAL,
+                 SOFTCAP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, DQ_MODE, KV_REGS,
+                 PERSISTENT):  # fmt: skip
         self.q_desc, self.do_desc, self.k_desc, self.v_desc = q_desc, do_desc, k_desc, v_desc
         self.dq_desc = dq_desc
         self.q_smem, self.do_smem, self.k_smem, self.v_smem = q_smem, do_smem, k_smem, v_smem
@@ -243,7 +254,9 @@ class BwdArgs:
         self.tile_heads = maybe_constexpr(tile_heads)
         self.qk_scale, self.sm_scale = qk_scale, sm_scale
         self.SEM, self.sem_stride = maybe_constexpr(SEM), maybe_constexpr(sem_stride)
-        self.CAUSAL, self.HEAD_DIM = gl.constexpr(CAUSAL), gl.constexpr(HEAD_DIM)
+        self.cap_scale, self.lo_shift, self.hi_shift = cap_scale, lo_shift, hi_shift
+        self.CAUSAL, self.LOCAL = gl.constexpr(CAUSAL), gl.constexpr(LOCAL)
+        self.SOFTCAP, self.HEAD_DIM = gl.constexpr(SOFTCAP), gl.constexpr(HEAD_DIM)
         self.BLOCK_M, self.BLOCK_N = gl.constexpr(BLOCK_M), gl.constexpr(BLOCK_N)
         self.BLOCK_D, self.STAGES = gl.constexpr(BLOCK_D), gl.constexpr(STAGES)
         self.DQ_MODE, self.KV_REGS = gl.constexpr(DQ_MODE), gl.constexpr(KV_REGS)
@@ -267,12 +280,17 @@ class BwdArgs:
             pid_n = n_kb - 1 - pid_n
         bhk = group * heads + r % heads
         start_n = pid_n * BLOCK_N
-        # (causal: the first query block with a row that sees a key of this block)
+        # (causal: the first query block with a row that sees a key of this block; a window: the
+        # last one, its left edge)
         if self.CAUSAL:  # noqa: SIM108 (constexpr branch)
-            m_lo = gl.maximum(start_n - (self.Nk - self.Nq), 0) // BLOCK_M
+            m_lo = gl.maximum(start_n - self.hi_shift, 0) // BLOCK_M
         else:
             m_lo = 0
-        n_m = gl.cdiv(self.Nq, BLOCK_M) - m_lo
+        m_hi = gl.cdiv(self.Nq, BLOCK_M)
+        if self.LOCAL:
+            m_hi = gl.minimum(m_hi, gl.cdiv(gl.maximum(start_n + BLOCK_N - self.lo_shift, 0),
+                                            BLOCK_M))  # fmt: skip
+        n_m = gl.maximum(m_hi - m_lo, 0)
         return BwdTile(bhk // self.Hkv, bhk % self.Hkv, pid_n, start_n, m_lo, n_m, self.GROUP * n_m)
 
 
@@ -283,7 +301,8 @@ def _bwd_reduce_tile(a, t, bhq0, i0, descending, ORDERED: gl.constexpr, LANE: gl
     query head in the row vectors; i0: the program's steps before it): adds step i's dq part (in
     dq_smem[i % DQ_BUFFERS], from the dq warpgroup) into the float32 sums with a TMA reduce-add;
     ORDERED: once the parts of the key blocks before pid_n are in (the semaphore counts 32 per
-    part: one per thread of a warp); key blocks 0, 1, ..., or with `descending` (tile_heads < 0,
+    part: one per thread of a warp); key blocks 0, 1, ... (a window: from the first that reaches
+    the query block), or with `descending` (tile_heads < 0,
     a constexpr where tile_heads is) from the last one that reaches the query block down
     (causal: key block j then finds block j + 1's part in, as that one started two query blocks
     below it). A part is counted once its add is performed: the next key block waits on
@@ -292,7 +311,7 @@ def _bwd_reduce_tile(a, t, bhq0, i0, descending, ORDERED: gl.constexpr, LANE: gl
     BLOCK_M: gl.constexpr = a.BLOCK_M
     BLOCK_N: gl.constexpr = a.BLOCK_N
     dq_smem = a.dq_smem
-    Nq, Nk, pid_n, n_m = a.Nq, a.Nk, t.pid_n, t.n_m
+    Nk, pid_n, n_m = a.Nk, t.pid_n, t.n_m
     for it in range((LANE - i0 % REDUCERS + REDUCERS) % REDUCERS, t.n_iter, REDUCERS):
         i = i0 + it
         par = i % dq_smem.shape[0]
@@ -303,10 +322,12 @@ def _bwd_reduce_tile(a, t, bhq0, i0, descending, ORDERED: gl.constexpr, LANE: gl
         if ORDERED:
             sem = a.SEM + bhq.to(gl.int64) * a.sem_stride + m0 // SEM_ROWS
             ahead = pid_n
+            if a.LOCAL:  # the key blocks before pid_n with a tile on this query block
+                ahead = pid_n - gl.maximum(m0 + a.lo_shift, 0) // BLOCK_N
             if descending:  # the key blocks after pid_n with a tile on this query block
                 last = gl.cdiv(Nk, BLOCK_N) - 1
                 if a.CAUSAL:
-                    last = gl.minimum(last, gl.cdiv(m0 + BLOCK_M + Nk - Nq, BLOCK_N) - 1)
+                    last = gl.minimum(last, gl.cdiv(m0 + BLOCK_M + a.hi_shift, BLOCK_N) - 1)
                 ahead = last - pid_n
             while _ld_acquire(sem) != ahead * 32:
                 pass
@@ -413,7 +434,7 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
     per_query: gl.constexpr = gl.SliceLayout(0, st_layout)
     per_key: gl.constexpr = gl.SliceLayout(1, st_layout)
     dtype: gl.constexpr = a.q_smem.dtype
-    Nq, Nk, n_m = a.Nq, a.Nk, t.n_m
+    Nk, n_m = a.Nk, t.n_m
 
     # The kv head's bases of dk, dv, K and V; its first query head's row in the row vectors.
     b64 = t.b.to(gl.int64)
@@ -428,7 +449,6 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
     k_w = a.k_smem.slice(WG * BWD_WG_KEYS, BWD_WG_KEYS)
     v_w = a.v_smem.slice(WG * BWD_WG_KEYS, BWD_WG_KEYS)
     keys = kw0 + gl.arange(0, BWD_WG_KEYS, layout=per_key)
-    shift = Nk - Nq
     ragged = kw0 + BWD_WG_KEYS > Nk
     zero_st = gl.zeros([BWD_WG_KEYS, BLOCK_M], gl.float32, st_layout)
     dk = gl.zeros([BWD_WG_KEYS, BLOCK_D], gl.float32, acc_layout)
@@ -460,20 +480,29 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
         dpt_tok = warpgroup_mma(v_w, do_s.permute((1, 0)), zero_st, use_acc=False,
                                 is_async=True)  # fmt: skip
         s_t = warpgroup_mma_wait(1, deps=(st_tok,))  # S^T done; dP^T may still run
+        if a.SOFTCAP:  # s_t holds tanh(s * cap_scale) from here on
+            s_t = tanh_approx(s_t * a.cap_scale)
         masked = ragged
         if a.CAUSAL:  # some key of this warpgroup's block lies right of some row's diagonal
-            masked = masked | (m0 + shift < kw0 + BWD_WG_KEYS - 1)
+            masked = masked | (m0 + a.hi_shift < kw0 + BWD_WG_KEYS - 1)
+        if a.LOCAL:  # some key lies left of some row's window
+            masked = masked | (kw0 < m0 + BLOCK_M - 1 + a.lo_shift)
         if masked:
             keep = keys[:, None] < Nk
             if a.CAUSAL:
-                keep = keep & (keys[:, None] <= queries[None, :] + shift)
+                keep = keep & (keys[:, None] <= queries[None, :] + a.hi_shift)
+            if a.LOCAL:
+                keep = keep & (keys[:, None] >= queries[None, :] + a.lo_shift)
             p_t = gl.where(keep, gl.exp2(s_t * a.qk_scale - lse2[None, :]), 0.0)
         else:
             p_t = gl.exp2(s_t * a.qk_scale - lse2[None, :])
         p_op = gl.convert_layout(p_t.to(dtype), op_layout)
         dv_tok = warpgroup_mma(p_op, do_s, dv, is_async=True)
         dp_t = warpgroup_mma_wait(1, deps=(dpt_tok,))  # dP^T done; dV may still run
-        ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
+        ds_t = p_t * (dp_t - delta[None, :])
+        if a.SOFTCAP:  # d(softcap * tanh(s / softcap)) / ds
+            ds_t = ds_t * (1.0 - s_t * s_t)
+        ds_t = ds_t.to(dtype)
         ds_op = gl.convert_layout(ds_t, op_layout)
         dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
         if a.DQ_MODE > 0:  # this warpgroup's half of dS^T to the dq warpgroup
@@ -558,7 +587,7 @@ def _bwd_dq_warpgroup(a):
         _bwd_dq_tile(a, a.tile(gl.program_id(0)), 0, 0)
 
 
-@gluon.jit(do_not_specialize=["Nq", "Nk"])
+@gluon.jit(do_not_specialize=["Nq", "Nk", "win_left", "win_right"])
 def attn_bwd_gluon_kernel(
     Q,
     K,
@@ -600,18 +629,24 @@ def attn_bwd_gluon_kernel(
     Nk,
     qk_scale,
     sm_scale,
+    cap_scale,
+    win_left,
+    win_right,
     HEAD_DIM: gl.constexpr,
     BLOCK_D: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr,
+    LOCAL: gl.constexpr,
+    SOFTCAP: gl.constexpr,
     STAGES: gl.constexpr,
     DQ_MODE: gl.constexpr,
     KV_REGS: gl.constexpr = False,
     PERSISTENT: gl.constexpr = False,
 ):
     """dk, dv of the B * Hkv * cdiv(Nk, BLOCK_N) tiles of 128 keys of one kv head (bottom-right
-    causal mask or none, GQA, any Nq and Nk): tile program_id, or with PERSISTENT tiles
+    causal mask or none, a sliding window (win_left with LOCAL, win_right with CAUSAL: the
+    portable kernels' window), softcap through tanh.approx, GQA, any Nq and Nk): tile program_id, or with PERSISTENT tiles
     program_id, + num_programs, ... (one program per SM; `BwdArgs.tile` orders them); launched
     with num_warps = 4 (the default partition), 9 warps in all (14 with DQ_MODE 1, 15 with 2,
     whose reducer warps take turns). LSE2 / DELTA: (B * H, vec_stride) padded row vectors
@@ -627,6 +662,9 @@ def attn_bwd_gluon_kernel(
     gl.static_assert(DQ_MODE == 0 or BLOCK_D <= 64, "the dq warpgroup's registers hold d <= 64")
     qk_scale = qk_scale.to(gl.float32)
     sm_scale = sm_scale.to(gl.float32)
+    cap_scale = cap_scale.to(gl.float32)
+    lo_shift = Nk - Nq - win_left
+    hi_shift = Nk - Nq + win_right
     bhk_count = B * Hkv
     n_tiles = bhk_count * gl.cdiv(Nk, BLOCK_N)
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -686,8 +724,8 @@ def attn_bwd_gluon_kernel(
                 DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
                 stride_dvh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                 vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale, SEM,
-                sem_stride, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, DQ_MODE, KV_REGS,
-                PERSISTENT)  # fmt: skip
+                sem_stride, cap_scale, lo_shift, hi_shift, CAUSAL, LOCAL, SOFTCAP, HEAD_DIM,
+                BLOCK_M, BLOCK_N, BLOCK_D, STAGES, DQ_MODE, KV_REGS, PERSISTENT)  # fmt: skip
     # Three partition lists (fixed-order dq: two reducer warps; any order: one; dk/dv only):
     # Gluon takes the (function, args) pairs as a literal list. (One list with a second reducer
     # warp idle in any order would do, but that variant was never timed.)
@@ -737,7 +775,7 @@ def attn_bwd_gluon_kernel(
 def can_implement(p: Problem, cfg: BwdConfig) -> str | None:
     """None if the Gluon backward can run `cfg` for problem `p`, else why not: an sm_90 GPU,
     half precision, BLOCK_D 64 or 128, v's head dim equal to q's, TMA-aligned q, k, v, do;
-    dense, no window edge but the causal diagonal, no softcap; 2 x 64 keys per tile; dq summed
+    no packed batch; softcap only through tanh.approx; 2 x 64 keys per tile; dq summed
     here only up to GLUON_FUSED_DQ_MAX_D, and K/V in registers only then (the dq-kernel variant
     computed wrong dk / dv with them on the H100: a miscompile not understood)."""
     if not p.target.gluon:
@@ -752,10 +790,10 @@ def can_implement(p: Problem, cfg: BwdConfig) -> str | None:
         return "the Gluon backward reads q, k, v, do through TMA (config dkdv_tma=False)"
     if not (p.tma_q and p.tma_kv and p.tma_do):
         return "q, k, v, do rows not 16-byte aligned for TMA"
-    if p.masked or p.right:
-        return "a window edge or a packed batch"
-    if p.softcap:
-        return "softcap"
+    if p.packed:
+        return "a packed batch"
+    if p.softcap and not cfg.fast_tanh:
+        return "softcap only through tanh.approx"
     if cfg.dkdv.block_n != 2 * BWD_WG_KEYS.value:
         return f"tile {cfg.dkdv}: BLOCK_N must be {2 * BWD_WG_KEYS.value}"
     if cfg.dq_mode != DQ_KERNEL and p.block_d > GLUON_FUSED_DQ_MAX_D:
@@ -787,7 +825,8 @@ def launch(ops, p: Problem, cfg: BwdConfig, s: Scores, q, k, v, do, lse2, delta,
         vec_stride=width, sem_stride=width // sem_rows, dq_rows=p.batch * p.heads * width,
         tile_heads=cfg.tile_heads, B=p.batch, H=p.heads, Hkv=p.kv_heads,
         GROUP=p.heads // p.kv_heads, Nq=p.nq, Nk=p.nk, qk_scale=s.qk_scale,
-        sm_scale=s.sm_scale, HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=t.block_m,
-        BLOCK_N=t.block_n, CAUSAL=p.causal, STAGES=t.stages, DQ_MODE=cfg.dq_mode,
+        sm_scale=s.sm_scale, cap_scale=s.cap_scale, win_left=max(p.left, 0), win_right=p.right,
+        HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        CAUSAL=p.causal, LOCAL=p.local, SOFTCAP=s.softcap == 2, STAGES=t.stages, DQ_MODE=cfg.dq_mode,
         KV_REGS=cfg.kv_regs, PERSISTENT=cfg.persistent, num_warps=t.warps,
     )  # fmt: skip

@@ -37,5 +37,13 @@ def maybe_constexpr(x):
     return x if isinstance(x, gl.tensor) else gl.constexpr(x)
 
 
+@gluon.jit
+def tanh_approx(x):
+    """tanh(x) by tanh.approx.f32 (the portable kernels' SOFTCAP == 2): the capped scores."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32,
+                                     is_pure=True, pack=1)  # fmt: skip
+
+
 __all__ = ["LN2", "LOG2E", "MaybeConstexpr", "aggregate", "fence_async_shared", "gl", "gluon",
-           "maybe_constexpr", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait"]  # fmt: skip
+           "maybe_constexpr", "mbarrier", "tanh_approx", "tma", "warpgroup_mma",
+           "warpgroup_mma_wait"]  # fmt: skip

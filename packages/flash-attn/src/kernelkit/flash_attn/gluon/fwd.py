@@ -22,8 +22,10 @@ the programs stay in step on the same heads: `FwdArgs.tile`), in three partition
   shared-memory view. The two warpgroups are not forced into ping-pong order: the warp
   schedulers interleave one's softmax with the other's MMAs as they come (forcing it measured
   no faster: NOTES.md, session 22).
-Key blocks no mask can touch are walked without one; a block on the causal diagonal or past Nk
-applies it (a run-time branch: Gluon has no automatic pass to trip over).
+A tile walks only the key blocks some row of it sees (a sliding window's: from its first row's
+first key). Key blocks no mask can touch are walked without one; a block on the causal diagonal,
+past Nk or across the window's left edge applies it (a run-time branch: Gluon has no automatic
+pass to trip over).
 """
 
 from kernelkit.shared.runtime import cdiv
@@ -38,6 +40,7 @@ from .common import (
     gluon,
     maybe_constexpr,
     mbarrier,
+    tanh_approx,
     tma,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -85,7 +88,12 @@ class FwdArgs:
     Nk: gl.tensor
     qk_scale: gl.tensor
     cap_scale: gl.tensor
+    # Row i sees keys [i + lo_shift, i + hi_shift] (LOCAL: the window's left edge; CAUSAL: its
+    # right edge, the causal diagonal for hi_shift = Nk - Nq).
+    lo_shift: gl.tensor
+    hi_shift: gl.tensor
     CAUSAL: gl.constexpr
+    LOCAL: gl.constexpr
     HEAD_DIM: gl.constexpr
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
@@ -98,8 +106,9 @@ class FwdArgs:
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                  v_ready, k_empty, v_empty, O, LSE, stride_ob, stride_on, stride_oh, num_m,
-                 n_tiles, H, GROUP, Nq, Nk, qk_scale, cap_scale, CAUSAL, HEAD_DIM, BLOCK_M,
-                 BLOCK_N, BLOCK_D, STAGES, SOFTCAP, Q_REGS, PAIRS):  # fmt: skip
+                 n_tiles, H, GROUP, Nq, Nk, qk_scale, cap_scale, lo_shift, hi_shift, CAUSAL,
+                 LOCAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, SOFTCAP, Q_REGS,
+                 PAIRS):  # fmt: skip
         self.q_desc, self.k_desc, self.v_desc = q_desc, k_desc, v_desc
         self.q_smem, self.k_smem, self.v_smem = q_smem, k_smem, v_smem
         self.q_bar, self.q_empty = q_bar, q_empty
@@ -111,7 +120,9 @@ class FwdArgs:
         self.num_m, self.n_tiles = num_m, n_tiles
         self.H, self.GROUP = maybe_constexpr(H), maybe_constexpr(GROUP)
         self.Nq, self.Nk, self.qk_scale, self.cap_scale = Nq, Nk, qk_scale, cap_scale
-        self.CAUSAL, self.HEAD_DIM = gl.constexpr(CAUSAL), gl.constexpr(HEAD_DIM)
+        self.lo_shift, self.hi_shift = lo_shift, hi_shift
+        self.CAUSAL, self.LOCAL = gl.constexpr(CAUSAL), gl.constexpr(LOCAL)
+        self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.BLOCK_M, self.BLOCK_N = gl.constexpr(BLOCK_M), gl.constexpr(BLOCK_N)
         self.BLOCK_D, self.STAGES = gl.constexpr(BLOCK_D), gl.constexpr(STAGES)
         self.SOFTCAP, self.Q_REGS = gl.constexpr(SOFTCAP), gl.constexpr(Q_REGS)
@@ -119,7 +130,8 @@ class FwdArgs:
 
     @gluon.jit
     def tile(self, u, w):
-        """Tile w of work unit u: (b, h, kv head, b * H + h, first query row, key blocks). A
+        """Tile w of work unit u: (b, h, kv head, b * H + h, first query row, first key block,
+        key blocks). A
         unit is one tile, or with PAIRS (causal, an even number of query blocks) two: query
         blocks num_m - 1 - j and j of a head, whose key blocks add up to the same count in every
         unit, so that programs walking units in step stay on the same heads. Units of one head
@@ -139,11 +151,15 @@ class FwdArgs:
         b = bh // self.H
         h = bh % self.H
         start_m = pid_m * self.BLOCK_M
-        if self.CAUSAL:  # the key blocks the tile's last row sees
-            hi = gl.minimum(start_m + self.BLOCK_M + self.Nk - self.Nq, self.Nk)
+        if self.CAUSAL:  # noqa: SIM108 (constexpr branch) the key blocks the last row sees
+            hi = gl.minimum(start_m + self.BLOCK_M + self.hi_shift, self.Nk)
         else:
             hi = self.Nk
-        return b, h, h // self.GROUP, bh, start_m, gl.cdiv(gl.maximum(hi, 0), self.BLOCK_N)
+        j0 = 0
+        if self.LOCAL:  # from the block of the first row's first key
+            j0 = gl.maximum(start_m + self.lo_shift, 0) // self.BLOCK_N
+        n_blocks = gl.maximum(gl.cdiv(gl.maximum(hi, 0), self.BLOCK_N) - j0, 0)
+        return b, h, h // self.GROUP, bh, start_m, j0, n_blocks
 
 
 @gluon.jit
@@ -166,7 +182,7 @@ def _producer(a):
     per_unit: gl.constexpr = 2 if a.PAIRS else 1
     for t in range(gl.program_id(0) * per_unit, a.n_tiles, gl.num_programs(0) * per_unit):
         for w in range(per_unit):
-            b, h, hk, _, start_m, n_blocks = a.tile(t // per_unit, w)
+            b, h, hk, _, start_m, j0, n_blocks = a.tile(t // per_unit, w)
             qb = c % 2
             mbarrier.wait(a.q_empty.index(qb), ((c // 2) & 1) ^ 1)
             mbarrier.expect(q_bar.index(qb), q_desc.block_type.nbytes)
@@ -178,32 +194,37 @@ def _producer(a):
                 mbarrier.wait(a.k_empty.index(s), phase ^ 1)
                 mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
                 k_dst = a.k_smem.index(s)._reinterpret(dtype, [1, BLOCK_N, 1, BLOCK_D], kv_tile)
-                tma.async_copy_global_to_shared(k_desc, [b, j * BLOCK_N, hk, 0],
+                tma.async_copy_global_to_shared(k_desc, [b, (j0 + j) * BLOCK_N, hk, 0],
                                                 k_ready.index(s), k_dst)  # fmt: skip
                 mbarrier.wait(a.v_empty.index(s), phase ^ 1)
                 mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
                 v_dst = a.v_smem.index(s)._reinterpret(dtype, [1, BLOCK_N, 1, BLOCK_D], kv_tile)
-                tma.async_copy_global_to_shared(v_desc, [b, j * BLOCK_N, hk, 0],
+                tma.async_copy_global_to_shared(v_desc, [b, (j0 + j) * BLOCK_N, hk, 0],
                                                 v_ready.index(s), v_dst)  # fmt: skip
                 i += 1
             c += 1
 
 
 @gluon.jit
-def _softmax_step(a, s, m_i, l_i, start_n, last, full_hi, s_layout: gl.constexpr):
+def _softmax_step(a, s, m_i, l_i, start_n, first, last, full_lo, full_hi,
+                  s_layout: gl.constexpr):  # fmt: skip
     """Online softmax of one score block s (raw q.k): (p, m_new, l_new, alpha). Blocks from
-    full_hi on hide the keys past each row's `last` visible key (causal diagonal, end of Nk).
+    full_hi on hide the keys past each row's `last` visible key (causal diagonal, end of Nk);
+    with LOCAL, blocks before full_lo those before its `first` (the window's left edge).
     SOFTCAP: the scores are first capped, s -> tanh(s * cap_scale) (tanh.approx.f32, as the
     portable kernel's SOFTCAP == 2); qk_scale then carries softcap * log2(e)."""
     qk_scale = a.qk_scale
     if a.SOFTCAP:
-        s = gl.inline_asm_elementwise(
-            "tanh.approx.f32 $0, $1;", "=f,f", [s * a.cap_scale], dtype=gl.float32,
-            is_pure=True, pack=1,
-        )  # fmt: skip
-    if start_n >= full_hi:
+        s = tanh_approx(s * a.cap_scale)
+    masked = start_n >= full_hi
+    if a.LOCAL:
+        masked = masked | (start_n < full_lo)
+    if masked:
         cols = start_n + gl.arange(0, a.BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        s = gl.where(cols[None, :] <= last[:, None], s * qk_scale, -float("inf"))
+        keep = cols[None, :] <= last[:, None]
+        if a.LOCAL:
+            keep = keep & (cols[None, :] >= first[:, None])
+        s = gl.where(keep, s * qk_scale, -float("inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         # A row that has seen no key yet keeps m = -inf; shift it by 0 to avoid inf - inf.
         m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
@@ -217,10 +238,10 @@ def _softmax_step(a, s, m_i, l_i, start_n, last, full_hi, s_layout: gl.constexpr
 
 
 @gluon.jit
-def _attend_tile(a, q_buf, q_bar, q_empty, q_phase, i, n_blocks, row0, O, LSE):
+def _attend_tile(a, q_buf, q_bar, q_empty, q_phase, i, j0, n_blocks, row0, O, LSE):
     """One warpgroup's 64 query rows from row0 of one tile (its q rows in q_buf, with the q
     buffer's barriers and phase; the K/V ring at position i): the pipelined loop over the
-    tile's n_blocks key blocks, then o (O: the head's base) and the LSE (LSE: the head's row
+    tile's n_blocks key blocks from block j0, then o (O: the head's base) and the LSE (LSE: the head's row
     vector) to global memory. Q_REGS: the q tile is the S wgmma's A operand from registers, not
     shared memory (its buffer is released at once)."""
     BLOCK_N: gl.constexpr = a.BLOCK_N
@@ -241,13 +262,14 @@ def _attend_tile(a, q_buf, q_bar, q_empty, q_phase, i, n_blocks, row0, O, LSE):
     Nq, Nk = a.Nq, a.Nk
 
     rows = row0 + gl.arange(0, WG_ROWS, layout=row_s)
-    shift = Nk - Nq
     if a.CAUSAL:
-        last = gl.minimum(rows + shift, Nk - 1)  # the last key each row sees
-        full_hi = gl.maximum(row0 + shift + 1, 0) // BLOCK_N * BLOCK_N
+        last = gl.minimum(rows + a.hi_shift, Nk - 1)  # the last key each row sees
+        full_hi = gl.maximum(row0 + a.hi_shift + 1, 0) // BLOCK_N * BLOCK_N
     else:
         last = gl.full([WG_ROWS], Nk - 1, gl.int32, layout=row_s)
         full_hi = Nk // BLOCK_N * BLOCK_N
+    first = rows + a.lo_shift  # (LOCAL) the first key each row sees
+    full_lo = row0 + WG_ROWS - 1 + a.lo_shift  # blocks from here on pass every row's first key
     s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)
     m_i = gl.full([WG_ROWS], -float("inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_s)
@@ -265,7 +287,8 @@ def _attend_tile(a, q_buf, q_bar, q_empty, q_phase, i, n_blocks, row0, O, LSE):
                               is_async=True)  # fmt: skip
         s = warpgroup_mma_wait(0, deps=(s_tok,))
         mbarrier.arrive(k_empty.index(slot))
-        p, m_i, l_i, alpha = _softmax_step(a, s, m_i, l_i, 0, last, full_hi, s_layout)
+        p, m_i, l_i, alpha = _softmax_step(a, s, m_i, l_i, j0 * BLOCK_N, first, last, full_lo,
+                                           full_hi, s_layout)  # fmt: skip
     for j in range(1, n_blocks):
         slot = (i + j) % STAGES
         prev = (i + j - 1) % STAGES
@@ -277,7 +300,8 @@ def _attend_tile(a, q_buf, q_bar, q_empty, q_phase, i, n_blocks, row0, O, LSE):
         o_tok = warpgroup_mma(p_op, v_smem.index(prev), o, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok,))  # S_j done; P_{j-1} V_{j-1} may still run
         mbarrier.arrive(k_empty.index(slot))
-        p, m_i, l_i, alpha = _softmax_step(a, s, m_i, l_i, j * BLOCK_N, last, full_hi, s_layout)
+        p, m_i, l_i, alpha = _softmax_step(a, s, m_i, l_i, (j0 + j) * BLOCK_N, first, last,
+                                           full_lo, full_hi, s_layout)  # fmt: skip
         o, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
         mbarrier.arrive(v_empty.index(prev))
         o = o * gl.convert_layout(alpha, row_o)[:, None]
@@ -311,17 +335,17 @@ def _consumer(a, WG: gl.constexpr):
     per_unit: gl.constexpr = 2 if a.PAIRS else 1
     for t in range(gl.program_id(0) * per_unit, a.n_tiles, gl.num_programs(0) * per_unit):
         for w in range(per_unit):
-            b, h, _, bh, start_m, n_blocks = a.tile(t // per_unit, w)
+            b, h, _, bh, start_m, j0, n_blocks = a.tile(t // per_unit, w)
             qb = c % 2
             o_head = a.O + b.to(gl.int64) * a.stride_ob + h.to(gl.int64) * a.stride_oh
             _attend_tile(a, a.q_smem.index(qb).slice(WG * WG_ROWS, WG_ROWS), a.q_bar.index(qb),
-                         a.q_empty.index(qb), (c // 2) & 1, i, n_blocks, start_m + WG * WG_ROWS,
-                         o_head, a.LSE + bh.to(gl.int64) * a.Nq)  # fmt: skip
+                         a.q_empty.index(qb), (c // 2) & 1, i, j0, n_blocks,
+                         start_m + WG * WG_ROWS, o_head, a.LSE + bh.to(gl.int64) * a.Nq)  # fmt: skip
             i += n_blocks
             c += 1
 
 
-@gluon.jit(do_not_specialize=["Nq", "Nk"])
+@gluon.jit(do_not_specialize=["Nq", "Nk", "win_left", "win_right"])
 def attn_fwd_gluon_kernel(
     Q,
     K,
@@ -347,11 +371,14 @@ def attn_fwd_gluon_kernel(
     Nk,
     qk_scale,
     cap_scale,
+    win_left,
+    win_right,
     HEAD_DIM: gl.constexpr,
     BLOCK_D: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr,
+    LOCAL: gl.constexpr,
     EVEN_M: gl.constexpr,
     EVEN_N: gl.constexpr,
     DOT_PREC: gl.constexpr,
@@ -372,6 +399,8 @@ def attn_fwd_gluon_kernel(
     gl.static_assert(TMA, "the host takes this kernel only where every tensor is TMA-aligned")
     qk_scale = qk_scale.to(gl.float32)  # torch.compile may pass Python floats as float64
     cap_scale = cap_scale.to(gl.float32)
+    lo_shift = Nk - Nq - win_left
+    hi_shift = Nk - Nq + win_right
     num_m = gl.cdiv(Nq, BLOCK_M)
     n_tiles = B * H * num_m
     Hkv = H // GROUP
@@ -409,8 +438,8 @@ def attn_fwd_gluon_kernel(
 
     a = FwdArgs(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                 k_empty, v_empty, O, LSE, stride_ob, stride_on, stride_oh, num_m, n_tiles, H, GROUP,
-                Nq, Nk, qk_scale, cap_scale, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, STAGES,
-                SOFTCAP, Q_REGS, PAIRS)  # fmt: skip
+                Nq, Nk, qk_scale, cap_scale, lo_shift, hi_shift, CAUSAL, LOCAL, HEAD_DIM, BLOCK_M,
+                BLOCK_N, BLOCK_D, STAGES, SOFTCAP, Q_REGS, PAIRS)  # fmt: skip
     gl.warp_specialize(
         [(_consumer, (a, gl.constexpr(0))), (_consumer, (a, gl.constexpr(1))), (_producer, (a,))],
         [4, 1],
@@ -426,8 +455,8 @@ def attn_fwd_gluon_kernel(
 def can_implement(p: Problem, cfg: FwdConfig) -> str | None:
     """None if the Gluon forward can run `cfg` for problem `p`, else why not: an sm_90 GPU,
     half precision, BLOCK_D 64 or 128, v's head dim equal to q's, TMA-aligned q, k, v; dense,
-    no window edge but the causal diagonal; softcap only through tanh.approx; 2 x 64 query rows
-    per tile."""
+    no packed batch; softcap only through tanh.approx; 2 x 64 query rows per tile; causal
+    pairs of tiles only without a window's left edge."""
     if not p.target.gluon:
         return "not an sm_90 GPU (or under the interpreter)"
     if not p.half:
@@ -440,14 +469,14 @@ def can_implement(p: Problem, cfg: FwdConfig) -> str | None:
         return "the Gluon forward reads q, k, v through TMA (config tma=False)"
     if not (p.tma_q and p.tma_kv):
         return "q, k, v rows not 16-byte aligned for TMA"
-    if p.masked or p.right:
-        return "a window edge or a packed batch"
+    if p.packed:
+        return "a packed batch"
     if p.softcap and not cfg.fast_tanh:
         return "softcap only through tanh.approx"
     if cfg.tile.block_m != 2 * WG_ROWS.value:
         return f"tile {cfg.tile}: BLOCK_M must be {2 * WG_ROWS.value}"
-    if cfg.pairs and not (p.causal and cdiv(p.nq, cfg.tile.block_m) % 2 == 0):
-        return "pairs need a causal problem with an even number of query blocks"
+    if cfg.pairs and not (p.causal and not p.local and cdiv(p.nq, cfg.tile.block_m) % 2 == 0):
+        return "pairs need a causal problem, no window's left edge, an even number of query blocks"
     return None
 
 
@@ -462,9 +491,9 @@ def launch(ops, p: Problem, cfg: FwdConfig, s: Scores, q, k, v, o, lse) -> None:
         Q=q, K=k, V=v, O=o, LSE=lse,
         **tma_strides("q", q), **tma_strides("k", k), **tma_strides("v", v), **strides("o", o),
         B=p.batch, H=p.heads, GROUP=p.heads // p.kv_heads, Nq=p.nq, Nk=p.nk,
-        qk_scale=s.qk_scale, cap_scale=s.cap_scale,
+        qk_scale=s.qk_scale, cap_scale=s.cap_scale, win_left=max(p.left, 0), win_right=p.right,
         HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        CAUSAL=p.causal, EVEN_M=bool(p.nq % t.block_m == 0), EVEN_N=bool(p.nk % t.block_n == 0),
+        CAUSAL=p.causal, LOCAL=p.local, EVEN_M=bool(p.nq % t.block_m == 0), EVEN_N=bool(p.nk % t.block_n == 0),
         DOT_PREC="tf32", TMA=True, STAGES=t.stages, SOFTCAP=s.softcap == 2, Q_REGS=cfg.q_regs,
         PAIRS=cfg.pairs, num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
