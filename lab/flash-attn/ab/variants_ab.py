@@ -1,10 +1,12 @@
 """Attention variants against plain causal and FlexAttention (issue 32): forward and backward
 ms and TFLOP/s over the visible pairs, bf16, causal, plain / softcap / sliding window, ours
 (the public `flash_attn`) beside `torch.compile(flex_attention)` with a block mask and a
-score_mod. One JSON line per cell.
+score_mod. One JSON line per cell. --ab: the chooser's configs (the Gluon kernels with a
+window / softcap) against the portable kernels with the tables' tiles, forward and backward
+apart, interleaved (kernelkit.shared.bench.interleaved_ms), at 16k.
 
     ROOT=$(pwd); PYTHONPATH=$ROOT/shared/src:$ROOT/packages/flash-attn/src \\
-        python lab/flash-attn/ab/variants_ab.py [--quick] [--no-flex]
+        python lab/flash-attn/ab/variants_ab.py [--quick] [--no-flex] [--ab]
 """
 
 from __future__ import annotations
@@ -15,7 +17,16 @@ import json
 import torch
 
 from kernelkit.flash_attn import flash_attn
-from kernelkit.shared.bench import bench_ms
+from kernelkit.flash_attn import launch as fa_launch
+from kernelkit.flash_attn.choose import (
+    choose_bwd,
+    choose_fwd,
+    portable_bwd_config,
+    portable_fwd_config,
+    table_tiles,
+)
+from kernelkit.flash_attn.validation import window_for
+from kernelkit.shared.bench import bench_ms, interleaved_ms
 
 
 def visible_pairs(n: int, left: int) -> int:
@@ -28,6 +39,8 @@ def visible_pairs(n: int, left: int) -> int:
 
 def flex_fns(n: int, h: int, left: int, softcap: float):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch._dynamo.reset()  # each cell compiles its own mask and score_mod
 
     def mask_mod(b, hh, qi, ki):
         keep = qi >= ki
@@ -51,6 +64,15 @@ def flex_fns(n: int, h: int, left: int, softcap: float):
     return run
 
 
+def fwd_bwd_ms(fn, q, k, v, do) -> tuple[float, float]:
+    """(forward ms, backward ms): the backward as (forward + backward) - forward, since a
+    compiled backward (FlexAttention's) may not run twice on one graph."""
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    fwd = bench_ms(lambda: fn(q, k, v))
+    both = bench_ms(lambda: fn(qg, kg, vg).backward(do), grad_to_none=[qg, kg, vg])
+    return fwd, both - fwd
+
+
 def cell(impl: str, b: int, n: int, h: int, d: int, left: int, softcap: float) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (
@@ -62,10 +84,7 @@ def cell(impl: str, b: int, n: int, h: int, d: int, left: int, softcap: float) -
             return flash_attn(q, k, v, causal=True, window_size=(left, 0), softcap=softcap)
     else:
         fn = flex_fns(n, h, left, softcap)
-    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    fwd = bench_ms(lambda: fn(q, k, v))
-    o = fn(qg, kg, vg)
-    bwd = bench_ms(lambda: o.backward(do, retain_graph=True), grad_to_none=[qg, kg, vg])
+    fwd, bwd = fwd_bwd_ms(fn, q, k, v, do)
     flops = 4 * d * visible_pairs(n, left) * b * h
     return dict(impl=impl, b=b, n=n, h=h, d=d, window=left, softcap=softcap,
                 fwd_ms=round(fwd, 4), bwd_ms=round(bwd, 4),
@@ -73,11 +92,48 @@ def cell(impl: str, b: int, n: int, h: int, d: int, left: int, softcap: float) -
                 bwd_tflops=round(2.5 * flops / bwd / 1e9, 1))  # fmt: skip
 
 
+def ab(b: int, n: int, h: int, d: int, left: int, softcap: float) -> dict:
+    """ms of the chosen configs and of the portable kernels, forward and backward apart."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (
+        torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4)
+    )
+    window = window_for((left, 0), True, n, n)
+    scale = d**-0.5
+    pf, pb = (fa_launch.forward_problem(q, k, v, True, softcap, window),
+              fa_launch.backward_problem(do, q, k, v, True, softcap, window))  # fmt: skip
+    fwd_cfgs = {"chosen": choose_fwd(pf), "portable": portable_fwd_config(pf, table_tiles(pf)[0])}
+    bwd_cfgs = {"chosen": choose_bwd(pb),
+                "portable": portable_bwd_config(pb, *table_tiles(pb)[1:])}  # fmt: skip
+    o, lse = fa_launch.forward(q, k, v, True, scale, softcap=softcap, window=window)
+
+    def fwd(cfg):
+        return lambda: fa_launch.forward(q, k, v, True, scale, softcap=softcap, window=window,
+                                         config=cfg)  # fmt: skip
+
+    def bwd(cfg):
+        return lambda: fa_launch.backward(do, q, k, v, o, lse, None, True, scale,
+                                          softcap=softcap, window=window, config=cfg)  # fmt: skip
+
+    tf = interleaved_ms({name: fwd(c) for name, c in fwd_cfgs.items()})
+    tb = interleaved_ms({name: bwd(c) for name, c in bwd_cfgs.items()})
+    return dict(b=b, n=n, h=h, d=d, window=left, softcap=softcap,
+                fwd={name: round(t[0], 4) for name, t in tf.items()},
+                bwd={name: round(t[0], 4) for name, t in tb.items()},
+                kernels=[fwd_cfgs["chosen"].kernel, bwd_cfgs["chosen"].kernel])  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--ab", action="store_true")
     args = ap.parse_args()
+    if args.ab:
+        for d, h in ((128, 16), (64, 32)):
+            for left, cap in ((-1, 30.0), (1024, 0.0), (4096, 0.0), (8192, 0.0), (4096, 30.0)):
+                print(json.dumps(ab(1, 16384, h, d, left, cap)), flush=True)
+        return
     cases = []
     for d in (128, 64):
         h = 2048 // d if d == 64 else 16

@@ -116,14 +116,14 @@ def test_gluon_backward_launches_are_compile_checked():
     """The Gluon dk/dv kernel (gluon/bwd.py, attn_bwd_gluon_kernel) runs only on an sm_90 GPU:
     its launches are probed as on an H100 and recorded for the compile check, as the forward's
     above. GQA with ragged ends and Nq != Nk (causal), a padded head dim, both ring depths,
-    softcap, sliding windows (causal; both edges off the diagonal); dq summed in the kernel in
-    both orders, with and without a window and softcap."""
+    sliding windows (causal; both edges off the diagonal); dq summed in the kernel in both
+    orders, with and without a window."""
     from kernelkit.shared.compile_check import record_launch
 
     gluon = []
     cases = [(64, True, 2, (300, 260), 0.0, (-1, -1)), (80, False, 3, (300, 300), 0.0, (-1, -1)),
              (128, True, 2, (260, 300), 0.0, (-1, -1)), (128, False, 3, (256, 256), 0.0, (-1, -1)),
-             (128, True, 2, (300, 260), 30.0, (64, 0)), (64, False, 2, (300, 300), 0.0, (32, 16))]  # fmt: skip
+             (128, True, 2, (300, 260), 0.0, (64, 0)), (64, False, 2, (300, 300), 0.0, (32, 16))]  # fmt: skip
     for d, causal, stages, (nq, nk), softcap, window in cases:
         q, k, v = qkv(2, nq, nk, 4, 2, d, torch.bfloat16, "cpu")
         do = torch.randn_like(q)
@@ -139,12 +139,11 @@ def test_gluon_backward_launches_are_compile_checked():
     assert [kw["CAUSAL"] for *_, kw in gluon] == [True, False, True, False, True, True]
     assert [kw["STAGES"] for *_, kw in gluon] == [2, 3, 2, 3, 2, 2]
     assert [kw["LOCAL"] for *_, kw in gluon] == [False] * 4 + [True] * 2
-    assert [kw["SOFTCAP"] for *_, kw in gluon] == [False] * 4 + [True, False]
     # dq summed in the Gluon kernel: its launches run only there, the portable preprocess
     # (ZERO_DQ) and dq conversion included; the window's tiles and dq order too.
     fused = []
     for deterministic, softcap, window in ((True, 0.0, (-1, -1)), (False, 0.0, (-1, -1)),
-                                           (True, 30.0, (64, 0)), (False, 0.0, (32, 16))):  # fmt: skip
+                                           (True, 0.0, (64, 0)), (False, 0.0, (32, 16))):  # fmt: skip
         q, k, v = qkv(2, 300, 260, 4, 2, 64, torch.bfloat16, "cpu")
         do = torch.randn_like(q)
         p = fa_launch.backward_problem(do, q, k, v, True, softcap, window,
@@ -251,7 +250,7 @@ def _check_error_cases():
         (check_bwd, p, replace(bwd, tile_heads=0), "tile_heads 0: must divide the 4"),
         (check_bwd, p, replace(bwd, tile_heads=3), "tile_heads 3: must divide the 4"),
         (check_bwd, p, replace(bwd, tile_heads=-4), "descending tiles (tile_heads < 0) only"),
-        (check_bwd, replace(p, softcap=True), bwd, "softcap only through tanh.approx"),
+        (check_bwd, replace(p, softcap=True), bwd, "softcap"),
         (check_bwd, replace(p, packed=True), bwd, "a packed batch"),
         (check_bwd, p, replace(bwd, dkdv=Tile(64, 64, 4, 2, tma=True)), "BLOCK_N must be 128"),
         (check_bwd, p, replace(fused, dkdv=bwd.dkdv), "dq summed in the kernel only up to BLOCK_D 64"),
@@ -318,16 +317,17 @@ def test_check_accepts_the_chosen_configs():
 
 def test_chooser_takes_the_gluon_kernels_by_rule():
     """Where the Gluon kernels ship (choose.py, tables.py; H100 A/B), as on an H100: the d128
-    dk/dv kernel, causal or not, with a window or softcap too, not for a packed batch, nor d64
-    at these lengths or float32; the d64 forward from GLUON_FWD_MIN_N query rows on (causal:
-    fewer) for a grid that fills the GPU."""
+    dk/dv kernel, causal or not, with a window too, not for a packed batch or softcap (the
+    forward takes softcap), nor d64 at these lengths or float32; the d64 forward from
+    GLUON_FWD_MIN_N query rows on (causal: fewer) for a grid that fills the GPU."""
     for causal in (False, True):
         cfg = choose_bwd(meta_problem(2, 1024, 1024, 8, 2, 128, causal=causal))
         assert cfg.kernel == BWD_GLUON and cfg.dq_mode == DQ_KERNEL
         assert cfg.dkdv == T.GLUON_DKDV_TILES[128][causal] and cfg.why
-        for variant in (dict(window_size=(256, -1)), dict(softcap=30.0)):
+        for variant, bwd_kernel in ((dict(window_size=(256, -1)), BWD_GLUON),
+                                    (dict(softcap=30.0), BWD_TRITON)):  # fmt: skip
             p = meta_problem(2, 1024, 1024, 8, 2, 128, causal=causal, **variant)
-            assert (choose_fwd(p).kernel, choose_bwd(p).kernel) == (FWD_GLUON, BWD_GLUON)
+            assert (choose_fwd(p).kernel, choose_bwd(p).kernel) == (FWD_GLUON, bwd_kernel)
         p = meta_problem(2, 1024, 1024, 8, 2, 128, causal=causal, packed=True)
         assert (choose_fwd(p).kernel, choose_bwd(p).kernel) == (FWD_TRITON, BWD_TRITON)
         assert choose_bwd(meta_problem(2, 1024, 1024, 8, 2, 64, causal=causal)).kernel == BWD_TRITON

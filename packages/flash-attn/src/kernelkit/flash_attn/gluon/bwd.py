@@ -50,7 +50,6 @@ from .common import (
     gluon,
     maybe_constexpr,
     mbarrier,
-    tanh_approx,
     tma,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -199,15 +198,12 @@ class BwdArgs:
     # The reducer warps' semaphores (DQ_MODE 2, else None).
     SEM: MaybeConstexpr
     sem_stride: MaybeConstexpr
-    # Softcap: scores tanh(s * cap_scale) (SOFTCAP). Query row i sees keys [i + lo_shift,
-    # i + hi_shift] (LOCAL: the window's left edge; CAUSAL: its right edge, the causal diagonal
-    # for hi_shift = Nk - Nq).
-    cap_scale: gl.tensor
+    # Query row i sees keys [i + lo_shift, i + hi_shift] (LOCAL: the window's left edge;
+    # CAUSAL: its right edge, the causal diagonal for hi_shift = Nk - Nq).
     lo_shift: gl.tensor
     hi_shift: gl.tensor
     CAUSAL: gl.constexpr
     LOCAL: gl.constexpr
-    SOFTCAP: gl.constexpr
     HEAD_DIM: gl.constexpr
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
@@ -223,9 +219,8 @@ class BwdArgs:
                  dq_free, LSE2, DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh,
                  stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn, stride_kh, stride_vb,
                  stride_vn, stride_vh, vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads,
-                 qk_scale, sm_scale, SEM, sem_stride, cap_scale, lo_shift, hi_shift, CAUSAL, LOCAL,
-                 SOFTCAP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, DQ_MODE, KV_REGS,
-                 PERSISTENT):  # fmt: skip
+                 qk_scale, sm_scale, SEM, sem_stride, lo_shift, hi_shift, CAUSAL, LOCAL, HEAD_DIM,
+                 BLOCK_M, BLOCK_N, BLOCK_D, STAGES, DQ_MODE, KV_REGS, PERSISTENT):  # fmt: skip
         self.q_desc, self.do_desc, self.k_desc, self.v_desc = q_desc, do_desc, k_desc, v_desc
         self.dq_desc = dq_desc
         self.q_smem, self.do_smem, self.k_smem, self.v_smem = q_smem, do_smem, k_smem, v_smem
@@ -254,9 +249,9 @@ class BwdArgs:
         self.tile_heads = maybe_constexpr(tile_heads)
         self.qk_scale, self.sm_scale = qk_scale, sm_scale
         self.SEM, self.sem_stride = maybe_constexpr(SEM), maybe_constexpr(sem_stride)
-        self.cap_scale, self.lo_shift, self.hi_shift = cap_scale, lo_shift, hi_shift
+        self.lo_shift, self.hi_shift = lo_shift, hi_shift
         self.CAUSAL, self.LOCAL = gl.constexpr(CAUSAL), gl.constexpr(LOCAL)
-        self.SOFTCAP, self.HEAD_DIM = gl.constexpr(SOFTCAP), gl.constexpr(HEAD_DIM)
+        self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.BLOCK_M, self.BLOCK_N = gl.constexpr(BLOCK_M), gl.constexpr(BLOCK_N)
         self.BLOCK_D, self.STAGES = gl.constexpr(BLOCK_D), gl.constexpr(STAGES)
         self.DQ_MODE, self.KV_REGS = gl.constexpr(DQ_MODE), gl.constexpr(KV_REGS)
@@ -480,8 +475,6 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
         dpt_tok = warpgroup_mma(v_w, do_s.permute((1, 0)), zero_st, use_acc=False,
                                 is_async=True)  # fmt: skip
         s_t = warpgroup_mma_wait(1, deps=(st_tok,))  # S^T done; dP^T may still run
-        if a.SOFTCAP:  # s_t holds tanh(s * cap_scale) from here on
-            s_t = tanh_approx(s_t * a.cap_scale)
         masked = ragged
         if a.CAUSAL:  # some key of this warpgroup's block lies right of some row's diagonal
             masked = masked | (m0 + a.hi_shift < kw0 + BWD_WG_KEYS - 1)
@@ -499,10 +492,7 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
         p_op = gl.convert_layout(p_t.to(dtype), op_layout)
         dv_tok = warpgroup_mma(p_op, do_s, dv, is_async=True)
         dp_t = warpgroup_mma_wait(1, deps=(dpt_tok,))  # dP^T done; dV may still run
-        ds_t = p_t * (dp_t - delta[None, :])
-        if a.SOFTCAP:  # d(softcap * tanh(s / softcap)) / ds
-            ds_t = ds_t * (1.0 - s_t * s_t)
-        ds_t = ds_t.to(dtype)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
         ds_op = gl.convert_layout(ds_t, op_layout)
         dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
         if a.DQ_MODE > 0:  # this warpgroup's half of dS^T to the dq warpgroup
@@ -629,7 +619,6 @@ def attn_bwd_gluon_kernel(
     Nk,
     qk_scale,
     sm_scale,
-    cap_scale,
     win_left,
     win_right,
     HEAD_DIM: gl.constexpr,
@@ -638,7 +627,6 @@ def attn_bwd_gluon_kernel(
     BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr,
     LOCAL: gl.constexpr,
-    SOFTCAP: gl.constexpr,
     STAGES: gl.constexpr,
     DQ_MODE: gl.constexpr,
     KV_REGS: gl.constexpr = False,
@@ -646,7 +634,7 @@ def attn_bwd_gluon_kernel(
 ):
     """dk, dv of the B * Hkv * cdiv(Nk, BLOCK_N) tiles of 128 keys of one kv head (bottom-right
     causal mask or none, a sliding window (win_left with LOCAL, win_right with CAUSAL: the
-    portable kernels' window), softcap through tanh.approx, GQA, any Nq and Nk): tile program_id, or with PERSISTENT tiles
+    portable kernels' window), GQA, any Nq and Nk): tile program_id, or with PERSISTENT tiles
     program_id, + num_programs, ... (one program per SM; `BwdArgs.tile` orders them); launched
     with num_warps = 4 (the default partition), 9 warps in all (14 with DQ_MODE 1, 15 with 2,
     whose reducer warps take turns). LSE2 / DELTA: (B * H, vec_stride) padded row vectors
@@ -662,7 +650,6 @@ def attn_bwd_gluon_kernel(
     gl.static_assert(DQ_MODE == 0 or BLOCK_D <= 64, "the dq warpgroup's registers hold d <= 64")
     qk_scale = qk_scale.to(gl.float32)
     sm_scale = sm_scale.to(gl.float32)
-    cap_scale = cap_scale.to(gl.float32)
     lo_shift = Nk - Nq - win_left
     hi_shift = Nk - Nq + win_right
     bhk_count = B * Hkv
@@ -724,8 +711,8 @@ def attn_bwd_gluon_kernel(
                 DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
                 stride_dvh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                 vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale, SEM,
-                sem_stride, cap_scale, lo_shift, hi_shift, CAUSAL, LOCAL, SOFTCAP, HEAD_DIM,
-                BLOCK_M, BLOCK_N, BLOCK_D, STAGES, DQ_MODE, KV_REGS, PERSISTENT)  # fmt: skip
+                sem_stride, lo_shift, hi_shift, CAUSAL, LOCAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
+                STAGES, DQ_MODE, KV_REGS, PERSISTENT)  # fmt: skip
     # Three partition lists (fixed-order dq: two reducer warps; any order: one; dk/dv only):
     # Gluon takes the (function, args) pairs as a literal list. (One list with a second reducer
     # warp idle in any order would do, but that variant was never timed.)
@@ -775,7 +762,8 @@ def attn_bwd_gluon_kernel(
 def can_implement(p: Problem, cfg: BwdConfig) -> str | None:
     """None if the Gluon backward can run `cfg` for problem `p`, else why not: an sm_90 GPU,
     half precision, BLOCK_D 64 or 128, v's head dim equal to q's, TMA-aligned q, k, v, do;
-    no packed batch; softcap only through tanh.approx; 2 x 64 keys per tile; dq summed
+    no packed batch, no softcap (it lost to the portable kernel: NOTES.md); 2 x 64 keys per
+    tile; dq summed
     here only up to GLUON_FUSED_DQ_MAX_D, and K/V in registers only then (the dq-kernel variant
     computed wrong dk / dv with them on the H100: a miscompile not understood)."""
     if not p.target.gluon:
@@ -792,8 +780,8 @@ def can_implement(p: Problem, cfg: BwdConfig) -> str | None:
         return "q, k, v, do rows not 16-byte aligned for TMA"
     if p.packed:
         return "a packed batch"
-    if p.softcap and not cfg.fast_tanh:
-        return "softcap only through tanh.approx"
+    if p.softcap:
+        return "softcap"
     if cfg.dkdv.block_n != 2 * BWD_WG_KEYS.value:
         return f"tile {cfg.dkdv}: BLOCK_N must be {2 * BWD_WG_KEYS.value}"
     if cfg.dq_mode != DQ_KERNEL and p.block_d > GLUON_FUSED_DQ_MAX_D:
@@ -825,8 +813,8 @@ def launch(ops, p: Problem, cfg: BwdConfig, s: Scores, q, k, v, do, lse2, delta,
         vec_stride=width, sem_stride=width // sem_rows, dq_rows=p.batch * p.heads * width,
         tile_heads=cfg.tile_heads, B=p.batch, H=p.heads, Hkv=p.kv_heads,
         GROUP=p.heads // p.kv_heads, Nq=p.nq, Nk=p.nk, qk_scale=s.qk_scale,
-        sm_scale=s.sm_scale, cap_scale=s.cap_scale, win_left=max(p.left, 0), win_right=p.right,
-        HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        CAUSAL=p.causal, LOCAL=p.local, SOFTCAP=s.softcap == 2, STAGES=t.stages, DQ_MODE=cfg.dq_mode,
+        sm_scale=s.sm_scale, win_left=max(p.left, 0), win_right=p.right, HEAD_DIM=p.head_dim,
+        BLOCK_D=p.block_d, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CAUSAL=p.causal,
+        LOCAL=p.local, STAGES=t.stages, DQ_MODE=cfg.dq_mode,
         KV_REGS=cfg.kv_regs, PERSISTENT=cfg.persistent, num_warps=t.warps,
     )  # fmt: skip
