@@ -195,17 +195,17 @@ def _act_case(O, L, act, a, dim, x, xg, dy, out):
             ("+ KernelOp checks", lambda: O.act_bwd(x, dy, a)),
         ]
     else:
-        dev = x.get_device()
-        fplan = L._PLANS[("fwd", dim, None, dev, x.shape, x.stride(), out.stride())]
-        bplan = L._PLANS[("bwd", dim, None, dev, x.shape, x.stride(), dy.stride(), out.stride())]
+        dev = x.get_device()  # contiguous tensors: the plans of act's common call
+        fplan = L._PLANS[("fwd dense", dim, dev, x.shape)]
+        bplan = L._PLANS[("bwd dense", dim, dev, x.shape)]
         fwd = [
-            ("launch (cached)", lambda: fplan(x, out, None)),
+            ("launch (cached)", lambda: fplan(x, out)),
             ("+ plan lookup, empty_like", lambda: L.run_softmax_fwd(x, dim)),
             ("+ op body", lambda: O.softmax_fwd.fn(x, dim)),
             ("+ KernelOp checks", lambda: O.softmax_fwd(x, dim)),
         ]
         bwd = [
-            ("launch (cached)", lambda: bplan(yd, dy, out, None)),
+            ("launch (cached)", lambda: bplan(yd, dy, out)),
             ("+ plan lookup, empty_like", lambda: L.run_softmax_bwd(yd, dy, dim)),
             ("+ op body", lambda: O.softmax_bwd.fn(yd, dy, dim)),
             ("+ KernelOp checks", lambda: O.softmax_bwd(yd, dy, dim)),
