@@ -123,6 +123,10 @@ def run_distributed(package: str, results: Path, extra: list[str]) -> int:
 
 def _cell_key(bench: dict):
     e = bench.get("extra_info", {})
+    if "op" not in e:  # a cell of wide tables only (the host tables): its rows and columns
+        seed = e.get("seed") or []
+        seed = [seed] if isinstance(seed, dict) else seed
+        return tuple((s["table"], repr(s["row"]), tuple(s.get("values", {}))) for s in seed)
     return (e.get("op"), e.get("direction"), e.get("tag"), e.get("x"), e.get("provider"))
 
 

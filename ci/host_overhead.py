@@ -24,7 +24,10 @@ measured; plans are made for an H100's 132 multiprocessors. The per-op table sho
 (eager PyTorch on CPU tensors computes instead of launching) and the kernels each call
 launches: Triton's (the fake driver's count) plus torch ops that would launch a GPU kernel.
 Absolute numbers depend on the host CPU (a GPU host's Python has been 2-3.5x slower).
---profile: the functions that take the host time of our forward + backward (cProfile).
+--profile: the functions that take the host time of our forward + backward (cProfile), per
+op (with --cpu too).
+The timing (`per_call_us`, `fwd_bwd_us`, the small and decode shapes) is
+`kernelkit.shared.host_time`'s, which the suites' host tables use as well.
 
 To compare with an older checkout, run this script with that checkout's sources first on
 PYTHONPATH (the per-op table uses only the public API; the breakdown needs this branch's).
@@ -38,34 +41,11 @@ import math
 import os
 import pstats
 import sys
-import time
 
-SHAPES = {"tiny": (1, 64, 2, 64), "small": (1, 256, 32, 128), "decode": (8, 1, 32, 128)}
-CALLS = 200  # per timed loop: below the GPU's launch queue depth (1024)
-ROUNDS = 5  # timed loops per measurement (the best counts); --rounds
+from kernelkit.shared import host_time
+from kernelkit.shared.host_time import HOST_SHAPES, per_call_us, sync
 
-
-def sync():
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def per_call_us(fn, calls=CALLS, rounds=None):
-    """Host time per call: best of `rounds` loops of `calls` calls, the clock stopped before the
-    closing sync (fewer launches than the GPU's queue holds, so issuing never waits for it)."""
-    for _ in range(20):
-        fn()
-    best = float("inf")
-    for _ in range(ROUNDS if rounds is None else rounds):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-    sync()
-    return best
+SHAPES = {"tiny": (1, 64, 2, 64), **HOST_SHAPES}
 
 
 def op_cases(shape, device="cuda"):
@@ -124,19 +104,10 @@ def op_cases(shape, device="cuda"):
 
 
 def fwd_bwd_us(f, shape, device="cuda"):
-    """(forward, forward with x requiring grad, backward) us per call."""
+    """(forward, forward with x requiring grad, backward) us per call on a bf16 x of `shape`."""
     import torch
 
-    x = torch.randn(*shape, device=device, dtype=torch.bfloat16)
-    xg = x.clone().requires_grad_()
-    y = f(xg)
-    dy = torch.randn_like(y)
-
-    def bwd():
-        xg.grad = None
-        y.backward(dy, retain_graph=True)
-
-    return per_call_us(lambda: f(x)), per_call_us(lambda: f(xg)), per_call_us(bwd)
+    return host_time.fwd_bwd_us(f, (torch.randn(*shape, device=device, dtype=torch.bfloat16),))
 
 
 def op_table(shape, profile):
@@ -157,10 +128,10 @@ def op_table(shape, profile):
             profile_case(ours, shape)
 
 
-def profile_case(ours, shape):
+def profile_case(ours, shape, device="cuda"):
     import torch
 
-    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(*shape, device=device, dtype=torch.bfloat16, requires_grad=True)
     y = ours(x)
     dy = torch.randn_like(y)
     prof = cProfile.Profile()
@@ -224,17 +195,17 @@ def _act_case(O, L, act, a, dim, x, xg, dy, out):
             ("+ KernelOp checks", lambda: O.act_bwd(x, dy, a)),
         ]
     else:
-        dev = x.get_device()
-        fplan = L._PLANS[("fwd", dim, None, dev, x.shape, x.stride(), out.stride())]
-        bplan = L._PLANS[("bwd", dim, None, dev, x.shape, x.stride(), dy.stride(), out.stride())]
+        dev = x.get_device()  # contiguous tensors: the plans of act's common call
+        fplan = L._PLANS[("fwd dense", dim, dev, x.shape)]
+        bplan = L._PLANS[("bwd dense", dim, dev, x.shape)]
         fwd = [
-            ("launch (cached)", lambda: fplan(x, out, None)),
+            ("launch (cached)", lambda: fplan(x, out)),
             ("+ plan lookup, empty_like", lambda: L.run_softmax_fwd(x, dim)),
             ("+ op body", lambda: O.softmax_fwd.fn(x, dim)),
             ("+ KernelOp checks", lambda: O.softmax_fwd(x, dim)),
         ]
         bwd = [
-            ("launch (cached)", lambda: bplan(yd, dy, out, None)),
+            ("launch (cached)", lambda: bplan(yd, dy, out)),
             ("+ plan lookup, empty_like", lambda: L.run_softmax_bwd(yd, dy, dim)),
             ("+ op body", lambda: O.softmax_bwd.fn(yd, dy, dim)),
             ("+ KernelOp checks", lambda: O.softmax_bwd(yd, dy, dim)),
@@ -455,11 +426,11 @@ def main():
     ap.add_argument("--cpu", action="store_true", help="breakdowns on CPU (fake driver)")
     ap.add_argument("--rounds", type=int, default=5, help="timed loops (the best counts)")
     args = ap.parse_args()
-    global ROUNDS
-    ROUNDS = args.rounds
+    host_time.ROUNDS = args.rounds
     if args.cpu:
         names = [args.shape] if args.shape else ["small", "decode"]
-        return cpu_breakdown(SHAPES[args.shape or "small"], names, not args.no_breakdown)
+        shape = SHAPES[args.shape or "small"]
+        return cpu_breakdown(shape, names, not args.no_breakdown, args.profile)
     for name in [args.shape] if args.shape else ["tiny", "small", "decode"]:
         op_table(SHAPES[name], args.profile)
         print()
@@ -475,7 +446,7 @@ def main():
     return print_flash_breakdown(SHAPES[args.shape or "small"], "cuda")
 
 
-def cpu_breakdown(shape, shapes, breakdown=True):
+def cpu_breakdown(shape, shapes, breakdown=True, profile=False):
     """Run the ops' GPU launch path on CPU tensors against the fake CUDA driver: the per-op
     table at `shapes` (ours only: eager PyTorch on CPU tensors computes), then the act and
     flash_attn breakdowns at `shape`."""
@@ -497,7 +468,7 @@ def cpu_breakdown(shape, shapes, breakdown=True):
     torch.set_flush_denormal(True)
     with fake_cuda(record=False) as log:
         for name in shapes:
-            cpu_op_table(SHAPES[name], log)
+            cpu_op_table(SHAPES[name], log, profile)
             print()
         if breakdown:
             print_breakdown(shape, "cpu")
@@ -530,7 +501,7 @@ def kernels_per_call(fn, log) -> tuple[int, list[str]]:
     return log.count - before, ops
 
 
-def cpu_op_table(shape, log):
+def cpu_op_table(shape, log, profile=False):
     """Host us per call of our ops on CPU (fake driver), forward, forward with x requiring
     grad, backward, and the kernels each launches: Triton's + torch ops' (aten kernels)."""
     import torch
@@ -563,6 +534,8 @@ def cpu_op_table(shape, log):
         for direction, ops in zip(("fwd", "fwd, grad", "bwd"), extra):
             if ops:
                 print(f"{'':26s}{direction} torch kernels: {' '.join(ops)}")
+        if profile:
+            profile_case(ours, shape, "cpu")
 
 
 if __name__ == "__main__":

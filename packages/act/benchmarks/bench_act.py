@@ -10,6 +10,9 @@ read x + write y (2; none is an alias: 0), backward read the saved tensor and dy
 Packed table: softmax over N of (1, 65536, 32, 128) as one sequence ("dense") and as log-normal
 documents packed back to back ("packed", cu_seqlens: a softmax per document); goal: the same %
 of copy bandwidth.
+Host table (issue 33): host µs per call (`kernelkit.shared.host_time`: Python issuing the calls,
+no sync) of the model cases at the small (1, 256, 32, 128) and decode (8, 1, 32, 128) shapes,
+forward, forward with x requiring grad and backward, ours vs eager vs torch.compile.
 `python ci/bench.py act` runs it on a GPU and renders the seed-style tables; without a GPU (CI
 smoke mode, --benchmark-disable) every cell runs once on a tiny shape.
 """
@@ -20,6 +23,7 @@ import torch
 from kernelkit.act import act
 from kernelkit.act.reference import act_reference
 from kernelkit.shared.bench import OpSuite, cu_seqlens_of, layout_row
+from kernelkit.shared.host_time import HOST_SHAPES
 
 GPU = torch.cuda.is_available()
 B, H, D = (12, 12, 128) if GPU else (1, 2, 16)
@@ -79,3 +83,10 @@ def test_packed(benchmark, direction, layout, provider):
     SUITE.layout_cell(
         benchmark, direction, ("softmax", 1), shape, label, provider, kw, kw, "packed"
     )
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("shape", list(HOST_SHAPES))
+@pytest.mark.parametrize("case", MODEL_CASES, ids=str)
+def test_host(benchmark, case, shape, provider):
+    SUITE.host_cell(benchmark, case, shape, provider)

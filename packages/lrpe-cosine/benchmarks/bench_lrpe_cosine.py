@@ -9,6 +9,9 @@ backward read dy (2) + write dx (1) + read x (1) when an act or d(theta) needs i
 Positions table: one (1, 65536, 32, 128) row, positions from an int offset, a (B, N) table or
 cu_seqlens of packed log-normal documents (softmax over N per document); goal: the same % of copy
 bandwidth whatever the form.
+Host table (issue 33): host µs per call (`kernelkit.shared.host_time`) of act none, softmax over
+D and over N at the small (1, 256, 32, 128) and decode (8, 1, 32, 128) shapes, forward, forward
+with x requiring grad and backward, ours vs eager vs torch.compile.
 `python ci/bench.py lrpe-cosine` runs it on a GPU and renders the seed-style tables; without a GPU
 (CI smoke mode, --benchmark-disable) every cell runs once on a tiny shape.
 """
@@ -19,6 +22,7 @@ import torch
 from kernelkit.lrpe_cosine import lrpe_cosine
 from kernelkit.lrpe_cosine.reference import lrpe_cosine_reference
 from kernelkit.shared.bench import MODEL_SHAPES, OpSuite
+from kernelkit.shared.host_time import HOST_SHAPES
 
 GPU = torch.cuda.is_available()
 B, H, D = (12, 12, 128) if GPU else (1, 2, 16)
@@ -34,6 +38,7 @@ MODEL_CASES = [  # (direction, act, learnable theta)
 ]
 PROVIDERS = ["triton", "torch", "torch_compile"]
 POSITION_CASES = [("none", None), ("silu", None), ("softmax", 1)]
+HOST_CASES = [("none", None), ("softmax", -1), ("softmax", 1)]  # the host table's rows
 
 
 def inputs(shape, x_grad, theta_grad):
@@ -79,3 +84,10 @@ def test_model(benchmark, direction, act, theta_grad, provider, model):
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 def test_positions(benchmark, direction, case, form, provider):
     SUITE.positions_cell(benchmark, direction, case, form, provider)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("shape", list(HOST_SHAPES))
+@pytest.mark.parametrize("case", HOST_CASES, ids=str)
+def test_host(benchmark, case, shape, provider):
+    SUITE.host_cell(benchmark, case, shape, provider)

@@ -9,7 +9,9 @@ largest n of each grid with l = 0 only: every shape is a fresh static compile). 
 image grids with class/register tokens, a DiT latent with a non-power-of-two head dim, a video
 grid; theta fixed or learnable (`-dtheta`). Ideal traffic in units of x's bytes: forward read x +
 write y (3); backward read dy (2) + write dx (1) (+ read x (1) for d(theta)); the cache's angle
-table is extra traffic and not credited. `python ci/bench.py md-lrpe-cosine` runs it on a GPU;
+table is extra traffic and not credited. Host table (issue 33): host µs per call
+(`kernelkit.shared.host_time`) at the small shape as a 16 x 16 grid and the decode shape, forward,
+forward with x requiring grad, backward. `python ci/bench.py md-lrpe-cosine` runs it on a GPU;
 without one (CI smoke mode, --benchmark-disable) every cell runs once on a tiny shape.
 """
 
@@ -21,7 +23,7 @@ import torch
 
 from kernelkit.md_lrpe_cosine import md_lrpe_cosine
 from kernelkit.md_lrpe_cosine.reference import md_lrpe_cosine_reference
-from kernelkit.shared.bench import time_op, torch_compile
+from kernelkit.shared.bench import host_cell, time_op, torch_compile
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -41,6 +43,11 @@ MODELS = {
 if not GPU:
     MODELS = {"tiny": (2, 1, (2, 3), 2, 8)}
 MODEL_CASES = [("fwd", False), ("bwd", False), ("bwd", True)]  # (direction, learnable theta)
+# Host table, (B, l, grid, H, D): the small shape (1, 256, 32, 128) as a 16 x 16 image and the
+# decode shape (8, 1, 32, 128) as one token per row.
+HOST = {"small": (1, 0, (16, 16), 32, 128), "decode": (8, 0, (1,), 32, 128)}
+if not GPU:
+    HOST = {name: (2, 1, (2, 3), 2, 8) for name in HOST}
 
 
 def seed_cells():
@@ -117,4 +124,21 @@ def test_model(benchmark, direction, theta_grad, provider, model):
         xname="shape",
         provider=provider,
         bytes_moved=traffic(direction, x, theta_grad),
+    )
+
+
+@pytest.mark.parametrize("provider", ["triton", "torch", "torch_compile"])
+@pytest.mark.parametrize("shape", list(HOST))
+def test_host(benchmark, shape, provider):
+    b, l, grid, h, d = HOST[shape]
+    x, theta = inputs(b, grid, l, h, d, False, False)
+    host_cell(
+        benchmark,
+        provider_callable(provider, grid, l),
+        (x, theta),
+        op="md_lrpe_cosine",
+        case="act none",
+        shape=f"{shape} {b}x{x.shape[1]}x{h}x{d} grid {'x'.join(map(str, grid))}+{l}",
+        provider=provider,
+        order=("act none", list(HOST).index(shape)),
     )

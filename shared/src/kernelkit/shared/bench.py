@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from . import host_time
+
 __all__ = [
     "MODEL_SHAPES",
     "OpSuite",
@@ -26,6 +28,7 @@ __all__ = [
     "copy_bandwidth_gbs",
     "cu_seqlens_of",
     "document_lengths",
+    "host_cell",
     "interleaved_ms",
     "layout_row",
     "matmul_tflops",
@@ -303,6 +306,47 @@ def torch_compile(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=False, backend=backend)
 
 
+def host_cell(
+    benchmark,
+    fn: Callable,
+    inputs: Sequence,
+    *,
+    op: str,
+    case: str,
+    shape: str,
+    provider: str,
+    order: Sequence = (),
+) -> None:
+    """One provider's cells of an op's host table (`<op>-host`): host µs per call of
+    `fn(*inputs)` (`host_time.fwd_bwd_us`: forward, forward with x requiring grad, backward),
+    one row per (case, shape label, direction), one column per provider plus triton / torch.
+    Rendered by `kernelkit.shared.report` as a wide table (`extra_info["seed"]`); pytest-benchmark
+    itself times nothing here. Smoke mode (no GPU or --benchmark-disable): each of the three
+    runs once. `order`: sort keys of the row before the direction (default: case, shape)."""
+    benchmark.group = f"{op}-host"
+    smoke = not torch.cuda.is_available() or getattr(benchmark, "disabled", False)
+    once = {"calls": 1, "rounds": 1, "warmup": 0} if smoke else {}
+    us = host_time.fwd_bwd_us(fn, inputs, **once)
+    title = (
+        f"{op}: host µs per call (Python issuing the calls, best of {host_time.ROUNDS} loops "
+        f"of {host_time.CALLS}; eager PyTorch is `torch`, torch.compile is `torch_compile`)"
+    )
+    benchmark.extra_info["seed"] = [
+        {
+            "table": f"{op}-host",
+            "title": title,
+            "row": [["case", case], ["shape", shape], ["call", direction]],
+            "sort": [*(order or (case, shape)), i],
+            "values": {provider: value},
+            "columns": ["triton", "torch", "torch_compile"],
+            "ratios": {"triton / torch": ["triton", "torch"]},
+            "digits": {"*": 1},
+        }
+        for i, (direction, value) in enumerate(zip(host_time.DIRECTIONS, us))
+    ]
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+
+
 _compiled: dict = {}
 
 
@@ -354,6 +398,24 @@ class OpSuite:
             provider=provider,
             bytes_moved=self.traffic(direction, act, inputs[0], param_grad),
             **where,
+        )
+
+    def host_cell(self, benchmark, case, shape: str, provider) -> None:
+        """A host-table cell (`kernelkit.shared.bench.host_cell`): `case` = (act, dim) at
+        host_time.HOST_SHAPES[shape] (a stand-in (2, 5, 2, 16) off the GPU), x not requiring
+        grad and the parameters fixed, through `provider`."""
+        act, dim = case
+        dims = host_time.HOST_SHAPES[shape] if torch.cuda.is_available() else (2, 5, 2, 16)
+        label = act if dim is None else f"{act} dim {dim}"
+        host_cell(
+            benchmark,
+            provider_fn(provider, self.fn, self.reference, act=act, dim=dim),
+            self.inputs(dims, False, False),
+            op=self.op,
+            case=label,
+            shape=f"{shape} {'x'.join(map(str, dims))}",
+            provider=provider,
+            order=(label, list(host_time.HOST_SHAPES).index(shape)),
         )
 
     def seed_cell(self, benchmark, direction, case, shape, x, provider) -> None:

@@ -411,18 +411,19 @@ _pre_run_hooks = operator.attrgetter("pre_run_hooks")
 
 class _FusedSequence:
     """Runs a recorded sequence of `_Prepared` launches on a pool of tensors (and varying ints,
-    whose widths the caller's key fixes). The launch functions their caches hold for this
-    sequence's tensors (dtypes fixed by the layout, every data pointer 16-byte aligned) are
-    kept per current device (`_direct`) after a run that found them all; later runs with every
-    tensor aligned and no launch hooks call them directly, as each prepared launch's cache hit
-    would, with one device, stream, hook and alignment check for the whole sequence instead of
-    a key per launch. Otherwise the prepared launches run one by one."""
+    whose widths the caller's key fixes). The caller's key also fixes the dtypes and the 16-byte
+    alignment of the tensors it takes in; the others (`used`: buffers the sequence allocates)
+    must be aligned. The launch functions the prepared launches' caches hold for these tensors
+    are kept per current device (`_direct`) after a run that found them all; later runs with
+    the `used` tensors aligned and no launch hooks call them directly, as each prepared
+    launch's cache hit would, with one device, stream, hook and alignment check for the whole
+    sequence instead of a key per launch. Otherwise the prepared launches run one by one."""
 
     def __init__(self, launches, used):
         # (prepared launch, pool -> its per-call values, pool -> all its parameters)
         self._launches = tuple((run, gather) for run, gather, _ in launches)
         self._makers = tuple(make for _, _, make in launches)
-        self._used = used  # pool -> the tensors the launches take (what the alignment covers)
+        self._used = used  # pool -> the tensors whose alignment is checked per run
         kernels = list(dict.fromkeys(run._kernel for run, _ in self._launches))
         self._kernel, self._more_kernels = kernels[0], tuple(kernels[1:])
         self._direct: dict = {}
@@ -465,8 +466,9 @@ class _FusedSequence:
 def fused_sequence(launches, used):
     """A function of the pool that runs `launches` ((launch, pool -> its per-call values, their
     places in the pool) triples, in order) through `_FusedSequence`, where every launch is a
-    `_Prepared` one; else None (the caller runs the launches one by one). `used`: pool -> every
-    tensor the launches take."""
+    `_Prepared` one; else None (the caller runs the launches one by one). `used`: pool -> the
+    tensors the launches take whose 16-byte alignment the caller's key does not fix (checked
+    at every run; the key must fix the others' alignment and every tensor's dtype)."""
     if not launches or not all(isinstance(run, _Prepared) for run, _, _ in launches):
         return None
     made = [(run, gather, run.param_maker(places)) for run, gather, places in launches]

@@ -310,19 +310,20 @@ class _SplitSoftmaxBwd(_SplitLaunches):
 
 
 def _softmax_fwd_plan(x: torch.Tensor, y: torch.Tensor, dim: int, cu_seqlens=None):
-    """A function of (x, y, cu_seqlens) that writes softmax(x, dim) into y."""
+    """A function that writes softmax(x, dim) into y: called as (x, y), or (x, y, cu_seqlens)
+    with packed sequences (a plan is made for one or the other). The one-launch plans are the
+    prepared launch itself (no wrapper: its call is the whole host path)."""
     view = SoftmaxView(x.shape, dim, [x.stride(), y.stride()])
     if not view.ok:
-        return lambda x, y, cu: y.copy_(run_softmax_fwd(x.contiguous(), dim, cu))
+        return lambda x, y, cu=None: y.copy_(run_softmax_fwd(x.contiguous(), dim, cu))
     if cu_seqlens is None and view.I > 1 and view.L <= COLS_MAX_L:
-        run = _cols_launch(K.softmax_fwd_cols_kernel, view, COLS_TILE, x, y)
-        return lambda x, y, _cu: run(x, y)
+        return _cols_launch(K.softmax_fwd_cols_kernel, view, COLS_TILE, x, y)
     if cu_seqlens is not None or not _use_rows(view):
         return _SplitSoftmaxFwd(x, y, view, cu_seqlens)
     block_r, block_l, warps = _rows_plan(view)
     rows = view.O0 * view.O1
     xs, ys = view.strides
-    run = launch(K.softmax_fwd_rows_kernel).prepare(
+    return launch(K.softmax_fwd_rows_kernel).prepare(
         (cdiv(rows, block_r),),
         x,
         y,
@@ -335,25 +336,24 @@ def _softmax_fwd_plan(x: torch.Tensor, y: torch.Tensor, dim: int, cu_seqlens=Non
         BLOCK_L=block_l,
         num_warps=warps,
     )
-    return lambda x, y, _cu: run(x, y)
 
 
 def _softmax_bwd_plan(y, dy, dx, dim: int, cu_seqlens=None):
-    """A function of (y, dy, dx, cu_seqlens) that writes the softmax backward into dx."""
+    """A function that writes the softmax backward into dx: called as (y, dy, dx), or
+    (y, dy, dx, cu_seqlens) with packed sequences (as `_softmax_fwd_plan`)."""
     view = SoftmaxView(y.shape, dim, [y.stride(), dy.stride(), dx.stride()])
     if not view.ok:
-        return lambda y, dy, dx, cu: dx.copy_(
+        return lambda y, dy, dx, cu=None: dx.copy_(
             run_softmax_bwd(y.contiguous(), dy.contiguous(), dim, cu)
         )
     if cu_seqlens is None and view.I > 1 and view.L <= COLS_MAX_L:
-        run = _cols_launch(K.softmax_bwd_cols_kernel, view, COLS_TILE, y, dy, dx)
-        return lambda y, dy, dx, _cu: run(y, dy, dx)
+        return _cols_launch(K.softmax_bwd_cols_kernel, view, COLS_TILE, y, dy, dx)
     if cu_seqlens is not None or not _use_rows(view):
         return _SplitSoftmaxBwd(y, dy, dx, view, cu_seqlens)
     block_r, block_l, warps = _rows_plan(view)
     rows = view.O0 * view.O1
     ys, gs, ds = view.strides
-    run = launch(K.softmax_bwd_rows_kernel).prepare(
+    return launch(K.softmax_bwd_rows_kernel).prepare(
         (cdiv(rows, block_r),),
         y,
         dy,
@@ -368,21 +368,30 @@ def _softmax_bwd_plan(y, dy, dx, dim: int, cu_seqlens=None):
         BLOCK_L=block_l,
         num_warps=warps,
     )
-    return lambda y, dy, dx, _cu: run(y, dy, dx)
 
 
 def run_softmax_fwd(x: torch.Tensor, dim: int, cu_seqlens=None) -> torch.Tensor:
     y = torch.empty_like(x)
     if x.numel() == 0:
         return y
+    if cu_seqlens is None and x.__class__ in PLAIN_TENSORS and x.is_contiguous():
+        # The common call: x and y contiguous, so the plan depends on dim, device and shape
+        # (PlanCache.get without its call on a hit, as run_elementwise's).
+        key = ("fwd dense", dim, x.get_device(), x.shape)
+        plan = _PLANS._plans.get(key)
+        if plan is None:
+            plan = _PLANS.get(key, _softmax_fwd_plan, x, y, dim)
+        plan(x, y)
+        return y
     if x.__class__ in PLAIN_TENSORS and (
         cu_seqlens is None or cu_seqlens.__class__ is torch.Tensor
     ):
         seqs = None if cu_seqlens is None else cu_seqlens.shape[0]
         key = ("fwd", dim, seqs, x.get_device(), x.shape, x.stride(), y.stride())
-        _PLANS.get(key, _softmax_fwd_plan, x, y, dim, cu_seqlens)(x, y, cu_seqlens)
+        plan = _PLANS.get(key, _softmax_fwd_plan, x, y, dim, cu_seqlens)
     else:
-        _softmax_fwd_plan(x, y, dim, cu_seqlens)(x, y, cu_seqlens)
+        plan = _softmax_fwd_plan(x, y, dim, cu_seqlens)
+    plan(x, y, *_packed(cu_seqlens))
     return y
 
 
@@ -390,12 +399,26 @@ def run_softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, cu_seqlens=None
     dx = torch.empty_like(y)
     if y.numel() == 0:
         return dx
+    if (
+        cu_seqlens is None
+        and y.__class__ in PLAIN_TENSORS
+        and dy.__class__ in PLAIN_TENSORS
+        and y.is_contiguous()
+        and dy.is_contiguous()
+    ):  # y, dy and dx contiguous: as run_softmax_fwd's common call
+        key = ("bwd dense", dim, y.get_device(), y.shape)
+        plan = _PLANS._plans.get(key)
+        if plan is None:
+            plan = _PLANS.get(key, _softmax_bwd_plan, y, dy, dx, dim)
+        plan(y, dy, dx)
+        return dx
     if PlanCache.cacheable(y, dy, cu_seqlens):  # plain tensors: plans are cached per layout
         seqs = None if cu_seqlens is None else cu_seqlens.shape[0]
         key = ("bwd", dim, seqs, y.get_device(), y.shape, y.stride(), dy.stride(), dx.stride())
-        _PLANS.get(key, _softmax_bwd_plan, y, dy, dx, dim, cu_seqlens)(y, dy, dx, cu_seqlens)
+        plan = _PLANS.get(key, _softmax_bwd_plan, y, dy, dx, dim, cu_seqlens)
     else:
-        _softmax_bwd_plan(y, dy, dx, dim, cu_seqlens)(y, dy, dx, cu_seqlens)
+        plan = _softmax_bwd_plan(y, dy, dx, dim, cu_seqlens)
+    plan(y, dy, dx, *_packed(cu_seqlens))
     return dx
 
 

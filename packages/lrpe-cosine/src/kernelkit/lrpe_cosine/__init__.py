@@ -8,5 +8,5 @@ from kernelkit.act import ACTS
 
 from .op import lrpe_cosine
 
-__version__ = "0.2.6"
+__version__ = "0.2.7"
 __all__ = ["ACTS", "__version__", "lrpe_cosine"]
