@@ -26,7 +26,17 @@ from dataclasses import replace
 
 import pytest
 import torch
-from fa_testing import check, finite, make, meta_problem, problems, qkv, run_fwd_bwd, table_fwd
+from fa_testing import (
+    NO_GLUON,
+    check,
+    finite,
+    make,
+    meta_problem,
+    problems,
+    qkv,
+    run_fwd_bwd,
+    table_fwd,
+)
 
 from kernelkit.flash_attn import flash_attn
 from kernelkit.flash_attn import launch as fa_launch
@@ -383,17 +393,21 @@ def test_window_skips_blocks_outside(case, half, device):
 
 
 def test_masked_forward_config():
-    """Windows with a left edge and packed batches read K/V through TMA in the forward at
-    d >= 128 (their pointer tile spills; NOTES.md); as on an H100."""
-    for masked in (dict(window_size=(256, -1)), dict(packed=True)):
-        cfg = choose_fwd(meta_problem(2, 1024, 1024, 8, 2, 128, causal=True, **masked))
+    """Windows with a left edge and packed batches read K/V through TMA in the portable
+    forward at d >= 128 (their pointer tile spills; NOTES.md): packed batches as on an H100,
+    windows where the Gluon forward cannot run (a GPU with TMA but not sm_90); on an H100 a
+    window takes the Gluon forward like a dense call."""
+    for masked, target in ((dict(window_size=(256, -1)), NO_GLUON), (dict(packed=True), H100)):
+        p = meta_problem(2, 1024, 1024, 8, 2, 128, causal=True, target=target, **masked)
+        cfg = choose_fwd(p)
         assert cfg.kernel == FWD_TRITON and replace(cfg.tile, tma=False) == T.FWD_TILES[128]
         assert cfg.tma
-        assert "Gluon" not in cfg.why
-        cfg = choose_fwd(meta_problem(2, 1024, 1024, 8, 2, 64, **masked))
+        assert "Gluon" not in cfg.why or "cannot run" in cfg.why
+        cfg = choose_fwd(meta_problem(2, 1024, 1024, 8, 2, 64, target=target, **masked))
         assert cfg.kernel == FWD_TRITON and not cfg.tma
-    cfg = choose_fwd(meta_problem(2, 1024, 1024, 8, 2, 128, causal=True))
-    assert cfg.kernel == FWD_GLUON and cfg.tile == T.GLUON_FWD_TILE
+    for window in ((-1, -1), (256, -1)):
+        cfg = choose_fwd(meta_problem(2, 1024, 1024, 8, 2, 128, causal=True, window_size=window))
+        assert cfg.kernel == FWD_GLUON and cfg.tile == T.GLUON_FWD_TILE
 
 
 def test_small_grid_forward_config():
