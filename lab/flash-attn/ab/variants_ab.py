@@ -3,16 +3,20 @@ ms and TFLOP/s over the visible pairs, bf16, causal, plain / softcap / sliding w
 (the public `flash_attn`) beside `torch.compile(flex_attention)` with a block mask and a
 score_mod. One JSON line per cell. --ab: the chooser's configs (the Gluon kernels with a
 window / softcap) against the portable kernels with the tables' tiles, forward and backward
-apart, interleaved (kernelkit.shared.bench.interleaved_ms), at 16k.
+apart, interleaved (kernelkit.shared.bench.interleaved_ms), at 16k. --walks: the Gluon
+forward's tile walks for windows, interleaved: the chosen persistent static walk, causal pairs
+(a config the chooser does not take with a window), and one program per tile (the hardware's
+dynamic block scheduler; `lab/flash-attn/ab/persistent_balance.py` models the first two).
 
     ROOT=$(pwd); PYTHONPATH=$ROOT/shared/src:$ROOT/packages/flash-attn/src \\
-        python lab/flash-attn/ab/variants_ab.py [--quick] [--no-flex] [--ab]
+        python lab/flash-attn/ab/variants_ab.py [--quick] [--no-flex] [--ab] [--walks]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import torch
 
@@ -123,12 +127,37 @@ def ab(b: int, n: int, h: int, d: int, left: int, softcap: float) -> dict:
                 kernels=[fwd_cfgs["chosen"].kernel, bwd_cfgs["chosen"].kernel])  # fmt: skip
 
 
+def walks(b: int, n: int, h: int, d: int, left: int) -> dict:
+    """Forward ms of the Gluon forward's walks for one windowed cell."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+               for _ in range(3))  # fmt: skip
+    window = window_for((left, 0), True, n, n)
+    chosen = choose_fwd(fa_launch.forward_problem(q, k, v, True, 0.0, window))
+    cfgs = {"static": chosen, "pairs": replace(chosen, pairs=True),
+            "per_tile": replace(chosen, persistent=False)}  # fmt: skip
+
+    def fwd(cfg):
+        return lambda: fa_launch.forward(q, k, v, True, d**-0.5, window=window, config=cfg)
+
+    t = interleaved_ms({name: fwd(c) for name, c in cfgs.items()})
+    return dict(b=b, n=n, h=h, d=d, window=left, kernel=chosen.kernel,
+                fwd={name: round(x[0], 4) for name, x in t.items()})  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--ab", action="store_true")
+    ap.add_argument("--walks", action="store_true")
     args = ap.parse_args()
+    if args.walks:
+        for d, h in ((128, 16), (64, 32)):
+            for n in (16384, 65536):
+                for left in (-1, 1024, 4096, 8192):
+                    print(json.dumps(walks(1, n, h, d, left)), flush=True)
+        return
     if args.ab:
         for d, h in ((128, 16), (64, 32)):
             for left, cap in ((-1, 30.0), (1024, 0.0), (4096, 0.0), (8192, 0.0), (4096, 30.0)):

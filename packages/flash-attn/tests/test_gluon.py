@@ -92,22 +92,27 @@ def test_gluon_forward_launches_are_compile_checked():
              (128, True, (128, 128, 2), 30.0, 300, (-1, -1)),
              (64, True, (128, 128, 2), 0.0, 256, (-1, -1)),
              (128, True, (128, 128, 2), 30.0, 256, (64, 0)),
-             (64, False, (128, 128, 2), 0.0, 300, (32, 16))]  # fmt: skip
+             (64, False, (128, 128, 2), 0.0, 300, (32, 16)),
+             (128, True, (128, 128, 2), 0.0, 256, (100, 0))]  # fmt: skip
     for d, causal, tile, softcap, nq, window in cases:
         q, k, v = qkv(2, nq, 260, 4, 2, d, torch.bfloat16, "cpu")
         p = fa_launch.forward_problem(q, k, v, causal, softcap, window, target=H100)
-        cfg = check_fwd(p, gluon_fwd_config(p, Tile(*tile[:2], 4, tile[2], tma=True)))
+        cfg = gluon_fwd_config(p, Tile(*tile[:2], 4, tile[2], tma=True))
         assert cfg.fast_tanh == (softcap > 0)
         assert cfg.pairs == (causal and nq == 256 and window == (-1, -1))
+        if window == (100, 0):  # a window in pairs: the chooser never pairs it; a config may
+            cfg = replace(cfg, pairs=True)
+        cfg = check_fwd(p, cfg)
         probe = replay.Probe()
         fa_launch._forward(probe, q, k, v, causal, 0.125, softcap, window, None, cfg, H100)
         launches += probe.launches
-    assert [kernel_name(kernel) for kernel, *_ in launches] == ["attn_fwd_gluon_kernel"] * 6
-    assert [kw["SOFTCAP"] for *_, kw in launches] == [False, False, True, False, True, False]
-    assert [kw["PAIRS"] for *_, kw in launches] == [False, False, False, True, False, False]
-    assert [kw["LOCAL"] for *_, kw in launches] == [False] * 4 + [True] * 2
-    assert [kw["CAUSAL"] for *_, kw in launches] == [False, False, True, True, True, True]
-    assert [(kw["win_left"], kw["win_right"]) for *_, kw in launches[4:]] == [(64, 0), (32, 16)]
+    assert [kernel_name(kernel) for kernel, *_ in launches] == ["attn_fwd_gluon_kernel"] * 7
+    assert [kw["SOFTCAP"] for *_, kw in launches] == [False, False, True, False, True, False, False]
+    assert [kw["PAIRS"] for *_, kw in launches] == [False, False, False, True, False, False, True]
+    assert [kw["LOCAL"] for *_, kw in launches] == [False] * 4 + [True] * 3
+    assert [kw["CAUSAL"] for *_, kw in launches] == [False, False] + [True] * 5
+    assert [(kw["win_left"], kw["win_right"]) for *_, kw in launches[4:]] == [(64, 0), (32, 16),
+                                                                              (100, 0)]  # fmt: skip
     for kernel, _, args, kwargs in launches:
         record_launch(kernel, args, kwargs)
 
@@ -234,7 +239,6 @@ def _check_error_cases():
          "head dim 256 (BLOCK_D 64 or 128 only)"),
         (check_fwd, replace(p, head_dim_v=64), fwd, "the value head dim must equal the query's"),
         (check_fwd, replace(p, tma_q=False), fwd, "q, k, v rows not 16-byte aligned for TMA"),
-        (check_fwd, replace(p, left=256), fwd, "no window's left edge"),
         (check_fwd, replace(p, packed=True), fwd, "a packed batch"),
         (check_fwd, replace(p, softcap=True), fwd, "softcap only through tanh.approx"),
         (check_fwd, p, replace(fwd, tile=Tile(64, 128, 4, 2, tma=True)), "BLOCK_M must be 128"),
@@ -286,13 +290,13 @@ def _check_error_cases():
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("case", range(46))
+@pytest.mark.parametrize("case", range(45))
 def test_check_errors_name_the_reason(case):
     """check_fwd / check_bwd (what launch.forward / backward do with a config passed in) accept
     a config only where its kernels can run the call, else raise a ValueError naming the config
     and the reason (the backend's `can_implement`)."""
     cases = _check_error_cases()
-    assert len(cases) == 46
+    assert len(cases) == 45
     check, p, cfg, reason = cases[case]
     with pytest.raises(ValueError) as error:
         check(p, cfg)

@@ -455,8 +455,9 @@ def attn_fwd_gluon_kernel(
 def can_implement(p: Problem, cfg: FwdConfig) -> str | None:
     """None if the Gluon forward can run `cfg` for problem `p`, else why not: an sm_90 GPU,
     half precision, BLOCK_D 64 or 128, v's head dim equal to q's, TMA-aligned q, k, v; dense,
-    no packed batch; softcap only through tanh.approx; 2 x 64 query rows per tile; causal
-    pairs of tiles only without a window's left edge."""
+    no packed batch; softcap only through tanh.approx; 2 x 64 query rows per tile; pairs of
+    tiles for causal problems with an even number of query blocks (any window: the chooser
+    pairs them only without a left edge, `choose.gluon_fwd_config`)."""
     if not p.target.gluon:
         return "not an sm_90 GPU (or under the interpreter)"
     if not p.half:
@@ -475,8 +476,8 @@ def can_implement(p: Problem, cfg: FwdConfig) -> str | None:
         return "softcap only through tanh.approx"
     if cfg.tile.block_m != 2 * WG_ROWS.value:
         return f"tile {cfg.tile}: BLOCK_M must be {2 * WG_ROWS.value}"
-    if cfg.pairs and not (p.causal and not p.local and cdiv(p.nq, cfg.tile.block_m) % 2 == 0):
-        return "pairs need a causal problem, no window's left edge, an even number of query blocks"
+    if cfg.pairs and not (p.causal and cdiv(p.nq, cfg.tile.block_m) % 2 == 0):
+        return "pairs need a causal problem with an even number of query blocks"
     return None
 
 
