@@ -51,6 +51,15 @@ def _per_row(starts, table, cu_seqlens, grid) -> bool:
 _FWD_START, _BWD_START = 2, 3
 
 
+def _grid(plan: Plan, per_row: bool, b, n, heads, d, device):
+    """(BLOCK_N, BLOCK_D, key blocks, rows per program, batch groups) of the cosine kernels'
+    (n_blocks, heads, groups) grid: the small tile for per-row positions."""
+    block_n, block_d = tile_sizes(d, plan.small_tile if per_row else plan.tile, load_rows(b))
+    n_blocks = cdiv(n, block_n)
+    rows, groups = batch_groups(plan, b, n_blocks * heads, device)
+    return block_n, block_d, n_blocks, rows, groups
+
+
 def _key(plan: Plan):
     """A plan as the replay key holds it: None for the shipped one (a dataclass hashes its
     fields in Python at every lookup)."""
@@ -102,9 +111,7 @@ def _forward(ops, x, theta, start, starts, table, cu_seqlens, kind, grid, cache,
     )
     y = ops.empty((b, n, heads, 2 * d), x.dtype, device)
     per_row = _per_row(starts, table, cu_seqlens, grid)
-    block_n, block_d = tile_sizes(d, plan.small_tile if per_row else plan.tile, load_rows(b))
-    n_blocks = cdiv(n, block_n)
-    rows, groups = batch_groups(plan, b, n_blocks * heads, device)
+    block_n, block_d, n_blocks, rows, groups = _grid(plan, per_row, b, n, heads, d, device)
     pos_kwargs, vary = launch_positions(start, starts, table, _FWD_START)
     ops.launch(
         cosine_fwd_kernel,
@@ -229,9 +236,7 @@ def _backward(
         if main:  # merged once, not in each short main-kernel program
             sums = merge_chunk_sums(sums, ops=ops)
     if main:
-        block_n, block_d = tile_sizes(d, plan.small_tile if per_row else plan.tile, load_rows(b))
-        n_blocks = cdiv(n, block_n)
-        rows, groups = batch_groups(plan, b, n_blocks * heads, device)
+        block_n, block_d, n_blocks, rows, groups = _grid(plan, per_row, b, n, heads, d, device)
         if need_dtheta and kind != SEQ:
             partials = ops.empty((n_blocks * groups, heads, d), torch.float32, device)
         ops.launch(

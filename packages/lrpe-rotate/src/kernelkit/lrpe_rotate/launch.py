@@ -58,13 +58,10 @@ def _forward(ops, x, theta, start, starts, table, cu_seqlens, kind, plan, tiling
             **_strides("x", x), **_strides("y", y), **kwargs, **pos_kwargs, vary=vary,
         )  # fmt: skip
         return y, stats
-    tokens = _tokens(starts, table, cu_seqlens, tiling)
-    if tokens:
-        kernel = K.rotate_fwd_tokens_kernel
-        grid, kwargs = _tokens_layout(x, theta, cu_seqlens, kind, plan, tiling)
-    else:
-        kernel = K.rotate_fwd_kernel
-        grid, kwargs = _rotate_layout(x, theta, starts, table, cu_seqlens, kind, plan)
+    tokens, kernel, grid, kwargs = _rotate_launch(
+        (K.rotate_fwd_kernel, K.rotate_fwd_tokens_kernel), x, theta, starts, table, cu_seqlens,
+        kind, plan, tiling,
+    )  # fmt: skip
     # The per-token kernels specialise on the int offset, which they never read (packed
     # sequences only, where it is 0): fixed, not a per-call value.
     pos_kwargs, vary = launch_positions(start, starts, table, None if tokens else _FWD_START)
@@ -73,6 +70,16 @@ def _forward(ops, x, theta, start, starts, table, cu_seqlens, kind, plan, tiling
         **_strides("y", y), **kwargs, **pos_kwargs, vary=vary,
     )  # fmt: skip
     return (y,)
+
+
+def _rotate_launch(kernels, x, theta, starts, table, cu_seqlens, kind, plan, tiling):
+    """(per-token?, kernel, grid, layout keywords) of an element-wise / softmax-over-D
+    direction: kernels = (its rotate kernel, its per-token kernel), the latter where
+    `_tokens` says so."""
+    tokens = _tokens(starts, table, cu_seqlens, tiling)
+    if tokens:
+        return tokens, kernels[1], *_tokens_layout(x, theta, cu_seqlens, kind, plan, tiling)
+    return tokens, kernels[0], *_rotate_layout(x, theta, starts, table, cu_seqlens, kind, plan)
 
 
 def backward(dy, x, theta, start, starts, table, cu_seqlens, stats, kind, need_dtheta,
@@ -107,13 +114,10 @@ def _backward(ops, dy, x, theta, start, starts, table, cu_seqlens, stats, kind, 
             **_strides("d", dx), **common, vary=vary,
         )  # fmt: skip
     else:
-        tokens = _tokens(starts, table, cu_seqlens, tiling)
-        if tokens:
-            kernel = K.rotate_bwd_tokens_kernel
-            grid, kwargs = _tokens_layout(dy, theta, cu_seqlens, kind, plan, tiling)
-        else:
-            kernel = K.rotate_bwd_kernel
-            grid, kwargs = _rotate_layout(dy, theta, starts, table, cu_seqlens, kind, plan)
+        tokens, kernel, grid, kwargs = _rotate_launch(
+            (K.rotate_bwd_kernel, K.rotate_bwd_tokens_kernel), dy, theta, starts, table,
+            cu_seqlens, kind, plan, tiling,
+        )  # fmt: skip
         partials = None
         if need_dtheta:
             partials = ops.empty((grid[0], grid[1], half), torch.float32, dy.device)
