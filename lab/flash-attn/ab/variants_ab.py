@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -32,40 +34,9 @@ from kernelkit.flash_attn.choose import (
 from kernelkit.flash_attn.validation import window_for
 from kernelkit.shared.bench import bench_ms, interleaved_ms
 
-
-def visible_pairs(n: int, left: int) -> int:
-    """Visible (query, key) pairs of causal attention over n rows, a window of `left` keys
-    before the diagonal (-1: none)."""
-    if left < 0 or left >= n:
-        return n * (n + 1) // 2
-    return (left + 1) * (left + 2) // 2 + (n - left - 1) * (left + 1)
-
-
-def flex_fns(n: int, h: int, left: int, softcap: float):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    torch._dynamo.reset()  # each cell compiles its own mask and score_mod
-
-    def mask_mod(b, hh, qi, ki):
-        keep = qi >= ki
-        if left >= 0:
-            keep = keep & (qi - ki <= left)
-        return keep
-
-    block_mask = create_block_mask(mask_mod, None, None, n, n, device="cuda")
-    score_mod = None
-    if softcap:
-
-        def score_mod(score, b, hh, qi, ki):
-            return softcap * torch.tanh(score / softcap)
-
-    flex = torch.compile(flex_attention)
-
-    def run(q, k, v):  # flex takes (B, H, N, D)
-        return flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                    block_mask=block_mask, score_mod=score_mod).transpose(1, 2)  # fmt: skip
-
-    return run
+# The suite's own FlexAttention cell and pair count (benchmarks/bench_flash_attn_variants.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "packages/flash-attn/benchmarks"))
+from bench_flash_attn_variants import flex_fn, visible_pairs
 
 
 def fwd_bwd_ms(fn, q, k, v, do) -> tuple[float, float]:
@@ -87,9 +58,9 @@ def cell(impl: str, b: int, n: int, h: int, d: int, left: int, softcap: float) -
         def fn(q, k, v):
             return flash_attn(q, k, v, causal=True, window_size=(left, 0), softcap=softcap)
     else:
-        fn = flex_fns(n, h, left, softcap)
+        fn = flex_fn(n, n if left < 0 else left, softcap)
     fwd, bwd = fwd_bwd_ms(fn, q, k, v, do)
-    flops = 4 * d * visible_pairs(n, left) * b * h
+    flops = 4 * d * visible_pairs(n, n if left < 0 else left) * b * h
     return dict(impl=impl, b=b, n=n, h=h, d=d, window=left, softcap=softcap,
                 fwd_ms=round(fwd, 4), bwd_ms=round(bwd, 4),
                 fwd_tflops=round(flops / fwd / 1e9, 1),
