@@ -5,8 +5,9 @@ score_mod. One JSON line per cell. --ab: the chooser's configs (the Gluon kernel
 window / softcap) against the portable kernels with the tables' tiles, forward and backward
 apart, interleaved (kernelkit.shared.bench.interleaved_ms), at 16k. --walks: the Gluon
 forward's tile walks for windows, interleaved: the chosen persistent static walk, causal pairs
-(a config the chooser does not take with a window), and one program per tile (the hardware's
-dynamic block scheduler; `lab/flash-attn/ab/persistent_balance.py` models the first two).
+(a config the chooser does not take with a window), one program per tile (the hardware's
+dynamic block scheduler), and the dynamic walk (`FwdConfig.dynamic`: an atomic unit counter),
+alone and with pairs (`lab/flash-attn/ab/persistent_balance.py` models the walks).
 
     ROOT=$(pwd); PYTHONPATH=$ROOT/shared/src:$ROOT/packages/flash-attn/src \\
         python lab/flash-attn/ab/variants_ab.py [--quick] [--no-flex] [--ab] [--walks]
@@ -106,7 +107,9 @@ def walks(b: int, n: int, h: int, d: int, left: int) -> dict:
     window = window_for((left, 0), True, n, n)
     chosen = choose_fwd(fa_launch.forward_problem(q, k, v, True, 0.0, window))
     cfgs = {"static": chosen, "pairs": replace(chosen, pairs=True),
-            "per_tile": replace(chosen, persistent=False)}  # fmt: skip
+            "per_tile": replace(chosen, persistent=False),
+            "dynamic": replace(chosen, dynamic=True),
+            "dynamic_pairs": replace(chosen, dynamic=True, pairs=True)}  # fmt: skip
 
     def fwd(cfg):
         return lambda: fa_launch.forward(q, k, v, True, d**-0.5, window=window, config=cfg)

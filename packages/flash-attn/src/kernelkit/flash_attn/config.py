@@ -323,8 +323,9 @@ class FwdConfig:
     (and, Gluon, q) through TMA descriptors; fast_tanh: softcap through tanh.approx.f32 (else
     an exact float32 tanh); split: the split-KV runs (FWD_SPLIT). Gluon schedule: persistent
     (one program per SM walking its share of the tiles), pairs (causal tiles in pairs of a
-    long and a short query block), q_regs (the q tile in registers as the wgmma's A operand).
-    why: one line on why this was chosen (not compared)."""
+    long and a short query block), q_regs (the q tile in registers as the wgmma's A operand),
+    dynamic (persistent programs take their next unit from an atomic counter instead of a
+    fixed stride). why: one line on why this was chosen (not compared)."""
 
     kernel: str
     tile: Tile
@@ -334,11 +335,14 @@ class FwdConfig:
     persistent: bool = False
     pairs: bool = False
     q_regs: bool = False
+    dynamic: bool = False
     why: str = field(default="", compare=False)
 
     def __str__(self) -> str:
         flags = [
-            n for n in ("tma", "fast_tanh", "persistent", "pairs", "q_regs") if getattr(self, n)
+            n
+            for n in ("tma", "fast_tanh", "persistent", "pairs", "q_regs", "dynamic")
+            if getattr(self, n)
         ]
         if self.split is not None:
             flags.append(f"splits={self.split.splits}x{self.split.split_len}")

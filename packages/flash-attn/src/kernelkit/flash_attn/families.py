@@ -33,7 +33,7 @@ from .strides import unit_d
 FAMILY_SWITCHES = {
     "attn_fwd_kernel": ("CAUSAL", "LOCAL", "VARLEN", "SEQUSED", "SOFTCAP"),
     "attn_fwd_split_kernel": ("CAUSAL", "LOCAL", "SOFTCAP", "VAR_K", "PAGED"),
-    "attn_fwd_gluon_kernel": ("BLOCK_D", "CAUSAL", "LOCAL", "PAIRS", "SOFTCAP"),
+    "attn_fwd_gluon_kernel": ("BLOCK_D", "CAUSAL", "LOCAL", "PAIRS", "SOFTCAP", "DYNAMIC"),
     "attn_bwd_dkdv_kernel": ("CAUSAL", "LOCAL", "VARLEN", "SEQUSED", "SOFTCAP"),
     "attn_bwd_gluon_kernel": ("BLOCK_D", "CAUSAL", "LOCAL", "DQ_MODE", "PERSISTENT"),
 }

@@ -28,6 +28,8 @@ past Nk or across the window's left edge applies it (a run-time branch: Gluon ha
 pass to trip over).
 """
 
+import torch
+
 from kernelkit.shared.runtime import cdiv
 
 from ..config import FwdConfig, Problem, Scores
@@ -73,6 +75,11 @@ class FwdArgs:
     v_ready: gl.shared_memory_descriptor
     k_empty: gl.shared_memory_descriptor
     v_empty: gl.shared_memory_descriptor
+    # DYNAMIC: the unit counter (int32, zeroed before the launch) and the unit id of each q
+    # buffer's tile (the producer's hand-off to the consumers; -1: no more tiles); else None
+    # and a stand-in.
+    CTR: MaybeConstexpr
+    ids: gl.shared_memory_descriptor
     # The output (B, Nq, H, D) and its strides; the LSE rows (B * H, Nq).
     O: gl.tensor
     LSE: gl.tensor
@@ -102,17 +109,19 @@ class FwdArgs:
     SOFTCAP: gl.constexpr
     Q_REGS: gl.constexpr
     PAIRS: gl.constexpr
+    DYNAMIC: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
-                 v_ready, k_empty, v_empty, O, LSE, stride_ob, stride_on, stride_oh, num_m,
+                 v_ready, k_empty, v_empty, CTR, ids, O, LSE, stride_ob, stride_on, stride_oh, num_m,
                  n_tiles, H, GROUP, Nq, Nk, qk_scale, cap_scale, lo_shift, hi_shift, CAUSAL,
-                 LOCAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, SOFTCAP, Q_REGS,
-                 PAIRS):  # fmt: skip
+                 LOCAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, SOFTCAP, Q_REGS, PAIRS,
+                 DYNAMIC):  # fmt: skip
         self.q_desc, self.k_desc, self.v_desc = q_desc, k_desc, v_desc
         self.q_smem, self.k_smem, self.v_smem = q_smem, k_smem, v_smem
         self.q_bar, self.q_empty = q_bar, q_empty
         self.k_ready, self.v_ready, self.k_empty, self.v_empty = k_ready, v_ready, k_empty, v_empty
+        self.CTR, self.ids = maybe_constexpr(CTR), ids
         self.O, self.LSE = O, LSE
         self.stride_ob = maybe_constexpr(stride_ob)
         self.stride_on = maybe_constexpr(stride_on)
@@ -126,7 +135,7 @@ class FwdArgs:
         self.BLOCK_M, self.BLOCK_N = gl.constexpr(BLOCK_M), gl.constexpr(BLOCK_N)
         self.BLOCK_D, self.STAGES = gl.constexpr(BLOCK_D), gl.constexpr(STAGES)
         self.SOFTCAP, self.Q_REGS = gl.constexpr(SOFTCAP), gl.constexpr(Q_REGS)
-        self.PAIRS = gl.constexpr(PAIRS)
+        self.PAIRS, self.DYNAMIC = gl.constexpr(PAIRS), gl.constexpr(DYNAMIC)
 
     @gluon.jit
     def tile(self, u, w):
@@ -163,12 +172,12 @@ class FwdArgs:
 
 
 @gluon.jit
-def _producer(a):
-    """TMA loads, tile after tile of the program's: the q tile into q buffer c % 2 (c: the
-    program's tile count) once both consumers have released it, then K_j and V_j into ring
-    slot i % STAGES (i counts key blocks over all the program's tiles) once both consumers have
-    released the slot's previous tile (a fresh barrier passes the first wait). So the next
-    tile's q and first key blocks load while the consumers finish the current one."""
+def _load_tile(a, u, w, c, i):
+    """The producer's loads of tile w of unit u, the program's c-th tile, whose key blocks start
+    at ring position i: its q tile into q buffer c % 2 once both consumers have released it
+    (DYNAMIC: with the tile's id u * per_unit + w beside it, visible once the buffer's barrier
+    completes), then K_j and V_j into ring slot i % STAGES once both consumers have released
+    the slot's previous tile (a fresh barrier passes the first wait). Returns its key blocks."""
     q_tile: gl.constexpr = a.q_desc.layout
     kv_tile: gl.constexpr = a.k_desc.layout
     dtype: gl.constexpr = a.q_smem.dtype
@@ -177,32 +186,73 @@ def _producer(a):
     STAGES: gl.constexpr = a.STAGES
     q_desc, k_desc, v_desc = a.q_desc, a.k_desc, a.v_desc
     q_bar, k_ready, v_ready = a.q_bar, a.k_ready, a.v_ready
+    b, h, hk, _, start_m, j0, n_blocks = a.tile(u, w)
+    qb = c % 2
+    mbarrier.wait(a.q_empty.index(qb), ((c // 2) & 1) ^ 1)
+    if a.DYNAMIC:
+        _publish_id(a, qb, u * (2 if a.PAIRS else 1) + w)
+    mbarrier.expect(q_bar.index(qb), q_desc.block_type.nbytes)
+    q_dst = a.q_smem.index(qb)._reinterpret(dtype, [1, a.BLOCK_M, 1, BLOCK_D], q_tile)
+    tma.async_copy_global_to_shared(q_desc, [b, start_m, h, 0], q_bar.index(qb), q_dst)
+    for j in range(n_blocks):
+        s = (i + j) % STAGES
+        phase = ((i + j) // STAGES) & 1
+        mbarrier.wait(a.k_empty.index(s), phase ^ 1)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        k_dst = a.k_smem.index(s)._reinterpret(dtype, [1, BLOCK_N, 1, BLOCK_D], kv_tile)
+        tma.async_copy_global_to_shared(k_desc, [b, (j0 + j) * BLOCK_N, hk, 0], k_ready.index(s),
+                                        k_dst)  # fmt: skip
+        mbarrier.wait(a.v_empty.index(s), phase ^ 1)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        v_dst = a.v_smem.index(s)._reinterpret(dtype, [1, BLOCK_N, 1, BLOCK_D], kv_tile)
+        tma.async_copy_global_to_shared(v_desc, [b, (j0 + j) * BLOCK_N, hk, 0], v_ready.index(s),
+                                        v_dst)  # fmt: skip
+    return n_blocks
+
+
+@gluon.jit
+def _publish_id(a, qb, uid):
+    """DYNAMIC: the id of the tile about to load into q buffer qb (-1: none), stored before the
+    producer's arrival on that buffer's barrier (which releases it to the consumers)."""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    a.ids.index(qb).store(gl.full([1], uid, gl.int32, one))
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _read_id(a, qb, phase):
+    """DYNAMIC, a consumer: the id of the tile in q buffer qb, once its barrier completed."""
+    wg: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    mbarrier.wait(a.q_bar.index(qb), phase)
+    return gl.max(a.ids.index(qb).load(wg), axis=0)
+
+
+@gluon.jit
+def _producer(a):
+    """TMA loads (`_load_tile`), tile after tile of the program's: units program_id,
+    + num_programs, ...; with DYNAMIC program_id first, then whatever the unit counter hands
+    out next (num_programs + its count), and a last id -1 that ends the consumers' walk. So
+    the next tile's q and first key blocks load while the consumers finish the current one."""
     i = 0
     c = 0
     per_unit: gl.constexpr = 2 if a.PAIRS else 1
-    for t in range(gl.program_id(0) * per_unit, a.n_tiles, gl.num_programs(0) * per_unit):
-        for w in range(per_unit):
-            b, h, hk, _, start_m, j0, n_blocks = a.tile(t // per_unit, w)
-            qb = c % 2
-            mbarrier.wait(a.q_empty.index(qb), ((c // 2) & 1) ^ 1)
-            mbarrier.expect(q_bar.index(qb), q_desc.block_type.nbytes)
-            q_dst = a.q_smem.index(qb)._reinterpret(dtype, [1, a.BLOCK_M, 1, BLOCK_D], q_tile)
-            tma.async_copy_global_to_shared(q_desc, [b, start_m, h, 0], q_bar.index(qb), q_dst)
-            for j in range(n_blocks):
-                s = i % STAGES
-                phase = (i // STAGES) & 1
-                mbarrier.wait(a.k_empty.index(s), phase ^ 1)
-                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-                k_dst = a.k_smem.index(s)._reinterpret(dtype, [1, BLOCK_N, 1, BLOCK_D], kv_tile)
-                tma.async_copy_global_to_shared(k_desc, [b, (j0 + j) * BLOCK_N, hk, 0],
-                                                k_ready.index(s), k_dst)  # fmt: skip
-                mbarrier.wait(a.v_empty.index(s), phase ^ 1)
-                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-                v_dst = a.v_smem.index(s)._reinterpret(dtype, [1, BLOCK_N, 1, BLOCK_D], kv_tile)
-                tma.async_copy_global_to_shared(v_desc, [b, (j0 + j) * BLOCK_N, hk, 0],
-                                                v_ready.index(s), v_dst)  # fmt: skip
-                i += 1
-            c += 1
+    if a.DYNAMIC:
+        n_units = a.n_tiles // per_unit
+        u = gl.program_id(0)
+        while u < n_units:
+            for w in range(per_unit):
+                i += _load_tile(a, u, w, c, i)
+                c += 1
+            u = gl.atomic_add(a.CTR, 1) + gl.num_programs(0)
+        qb = c % 2
+        mbarrier.wait(a.q_empty.index(qb), ((c // 2) & 1) ^ 1)
+        _publish_id(a, qb, -1)
+        mbarrier.arrive(a.q_bar.index(qb))
+    else:
+        for t in range(gl.program_id(0) * per_unit, a.n_tiles, gl.num_programs(0) * per_unit):
+            for w in range(per_unit):
+                i += _load_tile(a, t // per_unit, w, c, i)
+                c += 1
 
 
 @gluon.jit
@@ -333,16 +383,30 @@ def _consumer(a, WG: gl.constexpr):
     i = 0
     c = 0
     per_unit: gl.constexpr = 2 if a.PAIRS else 1
-    for t in range(gl.program_id(0) * per_unit, a.n_tiles, gl.num_programs(0) * per_unit):
-        for w in range(per_unit):
-            b, h, _, bh, start_m, j0, n_blocks = a.tile(t // per_unit, w)
-            qb = c % 2
-            o_head = a.O + b.to(gl.int64) * a.stride_ob + h.to(gl.int64) * a.stride_oh
-            _attend_tile(a, a.q_smem.index(qb).slice(WG * WG_ROWS, WG_ROWS), a.q_bar.index(qb),
-                         a.q_empty.index(qb), (c // 2) & 1, i, j0, n_blocks,
-                         start_m + WG * WG_ROWS, o_head, a.LSE + bh.to(gl.int64) * a.Nq)  # fmt: skip
-            i += n_blocks
+    if a.DYNAMIC:  # the producer's ids, until -1
+        uid = _read_id(a, 0, 0)
+        while uid >= 0:
+            i += _consume_tile(a, uid // per_unit, uid % per_unit, c, i, WG)
             c += 1
+            uid = _read_id(a, c % 2, (c // 2) & 1)
+    else:
+        for t in range(gl.program_id(0) * per_unit, a.n_tiles, gl.num_programs(0) * per_unit):
+            for w in range(per_unit):
+                i += _consume_tile(a, t // per_unit, w, c, i, WG)
+                c += 1
+
+
+@gluon.jit
+def _consume_tile(a, u, w, c, i, WG: gl.constexpr):
+    """Warpgroup WG's rows of tile w of unit u, the program's c-th tile (q buffer c % 2), its
+    key blocks from ring position i (`_attend_tile`). Returns its key blocks."""
+    b, h, _, bh, start_m, j0, n_blocks = a.tile(u, w)
+    qb = c % 2
+    o_head = a.O + b.to(gl.int64) * a.stride_ob + h.to(gl.int64) * a.stride_oh
+    _attend_tile(a, a.q_smem.index(qb).slice(WG * WG_ROWS, WG_ROWS), a.q_bar.index(qb),
+                 a.q_empty.index(qb), (c // 2) & 1, i, j0, n_blocks, start_m + WG * WG_ROWS,
+                 o_head, a.LSE + bh.to(gl.int64) * a.Nq)  # fmt: skip
+    return n_blocks
 
 
 @gluon.jit(do_not_specialize=["Nq", "Nk", "win_left", "win_right"])
@@ -387,6 +451,8 @@ def attn_fwd_gluon_kernel(
     SOFTCAP: gl.constexpr,
     Q_REGS: gl.constexpr = False,
     PAIRS: gl.constexpr = False,
+    TILE_CTR=None,
+    DYNAMIC: gl.constexpr = False,
 ):
     """The B * H * cdiv(Nq, BLOCK_M) tiles of BLOCK_M (= 128) query rows of one head, tile
     t = program_id, + num_programs, ... (persistent when launched with fewer programs than
@@ -435,11 +501,16 @@ def attn_fwd_gluon_kernel(
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
+    if DYNAMIC:
+        ids = gl.allocate_shared_memory(gl.int32, [2, 1],
+                                        gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # fmt: skip
+    else:  # unused: a stand-in, so that the static walk allocates nothing more
+        ids = q_bar
 
     a = FwdArgs(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                k_empty, v_empty, O, LSE, stride_ob, stride_on, stride_oh, num_m, n_tiles, H, GROUP,
+                k_empty, v_empty, TILE_CTR, ids, O, LSE, stride_ob, stride_on, stride_oh, num_m, n_tiles, H, GROUP,
                 Nq, Nk, qk_scale, cap_scale, lo_shift, hi_shift, CAUSAL, LOCAL, HEAD_DIM, BLOCK_M,
-                BLOCK_N, BLOCK_D, STAGES, SOFTCAP, Q_REGS, PAIRS)  # fmt: skip
+                BLOCK_N, BLOCK_D, STAGES, SOFTCAP, Q_REGS, PAIRS, DYNAMIC)  # fmt: skip
     gl.warp_specialize(
         [(_consumer, (a, gl.constexpr(0))), (_consumer, (a, gl.constexpr(1))), (_producer, (a,))],
         [4, 1],
@@ -476,17 +547,30 @@ def can_implement(p: Problem, cfg: FwdConfig) -> str | None:
         return "softcap only through tanh.approx"
     if cfg.tile.block_m != 2 * WG_ROWS.value:
         return f"tile {cfg.tile}: BLOCK_M must be {2 * WG_ROWS.value}"
+    if cfg.dynamic and not cfg.persistent:
+        return "a dynamic walk needs persistent programs"
     if cfg.pairs and not (p.causal and cdiv(p.nq, cfg.tile.block_m) % 2 == 0):
         return "pairs need a causal problem with an even number of query blocks"
     return None
 
 
+@gluon.jit
+def zero_counter_kernel(CTR):
+    """The dynamic walk's unit counter set to 0 (one int32)."""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    gl.store(CTR + gl.arange(0, 1, layout=one), gl.zeros([1], gl.int32, one))
+
+
 def launch(ops, p: Problem, cfg: FwdConfig, s: Scores, q, k, v, o, lse) -> None:
     """Launch the Gluon forward into o and lse: one program per tile, or per SM (persistent),
-    causal tiles in pairs where asked."""
+    causal tiles in pairs where asked; a dynamic walk's counter zeroed first."""
     t = cfg.tile
     num_m = cdiv(p.nq, t.block_m)
     units = num_m * p.batch * p.heads // (2 if cfg.pairs else 1)
+    ctr = None
+    if cfg.dynamic:
+        ctr = ops.empty((1,), torch.int32, q.device)
+        ops.launch(zero_counter_kernel, (1,), CTR=ctr, num_warps=1)
     ops.launch(
         attn_fwd_gluon_kernel, (min(units, p.target.sms) if cfg.persistent else units,),
         Q=q, K=k, V=v, O=o, LSE=lse,
@@ -496,5 +580,6 @@ def launch(ops, p: Problem, cfg: FwdConfig, s: Scores, q, k, v, o, lse) -> None:
         HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
         CAUSAL=p.causal, LOCAL=p.local, EVEN_M=bool(p.nq % t.block_m == 0), EVEN_N=bool(p.nk % t.block_n == 0),
         DOT_PREC="tf32", TMA=True, STAGES=t.stages, SOFTCAP=s.softcap == 2, Q_REGS=cfg.q_regs,
-        PAIRS=cfg.pairs, num_warps=t.warps, num_stages=t.stages,
+        PAIRS=cfg.pairs, TILE_CTR=ctr, DYNAMIC=cfg.dynamic, num_warps=t.warps,
+        num_stages=t.stages,
     )  # fmt: skip
