@@ -100,10 +100,11 @@ def test_gluon_forward_launches_are_compile_checked():
         cfg = gluon_fwd_config(p, Tile(*tile[:2], 4, tile[2], tma=True))
         assert cfg.fast_tanh == (softcap > 0)
         assert cfg.pairs == (causal and nq == 256 and window == (-1, -1))
+        assert cfg.dynamic == (window[0] >= 0)  # a window's tiles from the atomic counter
         if window == (100, 0):  # a window in pairs: the chooser never pairs it; a config may
-            cfg = replace(cfg, pairs=True, dynamic=True)
-        if window == (64, 0):
-            cfg = replace(cfg, dynamic=True)
+            cfg = replace(cfg, pairs=True)
+        if window == (64, 0):  # the fixed-stride walk with a window: a config, not chosen
+            cfg = replace(cfg, dynamic=False)
         cfg = check_fwd(p, cfg)
         probe = replay.Probe()
         fa_launch._forward(probe, q, k, v, causal, 0.125, softcap, window, None, cfg, H100)
@@ -112,7 +113,7 @@ def test_gluon_forward_launches_are_compile_checked():
     assert names.count("zero_counter_kernel") == 2  # before each dynamic walk
     launches = [x for x in launches if kernel_name(x[0]) != "zero_counter_kernel"]
     assert [kernel_name(kernel) for kernel, *_ in launches] == ["attn_fwd_gluon_kernel"] * 7
-    assert [kw["DYNAMIC"] for *_, kw in launches] == [False] * 4 + [True, False, True]
+    assert [kw["DYNAMIC"] for *_, kw in launches] == [False] * 5 + [True, True]
     assert [kw["SOFTCAP"] for *_, kw in launches] == [False, False, True, False, True, False, False]
     assert [kw["PAIRS"] for *_, kw in launches] == [False, False, False, True, False, False, True]
     assert [kw["LOCAL"] for *_, kw in launches] == [False] * 4 + [True] * 3
