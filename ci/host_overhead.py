@@ -101,6 +101,20 @@ def op_cases(shape, device="cuda"):
         lambda x: lrpe_cosine(x, theta, act="softmax", dim=1),
         lambda x: lrpe_cosine_reference(x, theta, 0, "softmax", 1),
     )
+    # md_lrpe_cosine as in its suite's host table: N tokens as a square grid (small: 16 x 16),
+    # else one axis (decode: one token per row); theta (H, ceil(D / m)).
+    from kernelkit.md_lrpe_cosine import md_lrpe_cosine
+    from kernelkit.md_lrpe_cosine.reference import md_lrpe_cosine_reference
+
+    side = math.isqrt(shape[1])
+    grid = (side, side) if side > 1 and side * side == shape[1] else (shape[1],)
+    e = -(-d // len(grid))
+    md_theta = (10000.0 ** (-torch.arange(e, device=device, dtype=torch.float32) / e)).repeat(h, 1)
+    yield (
+        "md_lrpe_cosine none",
+        lambda x: md_lrpe_cosine(x, md_theta, grid),
+        lambda x: md_lrpe_cosine_reference(x, md_theta, grid),
+    )
 
 
 def fwd_bwd_us(f, shape, device="cuda"):
