@@ -16,8 +16,9 @@ step by step (launch, plan lookup, allocation, KernelOp checks, autograd wrapper
 measured by timing nested layers of the path and differencing; Triton's own
 `kernel[grid](...)` for the same launch is printed beside the cached launch it replaces (the
 "before" of that step). Then the same for lrpe_cosine (act none, softmax over N) and
-lrpe_rotate (softmax over D): replayed launch sequence, replay key, KernelOp, validation; and
-for flash_attn(x, x, x, causal=True), forward and backward.
+lrpe_rotate (softmax over D): replayed launch sequence, replay key, KernelOp, validation; for
+md_lrpe_cosine (act none, the grid of its suite's host table); and for flash_attn(x, x, x,
+causal=True), forward and backward.
 --cpu: on CPU, Triton's launch path runs against kernelkit.shared's fake CUDA driver (no
 compile; the C launcher replaced by a counter), so every step but the driver call itself is
 measured; plans are made for an H100's 132 multiprocessors. The per-op table shows ours only
@@ -101,6 +102,28 @@ def op_cases(shape, device="cuda"):
         lambda x: lrpe_cosine(x, theta, act="softmax", dim=1),
         lambda x: lrpe_cosine_reference(x, theta, 0, "softmax", 1),
     )
+    from kernelkit.md_lrpe_cosine import md_lrpe_cosine
+    from kernelkit.md_lrpe_cosine.reference import md_lrpe_cosine_reference
+
+    grid, md_theta = md_grid_theta(shape, device)
+    yield (
+        "md_lrpe_cosine none",
+        lambda x: md_lrpe_cosine(x, md_theta, grid),
+        lambda x: md_lrpe_cosine_reference(x, md_theta, grid),
+    )
+
+
+def md_grid_theta(shape, device):
+    """(grid, theta) of md_lrpe_cosine as in its suite's host table: N tokens as a square grid
+    (small: 16 x 16), else one axis (decode: one token per row); theta (H, ceil(D / m))."""
+    import torch
+
+    _, n, h, d = shape
+    side = math.isqrt(n)
+    grid = (side, side) if side > 1 and side * side == n else (n,)
+    e = -(-d // len(grid))
+    theta = (10000.0 ** (-torch.arange(e, device=device, dtype=torch.float32) / e)).repeat(h, 1)
+    return grid, theta
 
 
 def fwd_bwd_us(f, shape, device="cuda"):
@@ -386,6 +409,56 @@ def lrpe_breakdown(shape, device):
     return cols
 
 
+def md_breakdown(shape, device):
+    """{step: us} of md_lrpe_cosine (act none, its suite's grid) forward: the replayed launch
+    sequence, + the replay key and lookup (lrpe-cosine's launch.forward with the grid), + the
+    op's function (fwd_plain: its Grid), + the KernelOp, + validation (the public call), then
+    the public call with x requiring grad and y.backward(dy)."""
+    import torch
+
+    import kernelkit.lrpe_cosine.launch as CL
+    import kernelkit.md_lrpe_cosine.op as M
+    from kernelkit.md_lrpe_cosine import md_lrpe_cosine
+    from kernelkit.shared import replay
+
+    grid, theta = md_grid_theta(shape, device)
+    x = torch.randn(*shape, device=device, dtype=torch.bfloat16)
+    xg = x.clone().requires_grad_()
+    y = md_lrpe_cosine(xg, theta, grid)
+    dy = torch.randn_like(y)
+    y.backward(dy, retain_graph=True)
+    g, shape_list = M._grid(theta, grid, 0), list(grid)
+    seq = next(  # the key: run, options (kind, grid, ...), launch, device, x's layout, ...
+        s
+        for k, s in replay._SEQUENCES._plans.items()
+        if k[0] is CL._forward and k[1][1] is g and k[4:6] == (x.shape, x.stride())
+    )
+    inputs = (x, theta, 0, None, None, None)
+    fwd = [
+        ("replayed sequence (allocation, launch)", lambda: seq(inputs)),
+        ("+ replay key, lookup", lambda: CL.forward(x, theta, *inputs[2:], "none", grid=g)),
+        ("+ op function (its Grid)", lambda: M.fwd_plain.fn(x, theta, shape_list, 0, "none")),
+        ("+ KernelOp", lambda: M.fwd_plain(x, theta, shape_list, 0, "none")),
+        ("+ validate: public call", lambda: md_lrpe_cosine(x, theta, grid)),
+    ]
+    rows = _layers("fwd", fwd)
+    rows["fwd: public call, x requires grad"] = per_call_us(lambda: md_lrpe_cosine(xg, theta, grid))
+
+    def backward():
+        xg.grad = None
+        y.backward(dy, retain_graph=True)
+
+    rows["bwd: y.backward(dy) (engine + our backward)"] = per_call_us(backward)
+    return rows
+
+
+def print_md_breakdown(shape, device):
+    grid, _ = md_grid_theta(shape, device)
+    print(f"\nmd_lrpe_cosine(x, theta, {grid}) eager path, us per call, bf16 {shape} on {device}")
+    for row, us in md_breakdown(shape, device).items():
+        print(f"{row:46s}{us:12.2f}")
+
+
 def print_lrpe_breakdown(shape, device):
     cols = lrpe_breakdown(shape, device)
     names = list(cols)
@@ -443,6 +516,7 @@ def main():
         return None
     print_breakdown(SHAPES[args.shape or "small"], "cuda")
     print_lrpe_breakdown(SHAPES[args.shape or "small"], "cuda")
+    print_md_breakdown(SHAPES[args.shape or "small"], "cuda")
     return print_flash_breakdown(SHAPES[args.shape or "small"], "cuda")
 
 
@@ -473,6 +547,7 @@ def cpu_breakdown(shape, shapes, breakdown=True, profile=False):
         if breakdown:
             print_breakdown(shape, "cpu")
             print_lrpe_breakdown(shape, "cpu")
+            print_md_breakdown(shape, "cpu")
             print_flash_breakdown(shape, "cpu")
 
 

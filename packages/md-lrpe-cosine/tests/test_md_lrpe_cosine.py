@@ -13,7 +13,7 @@ import torch
 
 from kernelkit.lrpe_cosine import lrpe_cosine
 from kernelkit.md_lrpe_cosine import md_lrpe_cosine
-from kernelkit.md_lrpe_cosine.op import bwd, fwd
+from kernelkit.md_lrpe_cosine.op import bwd, fwd, fwd_plain
 from kernelkit.md_lrpe_cosine.reference import md_lrpe_cosine_reference
 from kernelkit.shared.testing import assert_close, compilations
 
@@ -136,6 +136,23 @@ def test_gradient_to_one_input_only(device):
     check(x, theta, shape, 2, "none", theta_grad=False)
 
 
+def test_replayed_calls_follow_grid_theta_and_dtype(device):
+    """The host path is recorded once per layout and options and replayed, its Grid cached
+    per (shape, l, E): grids of one token count (x of one layout), l, dtypes, theta changed in
+    place and calls with and without autograd each get their own result, called again too."""
+    x32 = x_for(2, (3, 4), 2, 2, 8, torch.float32, device)
+    theta = make_theta(2, 8, device)
+    cases = [((3, 4), 2), ((4, 3), 2), ((2, 6), 2), ((12,), 2), ((2, 7), 0), ((14,), 0)]
+    for _ in range(2):
+        for shape, l in cases:
+            for x in (x32, x32.to(torch.bfloat16)):
+                y, _, _ = check(x, theta, shape, l, theta_grad=False)
+                assert torch.equal(md_lrpe_cosine(x, theta, shape, l), y.detach())
+    check(x32, theta, (4, 3), 2, theta_grad=False)
+    theta.mul_(1.5)  # read at every launch: the replay takes the tensor, not its values
+    check(x32, theta, (4, 3), 2, theta_grad=False)
+
+
 def test_reference_fallback(monkeypatch):
     import kernelkit.md_lrpe_cosine.op as op
 
@@ -152,6 +169,11 @@ def test_reference_fallback(monkeypatch):
         ({"shape": (3, -4)}, "shape: every side must be positive"),
         ({"shape": 12}, "shape: expected a tuple of ints"),
         ({"shape": (3, 4.0)}, "shape: expected a tuple of ints"),
+        ({"shape": [3, 4.0]}, "shape: expected a tuple of ints"),
+        ({"shape": (True, 12)}, "shape: expected a tuple of ints"),
+        ({"shape": ()}, "shape: expected 1 to 4 axes"),
+        ({"l": True, "x": torch.ones(2, 13, 3, 8)}, "l: expected a non-negative int"),
+        ({"l": 2.0}, "l: expected a non-negative int"),
         ({"shape": (1, 1, 1, 2, 6)}, "shape: expected 1 to 4 axes"),
         ({"l": -1}, "l: expected a non-negative int"),
         ({"theta": torch.ones(3, 3)}, r"theta: E = 3 frequencies per axis cover E \* m = 6 < D"),
@@ -181,6 +203,18 @@ def test_opcheck(kind, cache, device):
     y, stats, angles = fwd(x.detach(), theta.detach(), [3, 4], 2, kind, cache)
     dy = make(y.shape, y.dtype, device, seed=3)
     args = (dy, x.detach(), theta.detach(), [3, 4], 2, stats, angles, kind, True, True)
+    torch.library.opcheck(bwd.op, args)
+
+
+def test_opcheck_plain(device):
+    """fwd_plain (y alone: element-wise acts and softmax over D without the cache) and bwd
+    without fwd's stats and angles."""
+    x = x_for(2, (3, 4), 2, 2, 8, torch.float32, device).requires_grad_()
+    theta = make_theta(2, 4, device).requires_grad_()
+    torch.library.opcheck(fwd_plain.op, (x, theta, [3, 4], 2, "silu"))
+    y = fwd_plain(x.detach(), theta.detach(), [3, 4], 2, "silu")
+    dy = make(y.shape, y.dtype, device, seed=3)
+    args = (dy, x.detach(), theta.detach(), [3, 4], 2, None, None, "silu", True, True)
     torch.library.opcheck(bwd.op, args)
 
 

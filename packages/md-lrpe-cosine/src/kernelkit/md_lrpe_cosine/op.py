@@ -1,14 +1,19 @@
 """Validation, torch.library registration and autograd of `md_lrpe_cosine`. The kernels are
 kernelkit-lrpe-cosine's, launched with grid positions (`kernelkit.lrpe_cosine.kernels.Grid`);
-the registered ops only launch."""
+the registered ops only launch. Two forward ops: `fwd_plain` (y alone) for the common call (an
+element-wise act or softmax over D, no angle cache), `fwd` (y, stats, angles) for softmax over
+the tokens or the angle cache: outputs that are always empty cost an allocation each and their
+autograd bookkeeping per call."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from kernelkit.lrpe_core.op import (
+    SEQ,
     as_float32,
     reduce_dtheta,
     validate_act,
@@ -17,7 +22,7 @@ from kernelkit.lrpe_core.op import (
 )
 from kernelkit.lrpe_cosine import kernels as K
 from kernelkit.lrpe_cosine import launch
-from kernelkit.shared.runtime import define_op, use_triton
+from kernelkit.shared.runtime import define_op, traced, use_triton
 
 from .reference import md_lrpe_cosine_reference
 
@@ -30,37 +35,67 @@ def _is_int(v) -> bool:
 
 
 def validate(x, theta, shape, l, act, dim, cache) -> tuple[str, tuple[int, ...]]:
-    """Check the arguments of `md_lrpe_cosine`; returns (kernel kind, shape as a tuple)."""
+    """Check the arguments of `md_lrpe_cosine`; returns (kernel kind, shape as a tuple).
+    (Written for the common call: plain ints and a tuple are checked by class first.)"""
     validate_x(x)
-    if not isinstance(shape, (tuple, list, torch.Size)) or not all(_is_int(s) for s in shape):
+    if shape.__class__ is tuple:
+        grid = shape
+    elif isinstance(shape, (tuple, list, torch.Size)):
+        grid = tuple(shape)
+    else:
         raise ValueError(f"shape: expected a tuple of ints (the grid), got {shape!r}")
-    shape = tuple(shape)
-    if not 1 <= len(shape) <= MAX_AXES:
-        raise ValueError(f"shape: expected 1 to {MAX_AXES} axes, got {len(shape)}: {shape}")
-    if any(s < 1 for s in shape):
-        raise ValueError(f"shape: every side must be positive, got {shape}")
-    if not _is_int(l) or l < 0:
+    for s in grid:
+        if s.__class__ is not int and not _is_int(s):
+            raise ValueError(f"shape: expected a tuple of ints (the grid), got {shape!r}")
+    m = len(grid)
+    if not 1 <= m <= MAX_AXES:
+        raise ValueError(f"shape: expected 1 to {MAX_AXES} axes, got {m}: {grid}")
+    if min(grid) < 1:
+        raise ValueError(f"shape: every side must be positive, got {grid}")
+    if (l.__class__ is not int and not _is_int(l)) or l < 0:
         raise ValueError(f"l: expected a non-negative int (extra leading tokens), got {l!r}")
-    n = x.shape[1]
-    if n != l + math.prod(shape):
+    n, tokens = x.shape[1], math.prod(grid)
+    if n != l + tokens:
         raise ValueError(
-            f"x: N = {n} tokens, expected l + prod(shape) = {l} + {math.prod(shape)} "
-            f"= {l + math.prod(shape)}"
+            f"x: N = {n} tokens, expected l + prod(shape) = {l} + {tokens} = {l + tokens}"
         )
     e = validate_theta(x, theta)
     d = x.shape[-1]
-    if e * len(shape) < d:
+    if e * m < d:
         raise ValueError(
-            f"theta: E = {e} frequencies per axis cover E * m = {e * len(shape)} < D = {d} "
-            f"features of a {len(shape)}-axis grid (need E >= ceil(D / m) = {-(-d // len(shape))})"
+            f"theta: E = {e} frequencies per axis cover E * m = {e * m} < D = {d} "
+            f"features of a {m}-axis grid (need E >= ceil(D / m) = {-(-d // m)})"
         )
     if not isinstance(cache, bool):
         raise ValueError(f"cache: expected a bool, got {cache!r}")
-    return validate_act(x, act, dim), shape
+    return validate_act(x, act, dim), grid
+
+
+@functools.lru_cache(maxsize=1024)
+def _grid_of(shape: tuple[int, ...], extra: int, e: int) -> K.Grid:
+    return K.Grid(shape, extra, e)
 
 
 def _grid(theta, shape, extra) -> K.Grid:
-    return K.Grid(tuple(shape), extra, theta.shape[1])
+    """The launch's Grid, one object per (shape, extra, E) in eager calls: the replay key
+    compares it by identity first (a new dataclass costs its __init__ and a Python __eq__ per
+    lookup). Traced calls (sizes may be symbolic, and are not replayed) make their own."""
+    if traced(theta):
+        return K.Grid(tuple(shape), extra, theta.shape[1])
+    return _grid_of(tuple(shape), extra, theta.shape[1])
+
+
+@define_op("kernelkit_md_lrpe_cosine::fwd_plain")
+def fwd_plain(
+    x: torch.Tensor, theta: torch.Tensor, shape: list[int], extra: int, kind: str
+) -> torch.Tensor:
+    """y (B, N, H, 2D) for an element-wise act or softmax over D without the angle cache (`fwd`
+    for softmax over the tokens or the cache)."""
+    if x.numel() == 0:
+        b, n, heads, d = x.shape
+        return x.new_empty((b, n, heads, 2 * d))
+    (y,) = launch.forward(x, theta, *_SEQUENCE, None, kind, grid=_grid(theta, shape, extra))
+    return y
 
 
 @define_op("kernelkit_md_lrpe_cosine::fwd")
@@ -85,46 +120,65 @@ def bwd(
     theta: torch.Tensor,
     shape: list[int],
     extra: int,
-    stats: torch.Tensor,
-    angles: torch.Tensor,
+    stats: torch.Tensor | None,
+    angles: torch.Tensor | None,
     kind: str,
     need_dx: bool,
     need_dtheta: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dtheta float32); each is an empty tensor when not needed. x is None for act none
-    without dtheta; `angles` is the forward's table or empty."""
-    b, n, heads, d2 = dy.shape
+    without dtheta; `stats` and `angles` are `fwd`'s (empty where not made) or None
+    (`fwd_plain`)."""
     if dy.numel() == 0:
+        b, n, heads, d2 = dy.shape
         dx = dy.new_zeros((b, n, heads, d2 // 2)) if need_dx else dy.new_empty((0,))
         return dx, (torch.zeros_like(theta) if need_dtheta else theta.new_empty((0, 0)))
     dx, partials = launch.backward(
         dy, x, theta, *_SEQUENCE, None, stats, kind, need_dx=need_dx, need_dtheta=need_dtheta,
-        grid=_grid(theta, shape, extra), angles=angles if angles.numel() else None,
+        grid=_grid(theta, shape, extra),
+        angles=angles if angles is not None and angles.numel() else None,
     )  # fmt: skip
     # (without need_dtheta, `partials` is already the empty (0, 0) d(theta))
     return dx, (reduce_dtheta(partials, theta.shape, wrap=True) if need_dtheta else partials)
 
 
+def _save(ctx, x, theta, shape, extra, kind, *tensors):
+    ctx.kind, ctx.shape, ctx.extra = kind, shape, extra
+    keep_x = kind != "none" or ctx.needs_input_grad[1]
+    ctx.save_for_backward(x if keep_x else None, theta, *tensors)
+
+
+def _grads(ctx, dy, x, theta, stats=None, angles=None):
+    """The autograd outputs for x and theta."""
+    need_dx, need_dtheta = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx, dtheta = bwd(
+        dy, x, theta, ctx.shape, ctx.extra, stats, angles, ctx.kind, need_dx, need_dtheta
+    )
+    return (dx if need_dx else None), (dtheta if need_dtheta else None)
+
+
 def _setup_context(ctx, inputs, output):
     x, theta, shape, extra, kind, _cache = inputs
-    ctx.kind, ctx.shape, ctx.extra = kind, shape, extra
     ctx.set_materialize_grads(False)  # no zeros for the stats' and angles' gradients
-    keep_x = kind != "none" or ctx.needs_input_grad[1]
-    ctx.save_for_backward(x if keep_x else None, theta, output[1], output[2])
+    _save(ctx, x, theta, shape, extra, kind, output[1], output[2])
 
 
 def _backward(ctx, dy, _dstats, _dangles):
     if dy is None:  # only the stats or angles (internal: not propagated) got a gradient
         return None, None, None, None, None, None
-    x, theta, stats, angles = ctx.saved_tensors
-    need_dx, need_dtheta = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dx, dtheta = bwd(
-        dy, x, theta, ctx.shape, ctx.extra, stats, angles, ctx.kind, need_dx, need_dtheta
-    )
-    return (dx if need_dx else None), (dtheta if need_dtheta else None), None, None, None, None
+    return *_grads(ctx, dy, *ctx.saved_tensors), None, None, None, None
+
+
+def _setup_plain(ctx, inputs, output):
+    _save(ctx, *inputs)
+
+
+def _backward_plain(ctx, dy):
+    return *_grads(ctx, dy, *ctx.saved_tensors), None, None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
+fwd_plain.register_autograd(_backward_plain, setup_context=_setup_plain)
 
 
 def md_lrpe_cosine(
@@ -152,8 +206,11 @@ def md_lrpe_cosine(
         return md_lrpe_cosine_reference(x, theta, shape, l, act, dim)
     three_d = x.dim() == 3
     x4 = x.unsqueeze(2) if three_d else x
-    y, _, _ = fwd(x4, as_float32(theta), list(shape), l, kind, cache)
+    if kind == SEQ or cache:
+        y, _, _ = fwd(x4, as_float32(theta), list(shape), l, kind, cache)
+    else:
+        y = fwd_plain(x4, as_float32(theta), list(shape), l, kind)
     return y.squeeze(2) if three_d else y
 
 
-__all__ = ["bwd", "fwd", "md_lrpe_cosine", "validate"]
+__all__ = ["bwd", "fwd", "fwd_plain", "md_lrpe_cosine", "validate"]
