@@ -337,12 +337,18 @@ def flash_breakdown(shape, device):
         lambda: flash_attn(xg, xg, xg, causal=True)
     )
 
+    rows["bwd: y.backward(dy) (engine + our backward)"] = _backward_us(xg, y, dy)
+    return rows
+
+
+def _backward_us(xg, y, dy) -> float:
+    """Host us per `y.backward(dy)` (the engine and our backward), xg's gradient reset."""
+
     def backward():
         xg.grad = None
         y.backward(dy, retain_graph=True)
 
-    rows["bwd: y.backward(dy) (engine + our backward)"] = per_call_us(backward)
-    return rows
+    return per_call_us(backward)
 
 
 def lrpe_breakdown(shape, device):
@@ -444,11 +450,7 @@ def md_breakdown(shape, device):
     rows = _layers("fwd", fwd)
     rows["fwd: public call, x requires grad"] = per_call_us(lambda: md_lrpe_cosine(xg, theta, grid))
 
-    def backward():
-        xg.grad = None
-        y.backward(dy, retain_graph=True)
-
-    rows["bwd: y.backward(dy) (engine + our backward)"] = per_call_us(backward)
+    rows["bwd: y.backward(dy) (engine + our backward)"] = _backward_us(xg, y, dy)
     return rows
 
 
