@@ -20,6 +20,14 @@ recorded as OOM by `record`.
 Suite 5 (`flash_attn_leaderboard`): the course leaderboard shape, (16, 16384, 64) one-head 3-D
 tensors, causal, bf16; forward, backward and forward+backward.
 
+Host table (issue 33, `flash_attn-host`): host µs per call (`kernelkit.shared.host_time`: Python
+issuing the calls, no sync) of causal self-attention at the small shape (1, 256, 32, 128) and
+the decode shape (8, 1, 32, 128), bf16: forward, forward with q requiring grad, backward;
+ours (`flash_attn(q, k, v)`, (B, N, H, D)) beside SDPA's default dispatch on (B, H, N, D)
+tensors (`torch`) and torch.compile of that call (`torch_compile`). k and v do not require
+grad: the backward row is dq's engine path plus our whole backward (which computes dk and dv
+too), without the engine's gradient sums that q = k = v = x would add.
+
 `python ci/bench.py flash-attn` runs it on a GPU. Without one (CI smoke mode,
 --benchmark-disable) every test runs once on a tiny shape under the Triton interpreter.
 """
@@ -34,7 +42,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernelkit.flash_attn import FlashAttentionFunction, flash_attn
 from kernelkit.flash_attn.reference import attention_reference
-from kernelkit.shared.bench import record, torch_compile
+from kernelkit.shared.bench import host_cell, record, torch_compile
+from kernelkit.shared.host_time import HOST_SHAPES
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -193,6 +202,28 @@ def test_sweep(benchmark, d, causal, n, direction, provider):
     tag = f"tokens{TOKENS}-head{h}-dim{d}-causal{int(causal)}-bf16"
     run_case(benchmark, op="flash_attn", tag=tag, x=n, shape=(b, n, h, d), causal=causal,
              provider=provider, direction=direction, flops=flops)  # fmt: skip
+
+
+@functools.cache
+def compiled_sdpa():
+    return torch_compile(functools.partial(F.scaled_dot_product_attention, is_causal=True))
+
+
+HOST_FNS = {
+    "triton": functools.partial(flash_attn, causal=True),
+    "torch": functools.partial(F.scaled_dot_product_attention, is_causal=True),
+}
+
+
+@pytest.mark.parametrize("provider", ["triton", "torch", "torch_compile"])
+@pytest.mark.parametrize("shape", list(HOST_SHAPES))
+def test_host(benchmark, shape, provider):
+    dims = HOST_SHAPES[shape] if GPU else (2, 5, 2, 16)
+    q, k, v, _ = make_inputs(dims, "bnhd" if provider == "triton" else "bhnd")
+    fn = compiled_sdpa() if provider == "torch_compile" else HOST_FNS[provider]
+    host_cell(benchmark, fn, [t.detach() for t in (q, k, v)], op="flash_attn", case="causal",
+              shape=f"{shape} {'x'.join(map(str, dims))}", provider=provider,
+              order=(list(HOST_SHAPES).index(shape),))  # fmt: skip
 
 
 @pytest.mark.parametrize("provider", LEADERBOARD_PROVIDERS)
