@@ -24,7 +24,12 @@ compile; the C launcher replaced by a counter), so every step but the driver cal
 measured; plans are made for an H100's 132 multiprocessors. The per-op table shows ours only
 (eager PyTorch on CPU tensors computes instead of launching) and the kernels each call
 launches: Triton's (the fake driver's count) plus torch ops that would launch a GPU kernel.
-Absolute numbers depend on the host CPU (a GPU host's Python has been 2-3.5x slower).
+Absolute numbers depend on the host CPU (a GPU host's Python has been 2-3.5x slower). Two
+things that cost only on CPU tensors are kept out: glibc's malloc trimming and growing its heap
+around megabyte buffers at every call (`steady_cpu_allocator`), and the autograd engine's sums
+of gradients that meet in one tensor (flash_attn(x, x, x): dq + dk + dv, two adds that compute
+on CPU, 0.8 ms at the small shape; a launch each on a GPU): flash_attn's autograd rows take
+three leaves q, k, v.
 --profile: the functions that take the host time of our forward + backward (cProfile), per
 op (with --cpu too).
 The timing (`per_call_us`, `fwd_bwd_us`, the small and decode shapes) is
@@ -295,7 +300,9 @@ def eager_reference_us(shape, device):
 def flash_breakdown(shape, device):
     """{step: us} of flash_attn(x, x, x, causal=True)'s eager path, forward and backward: the
     replayed launch sequence (buffers, launches), + its replay key and lookup (launch), +
-    the KernelOp, + validation (flash_attn), then the autograd forward and y.backward(dy)."""
+    the KernelOp, + validation (flash_attn), then the autograd forward and y.backward(dy) on
+    three leaves q, k, v (and on a GPU, with q = k = v = x, which adds the engine's gradient
+    sums: on CPU tensors those compute, which a GPU host does not)."""
     import torch
 
     import kernelkit.flash_attn.launch as L
@@ -333,19 +340,28 @@ def flash_breakdown(shape, device):
         ("+ KernelOp, attn_bwd", lambda: O.attn_bwd(*bwd_args, 0.0, -1, 0)),
     ]
     rows = {**_layers("fwd", fwd), **_layers("bwd", bwd)}
-    rows["fwd: flash_attn(x, x, x), x requires grad"] = per_call_us(
-        lambda: flash_attn(xg, xg, xg, causal=True)
+    # Autograd rows on three leaves: with q = k = v = x the engine sums dq + dk + dv into x's
+    # gradient (two torch adds, a launch each on a GPU), which on CPU tensors compute 1M
+    # elements each (~0.4 ms apiece): 95% of the old 876 us row. The GPU keeps the x, x, x row.
+    qg, kg, vg = (x.clone().requires_grad_() for _ in range(3))
+    rows["fwd: flash_attn(q, k, v), each requires grad"] = per_call_us(
+        lambda: flash_attn(qg, kg, vg, causal=True)
     )
-
-    rows["bwd: y.backward(dy) (engine + our backward)"] = _backward_us(xg, y, dy)
+    y3 = flash_attn(qg, kg, vg, causal=True)
+    rows["bwd: y.backward(dy) (engine + our backward)"] = _backward_us((qg, kg, vg), y3, dy)
+    if device == "cuda":
+        rows["bwd: y.backward(dy), q = k = v = x (+ 2 adds)"] = _backward_us((xg,), y, dy)
     return rows
 
 
-def _backward_us(xg, y, dy) -> float:
-    """Host us per `y.backward(dy)` (the engine and our backward), xg's gradient reset."""
+def _backward_us(leaves, y, dy) -> float:
+    """Host us per `y.backward(dy)` (the engine and our backward), the gradients of `leaves` (a
+    tensor or a tuple of them) reset."""
+    leaves = leaves if isinstance(leaves, tuple) else (leaves,)
 
     def backward():
-        xg.grad = None
+        for t in leaves:
+            t.grad = None
         y.backward(dy, retain_graph=True)
 
     return per_call_us(backward)
@@ -542,6 +558,7 @@ def cpu_breakdown(shape, shapes, breakdown=True, profile=False):
     # The fake launches write nothing: buffers hold whatever memory held, and denormals in it
     # make CPU arithmetic on them (a torch op between launches) slow.
     torch.set_flush_denormal(True)
+    steady_cpu_allocator()
     with fake_cuda(record=False) as log:
         for name in shapes:
             cpu_op_table(SHAPES[name], log, profile)
@@ -554,6 +571,25 @@ def cpu_breakdown(shape, shapes, breakdown=True, profile=False):
 
 
 CPU_SMS = 132  # --cpu: the multiprocessors plans see (an H100 SXM's)
+
+
+def steady_cpu_allocator() -> None:
+    """--cpu: let glibc's malloc keep what is freed, as CUDA's caching allocator does. A call
+    that allocates megabyte buffers (flash_attn's backward: 3 x 2 MiB at the small shape)
+    otherwise finds glibc in one of two states, depending on what ran before: served from the
+    heap it grows and trims the heap every call (3 brk system calls and 2 page faults per call,
+    +15-20 us), or not. Buffers up to 32 MiB then come from the heap, which is never trimmed.
+    No-op where the C library has no mallopt."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's <malloc.h>
+    mallopt(m_mmap_threshold, 32 << 20)
+    mallopt(m_trim_threshold, 1 << 30)
+
 
 # aten ops that run no kernel on a GPU (besides views, which say so themselves)
 _NO_KERNEL = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided"}

@@ -146,7 +146,8 @@ class _Sequence:
     The inputs and then the buffers form one `pool` that each launch picks its tensors (and
     varying ints) from. Buffers on input 0's device (part of the key) are allocated with its
     `new_empty` (fewer arguments to parse than torch.empty's), or as `torch.empty_like(input
-    0)` where the host path asked for `ops.empty_like` of input 0 (fewer still).
+    0)` where the host path asked for `ops.empty_like` of input 0, or for a buffer with input 0's
+    shape, dtype, device and strides (fewer still).
     Where every launch is a prepared launch of the direct launch path,
     `fast_launch.fused_sequence` runs them (after a replay that found all their compiled
     kernels, with one device, stream, hook and alignment check for the whole sequence instead
@@ -208,8 +209,14 @@ class Recorder:
         device0, dtype0 = self._first
         if device != device0 or not isinstance(dtype, torch.dtype):
             how = _EMPTY
+        elif dtype != dtype0:
+            how = _NEW_DTYPE
         else:
-            how = _NEW if dtype == dtype0 else _NEW_DTYPE
+            # input 0's shape and its exact strides (contiguous ones, as torch.empty gives):
+            # torch.empty_like(input 0) gives the same at every replay (its layout is keyed)
+            x = self._input0
+            same = t.shape == x.shape and t.stride() == x.stride()
+            how = _LIKE if same else _NEW
         self._buffers.append((tuple(shape), dtype, device, how))
         return t
 

@@ -223,6 +223,10 @@ def launch(kernel):
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
 
 
+# The classes of an op's non-tensor arguments (options): no tensor among them.
+_OPTIONS = frozenset((bool, int, float, str, type(None), torch.dtype))
+
+
 class KernelOp:
     """An op registered with torch.library plus its dispatcher-free eager path.
 
@@ -246,9 +250,12 @@ class KernelOp:
             return self.op(*args)
         needs_grad = False
         for a in args:
-            if a.__class__ is _T:  # the common case first: a plain tensor
+            cls = a.__class__
+            if cls is _T:  # the common case first: a plain tensor
                 if a.requires_grad:
                     needs_grad = True
+            elif cls in _OPTIONS:  # then an option (a set lookup: isinstance is slower)
+                continue
             elif isinstance(a, _T):
                 if a.__class__ not in PLAIN_TENSORS:
                     return self.op(*args)

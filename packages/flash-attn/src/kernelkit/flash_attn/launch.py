@@ -71,7 +71,7 @@ def forward(q, k, v, causal: bool, scale: float, *, softcap: float = 0.0,
     (total_k, Hkv, D / Dv), o (total_q, H, Dv) and lse (H, total_q). Without `config` the chooser decides and
     the launches are replayed per layout; a `config` runs as given (a ValueError if its kernel
     cannot run this call). sm_margin: multiprocessors the kernels leave free (`leave_sms`)."""
-    target = leave_sms(None, q.device, sm_margin)
+    target = leave_sms(None, q.device, sm_margin) if sm_margin else None  # None: q's device
     if config is None:
         inputs, sizes = (q, k, v), None
         if varlen is not None:
@@ -126,7 +126,7 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, *, softcap: 
     Layouts as in `forward`; without a `config` the launches are replayed per layout.
     deterministic=False lets the chooser sum dq in any order where that measured faster; every
     other path is deterministic either way. sm_margin: as in `forward`."""
-    target = leave_sms(None, q.device, sm_margin)
+    target = leave_sms(None, q.device, sm_margin) if sm_margin else None  # None: q's device
     if config is None:
         inputs, sizes = (do, q, k, v, o, lse, dlse), None
         if varlen is not None:

@@ -72,11 +72,14 @@ def validate(q, k, v, causal, softmax_scale) -> float:
     # one, which raise the error that names the argument.
     if q.__class__ is _T and k.__class__ is _T and v.__class__ is _T:
         qs, ks, vs = q.shape, k.shape, v.shape
-        n, dtype = len(qs), q.dtype
-        if (
+        n, dtype, device = len(qs), q.dtype, q.device
+        if (  # (index by index: slicing a torch.Size costs more than the whole comparison)
             (n == 4 or n == 3)
             and len(ks) == n
-            and vs[:-1] == ks[:-1]
+            and len(vs) == n
+            and vs[0] == ks[0]
+            and vs[1] == ks[1]
+            and (n == 3 or vs[2] == ks[2])
             and MIN_HEAD_DIM <= vs[-1] <= MAX_HEAD_DIM
             and dtype in FLOAT_DTYPES
             and k.dtype == dtype
@@ -87,8 +90,8 @@ def validate(q, k, v, causal, softmax_scale) -> float:
             and qs[1] >= 1
             and ks[1] >= 1
             and (n == 3 or (qs[2] >= 1 and ks[2] >= 1 and qs[2] % ks[2] == 0))
-            and k.device == q.device
-            and v.device == q.device
+            and k.device == device
+            and v.device == device
         ):
             if softmax_scale is None and causal.__class__ is bool:
                 return 1.0 / math.sqrt(qs[-1])
