@@ -221,6 +221,10 @@ def launch(kernel):
 
 # torch builds without it: always take autograd.Function.apply's own path
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
+# KernelOp.__call__'s checks as module globals: one lookup each instead of two or three
+# (torch.compile recognises the function objects themselves, under any name).
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
 
 
 # The classes of an op's non-tensor arguments (options): no tensor among them.
@@ -246,7 +250,7 @@ class KernelOp:
         # One pass over the arguments: any tensor subclass (fake, functional, ...) or tracing
         # takes the registered op; plain tensors run the function, through autograd when one
         # of them requires grad.
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             return self.op(*args)
         needs_grad = False
         for a in args:
@@ -261,11 +265,11 @@ class KernelOp:
                     return self.op(*args)
                 if a.requires_grad:
                     needs_grad = True
-        if not (needs_grad and self._apply is not None and torch.is_grad_enabled()):
-            return self.fn(*args)
-        if _functorch_active():
-            return self._function.apply(*args)  # functorch's path for autograd.Function
-        return self._apply(*args)
+        if needs_grad and self._apply is not None and _grad_enabled():
+            if _functorch_active():
+                return self._function.apply(*args)  # functorch's path for autograd.Function
+            return self._apply(*args)
+        return self.fn(*args)
 
     def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
         """Same contract as `torch.library.register_autograd`; also builds the eager Function."""

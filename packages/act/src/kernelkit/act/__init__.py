@@ -16,7 +16,7 @@ from .kernels import ELEMENTWISE_ACTS
 from .launchers import MAX_PACKED_SEQUENCES, softmax_chunk_stats
 from .op import ACTS, FLOAT_DTYPES, act
 
-__version__ = "0.2.7"
+__version__ = "0.2.8"
 __all__ = [
     "ACTS",
     "ELEMENTWISE_ACTS",
