@@ -26,7 +26,9 @@ the decode shape (8, 1, 32, 128), bf16: forward, forward with q requiring grad, 
 ours (`flash_attn(q, k, v)`, (B, N, H, D)) beside SDPA's default dispatch on (B, H, N, D)
 tensors (`torch`) and torch.compile of that call (`torch_compile`). k and v do not require
 grad: the backward row is dq's engine path plus our whole backward (which computes dk and dv
-too), without the engine's gradient sums that q = k = v = x would add.
+too), without the engine's gradient sums that q = k = v = x would add. Run it on its own,
+`python ci/bench.py flash-attn -k host --name host` (results/<GPU>-host.*), so that suite 1's
+file keeps its own run.
 
 `python ci/bench.py flash-attn` runs it on a GPU. Without one (CI smoke mode,
 --benchmark-disable) every test runs once on a tiny shape under the Triton interpreter.
