@@ -44,7 +44,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernelkit.flash_attn import FlashAttentionFunction, flash_attn
 from kernelkit.flash_attn.reference import attention_reference
-from kernelkit.shared.bench import host_cell, record, torch_compile
+from kernelkit.shared.bench import host_cell, provider_fn, record, torch_compile
 from kernelkit.shared.host_time import HOST_SHAPES
 
 GPU = torch.cuda.is_available()
@@ -206,15 +206,8 @@ def test_sweep(benchmark, d, causal, n, direction, provider):
              provider=provider, direction=direction, flops=flops)  # fmt: skip
 
 
-@functools.cache
-def compiled_sdpa():
-    return torch_compile(functools.partial(F.scaled_dot_product_attention, is_causal=True))
-
-
-HOST_FNS = {
-    "triton": functools.partial(flash_attn, causal=True),
-    "torch": functools.partial(F.scaled_dot_product_attention, is_causal=True),
-}
+HOST_OURS = functools.partial(flash_attn, causal=True)
+HOST_SDPA = functools.partial(F.scaled_dot_product_attention, is_causal=True)
 
 
 @pytest.mark.parametrize("provider", ["triton", "torch", "torch_compile"])
@@ -222,7 +215,7 @@ HOST_FNS = {
 def test_host(benchmark, shape, provider):
     dims = HOST_SHAPES[shape] if GPU else (2, 5, 2, 16)
     q, k, v, _ = make_inputs(dims, "bnhd" if provider == "triton" else "bhnd")
-    fn = compiled_sdpa() if provider == "torch_compile" else HOST_FNS[provider]
+    fn = provider_fn(provider, HOST_OURS, HOST_SDPA)
     host_cell(benchmark, fn, [t.detach() for t in (q, k, v)], op="flash_attn", case="causal",
               shape=f"{shape} {'x'.join(map(str, dims))}", provider=provider,
               order=(list(HOST_SHAPES).index(shape),))  # fmt: skip
