@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+import triton
 import triton.language as tl
 from triton import knobs
 from triton.runtime.jit import JITFunction
@@ -261,6 +262,75 @@ def test_replayed_sequence_with_a_varying_int(fake, monkeypatch):
     x = torch.zeros(64, dtype=torch.float16)
     with pytest.raises(ValueError, match="vary"):  # the value must be the int input it names
         replay.replayed(lambda ops, x: run(ops, x, 4), (x, 5), "bad", x)
+
+
+@pytest.fixture
+def scratch_allocator(monkeypatch):
+    """triton.set_allocator's allocator for the test (restored after it): CPU buffers, each
+    request recorded as (bytes, alignment, stream); the kept scratch starts empty."""
+    from triton.runtime import _allocation
+
+    from kernelkit.shared import fast_launch
+
+    monkeypatch.setattr(fast_launch, "_scratch", {})
+    asked = []
+
+    def alloc(size, align, stream):
+        asked.append((size, align, stream))
+        return torch.empty(size, dtype=torch.int8)
+
+    before = _allocation._allocator.get()
+    triton.set_allocator(alloc)
+    yield alloc, asked
+    triton.set_allocator(before)
+
+
+def test_scratch_is_kept_per_stream(fake, scratch_allocator):
+    """Kernels that need global scratch memory (device-side TMA descriptors): Triton's launcher
+    asks the allocator at every launch; the direct path keeps the memory per (device, stream)
+    and reuses it, grows it for a larger grid, starts afresh on another stream or device or
+    with a new allocator, and asks per launch while the stream is being captured (a CUDA graph
+    keeps the address it captured)."""
+    alloc, asked = scratch_allocator
+    fake.scratch_size = 128
+    kernel = make_kernel()
+    launcher = runtime._Launcher(kernel)
+    x = torch.zeros(64)
+
+    def run(grid):
+        launcher[grid](x, x, 16, 3, True, BLOCK=64)
+        check_last_launch(fake, kernel, grid, (x, x, 16, 3, True), {"BLOCK": 64})
+        return fake.scratch[-1]
+
+    first = run((2,))  # Triton's path (compiles): the allocator's memory for this launch
+    assert asked == [(256, 128, fake.stream)] and first.numel() == 256
+    kept = run((2,))  # cached: asked once more, then kept
+    assert kept is not first and len(asked) == 2
+    assert run((1,)) is kept and run((2,)) is kept and len(asked) == 2
+    grown = run((4,))
+    assert asked[-1] == (512, 128, fake.stream) and grown is not kept
+    assert run((3,)) is grown and run((1,)) is grown and len(asked) == 3
+
+    stream = fake.stream
+    fake.stream = 0xACE  # another stream: its own memory
+    side = run((1,))
+    assert asked[-1] == (128, 128, 0xACE) and side is not grown
+    fake.stream = stream
+    assert run((2,)) is grown
+    fake.device = 1  # another device, same stream handle (the legacy default stream)
+    assert run((2,)) is not grown and len(asked) == 5
+    fake.device = 0
+
+    fake.capturing = True  # CUDA-graph capture: new memory at every launch
+    captured = [run((2,)) for _ in range(3)]
+    assert len(asked) == 8 and len({id(t) for t in captured} | {id(grown)}) == 4
+    fake.capturing = False
+    assert run((2,)) is grown and len(asked) == 8
+
+    triton.set_allocator(lambda size, align, s: alloc(size, align, s))  # a new allocator
+    fresh = run((2,))
+    assert fresh is not grown and len(asked) == 9
+    assert run((4,)) is not fresh and run((4,)) is fake.scratch[-2] and len(asked) == 10
 
 
 def test_tensor_subclass_in_keywords_is_not_eager():

@@ -29,6 +29,8 @@ LENGTHS = ((300, 280), (1, 3), (0, 5), (200, 200))  # (Nq, Nk) per sequence: 1 k
 USED = (150, 0, 5, 137)  # seqused_k of LENGTHS: fewer keys than Nq, none, all, fewer
 WIN = (64, -1)
 DEC = dict(b=2, nq=1, nk=4096, h=8, hkv=2, d=64)  # decoding: split-KV
+DEC1 = dict(DEC, nk=200)  # one split (direct): a short cache
+WIN1 = (256, -1)  # one split of a long cache: the window's keys
 P64 = dict(b=2, nq=300, nk=300, h=4, hkv=2, d=64)
 P128 = dict(b=2, nq=300, nk=300, h=4, hkv=2, d=128)
 E128 = dict(b=2, nq=256, nk=256, h=4, hkv=2, d=128)  # an even number of query blocks: pairs
@@ -88,6 +90,15 @@ FAMILY_CASES = [
     ("fwd-split(causal,softcap)", "bwd(causal,softcap)", Call(**DEC, causal=True, softcap=5.0)),
     ("fwd-split(causal,local,softcap)", "bwd(causal,local,softcap)",
      Call(**DEC, causal=True, window=(1000, -1), softcap=5.0)),
+    ("fwd-split(direct)", "bwd", Call(**DEC1)),
+    ("fwd-split(local,direct)", "bwd(local)", Call(**DEC, window=WIN1)),
+    ("fwd-split(softcap,direct)", "bwd(softcap)", Call(**DEC1, softcap=5.0)),
+    ("fwd-split(local,softcap,direct)", "bwd(local,softcap)", Call(**DEC, window=WIN1, softcap=5.0)),
+    ("fwd-split(causal,direct)", "bwd(causal)", Call(**DEC1, causal=True)),
+    ("fwd-split(causal,local,direct)", "bwd(causal,local)", Call(**DEC, causal=True, window=WIN1)),
+    ("fwd-split(causal,softcap,direct)", "bwd(causal,softcap)", Call(**DEC1, causal=True, softcap=5.0)),
+    ("fwd-split(causal,local,softcap,direct)", "bwd(causal,local,softcap)",
+     Call(**DEC, causal=True, window=WIN1, softcap=5.0)),
     ("fwd-gluon(d128)", "bwd-gluon(d128,dq-kernel,persistent)", Call(**P128)),
     ("fwd-gluon(d128,causal)", "bwd-gluon(d128,causal,dq-kernel,persistent)",
      Call(**P128, causal=True)),
@@ -170,14 +181,15 @@ def probe_families(call: Call, target: Target | None = H100) -> tuple[str, str]:
 
 def _sweep():
     """Every call of the chooser's grid: head dims (two sizes of the Gluon kernels and a padded
-    one), half and full precision, causal, a window's left or right edge / softcap / packing
-    (with seqused_k too) in every combination, decoding to long rows (block counts odd and
-    even), deterministic or not."""
-    lengths = {1: (1, 4096), 128: (128, 128), 2176: (2176, 2176), 4096: (4096, 4096),
+    one), half and full precision, causal, a window's left (short or long: one split of a long
+    cache or several) or right edge / softcap / packing
+    (with seqused_k too) in every combination, decoding (a long and a short cache) to long rows
+    (block counts odd and even), deterministic or not."""
+    lengths = {1: (1, 4096), 0: (1, 200), 128: (128, 128), 2176: (2176, 2176), 4096: (4096, 4096),
                8192: (8192, 8192)}  # fmt: skip
     for d, dtype, causal, window, softcap, packed, n, det in itertools.product(
         (64, 80, 128), (torch.bfloat16, torch.float32), (False, True),
-        ((-1, -1), (256, -1), (-1, 64)),
+        ((-1, -1), (256, -1), (1000, -1), (-1, 64)),
         (0.0, 30.0), (False, True), lengths, (True, False),
     ):  # fmt: skip
         if causal and window[1] >= 0:

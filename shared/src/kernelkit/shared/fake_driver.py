@@ -20,9 +20,10 @@ __all__ = ["FakeCompiled", "FakeLaunches", "fake_cuda"]
 
 
 class FakeLaunches:
-    """What the fake launchers saw: `launches` holds (grid, stream, function, args) tuples,
-    `compiled` the FakeCompiled kernels in the order Triton asked for them, `count` the number
-    of launches (also those of launchers made while `record` was off, which record nothing)."""
+    """What the fake launchers saw: `launches` holds (grid, stream, function, args) tuples and
+    `scratch` the global scratch memory each of them got, `compiled` the FakeCompiled kernels in
+    the order Triton asked for them, `count` the number of launches (also those of launchers
+    made while `record` was off, which record nothing)."""
 
     def __init__(self, record: bool = True):
         self.record = record
@@ -31,6 +32,9 @@ class FakeLaunches:
         self.compiled: list[FakeCompiled] = []
         self.device = 0
         self.stream = 0x5EED
+        self.capturing = False  # what the launch path sees as "the stream is being captured"
+        self.scratch_size = 0  # global scratch bytes a program of kernels compiled from now on
+        self.scratch: list = []  # the global scratch each recorded launch got
 
     def tick(self, *args) -> None:
         """The launch function of launchers made while not recording: counts, nothing else."""
@@ -46,8 +50,9 @@ def _launcher_class():
 
         def __init__(self, log: FakeLaunches):
             self.num_ctas = 1
-            self.global_scratch_size = self.profile_scratch_size = 0
-            self.global_scratch_align = self.profile_scratch_align = 1
+            self.global_scratch_size, self.profile_scratch_size = log.scratch_size, 0
+            self.global_scratch_align = 128 if log.scratch_size else 1
+            self.profile_scratch_align = 1
             self.launch_cooperative_grid = self.launch_pdl = False
             self._log = log
             if not log.record:  # timing the host path: the cheapest possible stand-in
@@ -65,6 +70,7 @@ def _launcher_class():
                 exit_(meta)
             if self._log.record:
                 self._log.launches.append(((gx, gy, gz), stream, function, tuple(args)))
+                self._log.scratch.append(gscr)
 
     return FakeLauncher
 
@@ -131,8 +137,10 @@ class _FakeDriver:
 @contextlib.contextmanager
 def fake_cuda(record: bool = True) -> Iterator[FakeLaunches]:
     """Within the block, Triton launches (kernel[grid] and kernelkit's cached path) go to the
-    fake driver; yields the FakeLaunches log. Set `log.device` / `log.stream` to change what
-    the launch path sees as the current device and stream. The kernels' and launchers' caches
+    fake driver; yields the FakeLaunches log. Set `log.device` / `log.stream` / `log.capturing` to change
+    what the launch path sees as the current device and stream and whether that stream is being
+    captured into a CUDA graph, `log.scratch_size` to give the kernels compiled next global
+    scratch memory (Triton's device-side TMA descriptors need it). The kernels' and launchers' caches
     keep the fake kernels afterwards: use it where nothing launches for real."""
     global FakeCompiled
     from triton.runtime.driver import driver
@@ -152,12 +160,14 @@ def fake_cuda(record: bool = True) -> Iterator[FakeLaunches]:
         return kernel
 
     fl = fast_launch
-    saved = (JITFunction._do_compile, fl._get_device, fl._get_stream, driver._active)
+    saved = (JITFunction._do_compile, fl._get_device, fl._get_stream, fl._capturing, driver._active)
     driver.set_active(_FakeDriver(log))
     JITFunction._do_compile = do_compile
     fl._get_device = lambda: log.device
     fl._get_stream = lambda device: log.stream
+    fl._capturing = lambda: log.capturing
     try:
         yield log
     finally:
-        JITFunction._do_compile, fl._get_device, fl._get_stream, driver._active = saved
+        (JITFunction._do_compile, fl._get_device, fl._get_stream, fl._capturing,
+         driver._active) = saved  # fmt: skip

@@ -23,9 +23,11 @@ internals it uses:
   convention `run(gx, gy, gz, stream, function, packed_metadata, launch_metadata,
   enter_hook, exit_hook, *params)`.
 * `triton.backends.nvidia.driver`: `CudaLauncher` (`launch`, `launch_cooperative_grid`,
-  `launch_pdl`, `global_scratch_size`, `profile_scratch_size`) and `_BASE_ARGS_FORMAT ==
-  "iiiKKppOOOOOO"` (the C `launch` function's arguments), to call `CudaLauncher.launch` directly
-  when no scratch memory is needed.
+  `launch_pdl`, `num_ctas`, `global_scratch_size`, `global_scratch_align`,
+  `profile_scratch_size`) and `_BASE_ARGS_FORMAT == "iiiKKppOOOOOO"` (the C `launch` function's
+  arguments), to call `CudaLauncher.launch` directly; `triton.runtime._allocation._allocator`
+  (the context variable holding `triton.set_allocator`'s allocator) for kernels that need
+  global scratch memory (device-side TMA descriptors), which `_ScratchLaunch` keeps per stream.
 * `triton.knobs`: `runtime.launch_enter_hook` / `launch_exit_hook` (`.calls`), `runtime.debug`,
   `compilation.instrumentation_mode` (any of them set: Triton's own path).
 * torch's `torch._C._cuda_getDevice` and `torch._C._cuda_getCurrentRawStream`.
@@ -87,15 +89,16 @@ def _configure(switch: str | None, version: str, setup=None) -> tuple[bool, str 
     return True, None
 
 
-_knobs = _CudaLauncher = None
+_knobs = _CudaLauncher = _allocator = None
 
 
 def _setup() -> None:
     """Import the Triton internals this module calls (see the module docstring)."""
-    global _knobs, _CudaLauncher
+    global _knobs, _CudaLauncher, _allocator
     from triton import knobs
     from triton.backends.nvidia import driver
     from triton.compiler.compiler import CompiledKernel
+    from triton.runtime import _allocation
     from triton.runtime.jit import JITFunction
 
     # Class-level names (a kernel's own, `params` and the like, are checked per kernel by
@@ -106,6 +109,8 @@ def _setup() -> None:
     launcher = driver.CudaLauncher
     # The C launch function's arguments; another layout: call the launcher object instead.
     _CudaLauncher = launcher if driver._BASE_ARGS_FORMAT == "iiiKKppOOOOOO" else None
+    _allocator = _allocation._allocator
+    _allocator.get  # noqa: B018
     _knobs = knobs
 
 
@@ -127,6 +132,7 @@ _T = torch.Tensor
 _I32_MIN, _I32_MAX, _I64_MAX = -(2**31), 2**31 - 1, 2**63 - 1
 _get_device = getattr(torch._C, "_cuda_getDevice", None)  # the device Triton compiles for
 _get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
 
 
 class _UnkeyedArgError(Exception):
@@ -218,14 +224,67 @@ def _entry(compiled):
     if (
         _CudaLauncher is not None
         and isinstance(run, _CudaLauncher)
-        and not run.global_scratch_size
         and not run.profile_scratch_size
     ):
-        # CudaLauncher.__call__ only allocates scratch: call its C launch function directly.
-        head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None)
-        return run.launch, (*head, compiled.packed_metadata, None, None, None)
+        if not run.global_scratch_size:
+            # CudaLauncher.__call__ only allocates scratch: call its C launch function directly.
+            head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None)
+            return run.launch, (*head, compiled.packed_metadata, None, None, None)
+        if not run.launch_pdl:
+            return _ScratchLaunch(compiled, run), ()
     # No launch metadata and no hooks: _fast_ok checked there are none.
     return run, (compiled.function, compiled.packed_metadata, None, None, None)
+
+
+# Global scratch memory kept for the next launch on the same stream:
+# (device, stream) -> (bytes, the allocator that gave it, its buffer). At most SCRATCH_STREAMS
+# entries (torch's streams come from a pool, but an external stream's handle may be anything):
+# past that the dict is emptied and refilled.
+_scratch: dict = {}
+SCRATCH_STREAMS = 64
+
+
+class _ScratchLaunch:
+    """The launch of a kernel that needs global scratch memory (Triton's device-side TMA
+    descriptors: `global_scratch_size` bytes a program), called as the C launch function is but
+    without the scratch: `call(gx, gy, gz, stream, *params)`.
+
+    `CudaLauncher.__call__` asks `triton.set_allocator`'s allocator for new memory at every
+    launch (a `torch.empty`: ~4 us of host time a launch on an H200 host). Here the memory is
+    kept per (device, stream), the largest asked for so far from the allocator in force (a new
+    allocator starts afresh), and reused by the next launch on that stream: launches on one
+    stream run one after another, so the previous one is done with it (kernels launched with
+    programmatic dependent launch, which may overlap, take `CudaLauncher.__call__`). Memory
+    given up (grown, or a new allocator) goes back to its allocator while launches may still
+    use it, as after Triton's own launches: torch's allocator reuses it in that stream's order.
+    While the stream is being captured into a CUDA graph the allocator is asked per launch, as
+    Triton does: the graph keeps the address it captured, which later launches must not
+    share."""
+
+    __slots__ = ("_align", "_bytes", "_head", "_launch", "_meta", "_run")
+
+    def __init__(self, compiled, run):
+        self._run = run
+        self._launch = run.launch
+        self._head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl)
+        self._meta = compiled.packed_metadata
+        self._bytes = run.global_scratch_size * run.num_ctas
+        self._align = run.global_scratch_align
+
+    def __call__(self, gx, gy, gz, stream, *params):
+        if _capturing():
+            return self._run(gx, gy, gz, stream, self._head[0], self._meta, None, None, None,
+                             *params)  # fmt: skip
+        size = gx * gy * gz * self._bytes
+        alloc = _allocator.get()
+        key = (_get_device(), stream)
+        kept = _scratch.get(key)
+        if kept is None or kept[0] < size or kept[1] is not alloc:
+            if kept is None and len(_scratch) >= SCRATCH_STREAMS:
+                _scratch.clear()
+            kept = _scratch[key] = (size, alloc, alloc(size, self._align, stream))
+        return self._launch(gx, gy, gz, stream, *self._head, kept[2], None, self._meta, None,
+                            None, None, *params)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

@@ -297,12 +297,17 @@ class Tile:
 class Split:
     """Split-KV: `splits` runs of `split_len` keys (a multiple of BLOCK_N; the last may be
     shorter), the first from key `start` (a block boundary: keys before it are outside every
-    window); the merge takes `combine_rows` packed rows per program."""
+    window); the merge takes `combine_rows` packed rows per program. One split (`direct`)
+    writes o and the LSE itself: no partials, no merge launch."""
 
     splits: int
     split_len: int
     start: int = 0
     combine_rows: int = 16
+
+    @property
+    def direct(self) -> bool:
+        return self.splits == 1
 
 
 # The forward's kernels.
@@ -346,6 +351,8 @@ class FwdConfig:
         ]
         if self.split is not None:
             flags.append(f"splits={self.split.splits}x{self.split.split_len}")
+            if self.split.direct:
+                flags.append("direct")
         return f"{self.kernel} {self.tile}" + "".join(f" {f}" for f in flags)
 
 

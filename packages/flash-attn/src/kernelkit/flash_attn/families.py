@@ -32,7 +32,7 @@ from .strides import unit_d
 # the portable kernels' BLOCK_D and BLOCK_DV (a value head dim of its own) run the same code.
 FAMILY_SWITCHES = {
     "attn_fwd_kernel": ("CAUSAL", "LOCAL", "VARLEN", "SEQUSED", "SOFTCAP"),
-    "attn_fwd_split_kernel": ("CAUSAL", "LOCAL", "SOFTCAP", "VAR_K", "PAGED"),
+    "attn_fwd_split_kernel": ("CAUSAL", "LOCAL", "SOFTCAP", "VAR_K", "PAGED", "DIRECT"),
     "attn_fwd_gluon_kernel": ("BLOCK_D", "CAUSAL", "LOCAL", "PAIRS", "SOFTCAP", "DYNAMIC"),
     "attn_bwd_dkdv_kernel": ("CAUSAL", "LOCAL", "VARLEN", "SEQUSED", "SOFTCAP"),
     "attn_bwd_gluon_kernel": ("BLOCK_D", "CAUSAL", "LOCAL", "DQ_MODE", "PERSISTENT"),

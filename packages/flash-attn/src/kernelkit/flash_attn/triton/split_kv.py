@@ -47,6 +47,8 @@ def attn_fwd_split_kernel(
     V,
     OP,
     LP,
+    O,
+    LSE,
     SEQLENS,
     TABLE,
     stride_qb,
@@ -59,6 +61,10 @@ def attn_fwd_split_kernel(
     stride_vn,
     stride_vh,
     stride_tb,
+    stride_ob,
+    stride_on,
+    stride_oh,
+    H,
     Hkv,
     GROUP,
     Nq,
@@ -86,6 +92,7 @@ def attn_fwd_split_kernel(
     LOCAL: tl.constexpr,
     VAR_K: tl.constexpr,
     PAGED: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     """Partial attention of BLOCK_M packed query rows of one kv head over the keys of one split,
     k_start + [split * split_len, (split + 1) * split_len) (split_len and k_start: multiples of
@@ -97,7 +104,10 @@ def attn_fwd_split_kernel(
     every sequence has Nk keys. PAGED (1: a page per row, 2: a page per key block, through TMA):
     K and V are (pages, page_size, Hkv, D) and key j of sequence b is row j % page_size of page
     TABLE[b, j // page_size] (stride_kb, stride_vb: the page strides; cache_rows: pages x
-    page_size, the rows of PAGED = 2's descriptor). V and the partial o: HEAD_DIM_V wide."""
+    page_size, the rows of PAGED = 2's descriptor). V and the partial o: HEAD_DIM_V wide.
+    DIRECT (one split, num_splits == 1): o and the natural-log LSE go straight to O and LSE,
+    as `attn_fwd_combine_kernel` would write them from the one partial (its weight is
+    exp2(0) = 1: the same values), and OP, LP are not used."""
     qk_scale = tl.cast(qk_scale, tl.float32)
     cap_scale = tl.cast(cap_scale, tl.float32)
     # Program order: row block fastest, then split, then (batch, kv head): the row blocks that
@@ -174,9 +184,16 @@ def attn_fwd_split_kernel(
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse2 = tl.where(empty, -float("inf"), m_i + tl.math.log2(l_i))
-    part = (bhk.to(tl.int64) * num_splits + split) * rows_pad + start_r + offs_m
-    tl.store(OP + part[:, None] * BLOCK_DV + offs_dv[None, :], o)
-    tl.store(LP + part, lse2)
+    if DIRECT:
+        h = hk * GROUP + r % GROUP
+        o_off = (qi.to(tl.int64) * stride_on + h * stride_oh)[:, None]
+        o_ptrs = O + b * stride_ob + o_off + offs_dv[None, :]
+        _store_rows(o_ptrs, o.to(O.dtype.element_ty), r, n_rows, offs_dv, True, HEAD_DIM_V)
+        tl.store(LSE + (b * H + h) * Nq + qi, lse2 * LN2, mask=r < n_rows)
+    else:
+        part = (bhk.to(tl.int64) * num_splits + split) * rows_pad + start_r + offs_m
+        tl.store(OP + part[:, None] * BLOCK_DV + offs_dv[None, :], o)
+        tl.store(LP + part, lse2)
 
 
 @triton.jit(do_not_specialize=["Nq", "num_splits", "rows_pad"])
@@ -259,14 +276,17 @@ def can_implement(p: Problem, cfg: FwdConfig) -> str | None:
 def launch(ops, p: Problem, cfg: FwdConfig, s: Scores, q, k, v, o, lse,
            cache: KVCache | None = None) -> None:  # fmt: skip
     """Split-KV forward into o and lse: float32 partials per (split, packed query row), then
-    their merge in split order. With `cache`, k and v are `flash_attn_with_kvcache`'s cache."""
+    their merge in split order; one split (`Split.direct`) writes o and lse itself. With
+    `cache`, k and v are `flash_attn_with_kvcache`'s cache."""
     t, split = cfg.tile, cfg.split
     group = p.heads // p.kv_heads
     row_blocks = cdiv(group * p.nq, t.block_m)
     rows_pad = row_blocks * t.block_m
     bhk = p.batch * p.kv_heads
-    o_part = ops.empty((bhk, split.splits, rows_pad, p.block_dv), torch.float32, q.device)
-    lse_part = ops.empty((bhk, split.splits, rows_pad), torch.float32, q.device)
+    o_part = lse_part = None
+    if not split.direct:
+        o_part = ops.empty((bhk, split.splits, rows_pad, p.block_dv), torch.float32, q.device)
+        lse_part = ops.empty((bhk, split.splits, rows_pad), torch.float32, q.device)
     seqlens = table = None
     nk, stride_tb, page_size, cache_rows, paged = p.nk, 0, 1, 0, 0
     if cache is not None:
@@ -276,9 +296,9 @@ def launch(ops, p: Problem, cfg: FwdConfig, s: Scores, q, k, v, o, lse,
             cache_rows, paged = k.shape[0] * page_size, 2 if cfg.tma else 1
     ops.launch(
         attn_fwd_split_kernel, (row_blocks * split.splits * bhk,),
-        Q=q, K=k, V=v, OP=o_part, LP=lse_part, SEQLENS=seqlens, TABLE=table,
+        Q=q, K=k, V=v, OP=o_part, LP=lse_part, O=o, LSE=lse, SEQLENS=seqlens, TABLE=table,
         **strides("q", q), **strides("k", k), **strides("v", v), stride_tb=stride_tb,
-        Hkv=p.kv_heads, GROUP=group, Nq=p.nq, Nk=nk,
+        **strides("o", o), H=p.heads, Hkv=p.kv_heads, GROUP=group, Nq=p.nq, Nk=nk,
         qk_scale=s.qk_scale, cap_scale=s.cap_scale,
         num_splits=split.splits, split_len=split.split_len, rows_pad=rows_pad,
         k_start=split.start, win_left=max(p.left, 0), win_right=p.right,
@@ -286,8 +306,10 @@ def launch(ops, p: Problem, cfg: FwdConfig, s: Scores, q, k, v, o, lse,
         HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, HEAD_DIM_V=p.head_dim_v, BLOCK_DV=p.block_dv,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, CAUSAL=p.causal, DOT_PREC=dot_precision(p.dtype),
         TMA=cfg.tma, SOFTCAP=s.softcap, LOCAL=p.local, VAR_K=seqlens is not None, PAGED=paged,
-        num_warps=t.warps, num_stages=t.stages,
+        DIRECT=split.direct, num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
+    if split.direct:
+        return
     ops.launch(
         attn_fwd_combine_kernel, (cdiv(group * p.nq, split.combine_rows) * bhk,),
         OP=o_part, LP=lse_part, O=o, LSE=lse, **strides("o", o),
