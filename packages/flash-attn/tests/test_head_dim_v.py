@@ -202,13 +202,19 @@ def test_decode_takes_the_split_kernel(call, device):
     q, k, v, _ = call.inputs(device)
     window = window_for(call.window, call.causal, call.nq, call.nk)
     probe = families.probe_forward(q, k, v, call.causal, call.d**-0.5, call.softcap, window)
-    # (several splits under the interpreter's 4 stand-in SMs; a GPU gives these shapes one)
+    # Several splits under the interpreter's 4 stand-in SMs (partials, then their merge); a GPU
+    # gives these shapes one, which writes o itself (direct).
     interpreted = Target.of(q.device).interpreter
-    assert probe.config.kernel == FWD_SPLIT and (probe.config.split.splits >= 2 or not interpreted)
+    split = probe.config.split
+    assert probe.config.kernel == FWD_SPLIT and (split.splits >= 2) == interpreted
     block_dv = max(16, 1 << (call.dv - 1).bit_length())
-    split_kw, combine_kw = (kw for _, _, _, kw in probe.launches)
-    assert split_kw["OP"].shape[-1] == block_dv == split_kw["BLOCK_DV"]
-    assert (combine_kw["HEAD_DIM"], combine_kw["BLOCK_D"]) == (call.dv, block_dv)
+    split_kw, *combine = (kw for _, _, _, kw in probe.launches)
+    assert (split_kw["HEAD_DIM_V"], split_kw["BLOCK_DV"]) == (call.dv, block_dv)
+    assert split_kw["DIRECT"] == split.direct and len(combine) == (not split.direct)
+    assert split_kw["O"].shape[-1] == call.dv
+    if not split.direct:
+        assert split_kw["OP"].shape[-1] == block_dv
+        assert (combine[0]["HEAD_DIM"], combine[0]["BLOCK_D"]) == (call.dv, block_dv)
     kw = dict(causal=call.causal, softcap=call.softcap)
     _against_references(flash_attn, attention_reference, q, k, v, (call.b, call.h, call.nq),
                         str(call), **kw)  # fmt: skip
