@@ -27,6 +27,7 @@ from attn_cases import ATOL, RULE, assert_rule
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from kernelkit.flash_attn import families, flash_attn_with_kvcache
+from kernelkit.flash_attn import kvcache as kv_checks
 from kernelkit.flash_attn import tables as T
 from kernelkit.flash_attn.choose import choose_fwd
 from kernelkit.flash_attn.config import FWD_SPLIT, H100, KVCache, Problem
@@ -304,6 +305,54 @@ def test_errors(device):
     for args, kw, match in _error_cases(device):
         with pytest.raises(ValueError, match=match):
             flash_attn_with_kvcache(*args, **kw)
+
+
+def test_common_call_accepts_only_what_the_checks_accept(device):
+    """`validate_kvcache`'s one-expression check of the common serving call (an int32
+    cache_seqlens tensor) against its checks one by one: for a valid call and every change of
+    one argument, either both accept with the same (page_size, capacity, Nnew), or the
+    one-expression check declines (None) and the checks raise."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def t(*shape, dtype=torch.float16):
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    q, kc, vc, new = t(2, 1, 4, 32), t(2, 64, 2, 32), t(2, 64, 2, 48), t(2, 3, 2, 32)
+    pages, table = t(8, 16, 2, 32), torch.zeros(2, 4, dtype=torch.int32, device=device)
+    lens = torch.zeros(2, dtype=torch.int32, device=device)
+    with FakeTensorMode():
+        fake = torch.empty(2, 1, 4, 32, dtype=torch.float16, device=device)
+    bases = {  # (q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+        "contiguous": (q, kc, kc, None, None, lens, None),
+        "append, Dv": (q, kc, vc, new, t(2, 3, 2, 48), lens, None),
+        "paged": (q, pages, pages, new, new, lens, table),
+    }
+    changes = [
+        (0, t(2, 1, 4, 32, dtype=torch.int32)), (0, t(2, 0, 4, 32)), (0, t(2, 1, 4, 8)),
+        (0, t(1, 2, 1, 4, 32)), (0, t(2, 1, 3, 32)), (0, q.bfloat16()), (0, fake),
+        (0, torch.nn.Parameter(q)), (1, t(2, 64, 2, 32, dtype=torch.bfloat16)),
+        (1, t(3, 64, 2, 32)), (1, t(2, 64, 3, 32)), (1, kc.transpose(1, 3)), (1, t(2, 32, 2, 32)),
+        (1, t(2, 64, 2, 16)), (1, t(8, 24, 2, 32)), (2, t(2, 64, 2, 8)), (2, t(2, 32, 2, 32)),
+        (2, t(2, 64, 2, 64)[..., ::2]), (3, None), (3, new.bfloat16()), (3, t(2, 3, 1, 32)),
+        (3, t(1, 3, 2, 32)), (3, t(2, 4, 2, 32)), (3, t(2, 3, 2, 16)), (4, None),
+        (4, t(2, 3, 2, 32, dtype=torch.bfloat16)), (4, t(2, 3, 2, 16)), (4, t(2, 2, 2, 32)),
+        (5, lens.long()), (5, lens[:1]), (5, torch.zeros(4, dtype=torch.int32, device=device)[::2]),
+        (5, lens[None]), (5, 3), (5, None), (5, 1.5), (6, table.long()), (6, table[:1]),
+        (6, table.t().contiguous().t()), (6, table[0]), (6, None),
+    ]  # fmt: skip
+    for name, base in bases.items():
+        for i, value in [(None, None), *changes]:
+            args = list(base)
+            if i is not None:
+                args[i] = value
+            try:
+                expected = kv_checks._check_structure(*args)
+            except ValueError:
+                expected = None
+            got = kv_checks._common_call(*args)
+            if i is None:  # the valid call: both accept
+                assert got is not None and got == expected, (name, got, expected)
+            assert got is None or got == expected, (name, i, got, expected)
 
 
 def test_errors_read_on_the_host_only_where_free():

@@ -73,16 +73,92 @@ def _check_pages(table, seqlens, keys: int, page_size: int, pages: int) -> None:
                          f"{int(ids.min())}..{int(ids.max())}")  # fmt: skip
 
 
-def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
-                     softmax_scale) -> tuple[float, KVCache]:  # fmt: skip
-    """Check `flash_attn_with_kvcache`'s arguments; returns (softmax scale, the `KVCache`).
+_T = torch.Tensor
 
-    Checked on the host: types, shapes, dtypes, devices, page_size a multiple of
-    PAGE_MULTIPLE, an int cache_seqlens with its append inside the capacity, and no gradient
-    asked for. The values of cache_seqlens and block_table tensors are checked where reading
-    them is free (CPU tensors outside tracing); on a GPU they are the caller's contract:
-    0 <= cache_seqlens[b], cache_seqlens[b] + Nnew <= capacity, block indices of the pages in
-    use in range."""
+
+def _common_call(q, k_cache, v_cache, k, v, seqlens, table) -> tuple[int, int, int] | None:
+    """(page_size, capacity, Nnew) of the common serving call where it passes every check of
+    `_check_structure` (types, shapes, dtypes, devices, strides), tested in one expression:
+    plain tensors, an int32 cache_seqlens tensor, a contiguous or paged cache, k and v both or
+    neither. None for anything else (tensor subclasses and traced calls too), which takes the
+    checks one by one: they raise the error that names the argument."""
+    if not (q.__class__ is _T and k_cache.__class__ is _T and v_cache.__class__ is _T
+            and seqlens.__class__ is _T):  # fmt: skip
+        return None
+    qs, ks, vs, ss = q.shape, k_cache.shape, v_cache.shape, seqlens.shape
+    if not (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and len(ss) == 1):
+        return None
+    batch, nq, heads, d = qs
+    hkv, dv, dtype, device = ks[2], vs[3], q.dtype, q.device
+    if not (
+        dtype in FLOAT_DTYPES
+        and nq >= 1
+        and MIN_HEAD_DIM <= d <= MAX_HEAD_DIM
+        and MIN_HEAD_DIM <= dv <= MAX_HEAD_DIM
+        and ks[3] == d
+        and vs[0] == ks[0]
+        and vs[1] == ks[1]
+        and vs[2] == hkv
+        and hkv >= 1
+        and heads >= 1
+        and heads % hkv == 0
+        and k_cache.dtype == dtype
+        and v_cache.dtype == dtype
+        and k_cache.device == device
+        and v_cache.device == device
+        and k_cache.stride(3) == 1
+        and v_cache.stride(3) == 1
+        and seqlens.dtype == torch.int32
+        and ss[0] == batch
+        and seqlens.device == device
+        and (batch <= 1 or seqlens.stride(0) == 1)
+    ):
+        return None
+    if table is None:
+        if ks[0] != batch:
+            return None
+        page_size, capacity = 0, ks[1]
+    else:
+        page_size = ks[1]
+        if not (
+            table.__class__ is _T
+            and table.dim() == 2
+            and table.dtype == torch.int32
+            and table.device == device
+            and table.shape[0] == batch
+            and (table.shape[1] <= 1 or table.stride(1) == 1)
+            and page_size % PAGE_MULTIPLE == 0
+            and page_size > 0
+        ):
+            return None
+        capacity = table.shape[1] * page_size
+    if k is None and v is None:
+        return page_size, capacity, 0
+    if not (k.__class__ is _T and v.__class__ is _T):
+        return None
+    kn, vn = k.shape, v.shape
+    if (
+        len(kn) == 4
+        and len(vn) == 4
+        and kn[0] == batch
+        and vn[0] == batch
+        and vn[1] == kn[1]
+        and kn[2] == hkv
+        and vn[2] == hkv
+        and kn[3] == d
+        and vn[3] == dv
+        and k.dtype == dtype
+        and v.dtype == dtype
+        and k.device == device
+        and v.device == device
+    ):
+        return page_size, capacity, kn[1]
+    return None
+
+
+def _check_structure(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> tuple[int, int, int]:
+    """`validate_kvcache`'s checks on types, shapes, dtypes, devices and strides, one by one
+    (each error names its argument); returns (page_size, capacity, Nnew)."""
     _tensor("q", q, 4, "(B, Nq, H, D)")
     if q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"q: dtype must be float16, bfloat16 or float32, got {q.dtype}")
@@ -145,7 +221,6 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, caus
         n_new = k.shape[1]
         if cache_seqlens is None:
             raise ValueError("cache_seqlens: required when appending k, v (where they go)")
-    seqlens, length = None, capacity
     if isinstance(cache_seqlens, torch.Tensor):
         if cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) != (batch,):
             raise ValueError(f"cache_seqlens: expected an int32 tensor of shape ({batch},), got "
@@ -155,20 +230,42 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, caus
                              f"{q.device}")  # fmt: skip
         if batch > 1 and cache_seqlens.stride(0) != 1:
             raise ValueError("cache_seqlens: must be contiguous (stride 1)")
+    elif cache_seqlens is not None and (
+        isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.SymInt))
+    ):
+        raise ValueError(f"cache_seqlens: expected an int or an int32 tensor, got "
+                         f"{type(cache_seqlens).__name__}")  # fmt: skip
+    return page_size, capacity, n_new
+
+
+def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
+                     softmax_scale) -> tuple[float, KVCache]:  # fmt: skip
+    """Check `flash_attn_with_kvcache`'s arguments; returns (softmax scale, the `KVCache`).
+
+    Checked on the host: types, shapes, dtypes, devices, page_size a multiple of
+    PAGE_MULTIPLE, an int cache_seqlens with its append inside the capacity, and no gradient
+    asked for. The values of cache_seqlens and block_table tensors are checked where reading
+    them is free (CPU tensors outside tracing); on a GPU they are the caller's contract:
+    0 <= cache_seqlens[b], cache_seqlens[b] + Nnew <= capacity, block indices of the pages in
+    use in range."""
+    common = _common_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+    if common is None:
+        common = _check_structure(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+    page_size, capacity, n_new = common
+    seqlens, length = None, capacity
+    if isinstance(cache_seqlens, torch.Tensor):
         seqlens, length = cache_seqlens, 0
-        if _free_to_read(cache_seqlens) and batch:
+        if _free_to_read(cache_seqlens) and q.shape[0]:
             lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
             if lo < 0 or hi + n_new > capacity:
                 raise ValueError(f"cache_seqlens: lengths {lo}..{hi} plus {n_new} new rows must "
                                  f"fit in 0..{capacity}")  # fmt: skip
-    elif cache_seqlens is not None:
-        if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.SymInt)):
-            raise ValueError(f"cache_seqlens: expected an int or an int32 tensor, got "
-                             f"{type(cache_seqlens).__name__}")  # fmt: skip
+    elif cache_seqlens is not None:  # an int (checked)
         if cache_seqlens < 0 or cache_seqlens + n_new > capacity:
             raise ValueError(f"cache_seqlens: {cache_seqlens} plus {n_new} new rows exceeds the "
                              f"cache's {capacity} rows")  # fmt: skip
         length = cache_seqlens
+    paged = block_table is not None
     if paged and _free_to_read(block_table) and (seqlens is None or _free_to_read(seqlens)):
         _check_pages(block_table, seqlens, length + n_new, page_size, k_cache.shape[0])
     if torch.is_grad_enabled():
@@ -177,7 +274,7 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, caus
                 raise ValueError(f"{name}: requires grad, but flash_attn_with_kvcache is "
                                  "forward only (not differentiable); call it under "
                                  "torch.no_grad() or detach the inputs")  # fmt: skip
-    scale = _check_scale(causal, softmax_scale, d)
+    scale = _check_scale(causal, softmax_scale, q.shape[-1])
     return scale, KVCache(seqlens, length, n_new, block_table, page_size, capacity)
 
 
