@@ -79,6 +79,17 @@ for name, (qd, kd) in cases.items():
         torch.cuda.synchronize()
         best = min(best, e0.elapsed_time(e1) * 1000 / 50)
     res[name + " gpu"] = best
+from kernelkit.flash_attn import flash_attn_with_kvcache  # noqa: E402
+
+qd, kc, vc, kn = t(8, 1, 32, 128), t(8, 1024, 32, 128), t(8, 1024, 32, 128), t(8, 1, 32, 128)
+lens = torch.full((8,), 500, dtype=torch.int32, device=dev)
+with torch.no_grad():
+    res["kvcache attend fwd"] = per_call_us(
+        lambda: flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=lens, causal=True)
+    )
+    res["kvcache append+attend fwd"] = per_call_us(
+        lambda: flash_attn_with_kvcache(qd, kc, vc, kn, kn, cache_seqlens=lens, causal=True)
+    )
 print(
     json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items()}),
     flush=True,
