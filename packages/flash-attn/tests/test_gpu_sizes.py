@@ -228,6 +228,55 @@ def test_gpu_cuda_graph(shape, device):
             assert torch.equal(a, b)
 
 
+@pytest.mark.gpu
+def test_gpu_tma_scratch_per_stream(device):
+    """Kernels that build TMA descriptors in global scratch memory (the Gluon forward and
+    backward, the split-KV forward) keep that memory per stream (kernelkit-shared's direct
+    launch path) and a captured graph keeps its own: forward and backward on two streams at
+    once, and a graph replaying on one stream while eager calls run on another, each give
+    what they give alone, bitwise."""
+    calls = []
+    for i, shape in enumerate([(2, 2048, 2048, 8, 2, 128), (2, 1, 4096, 16, 4, 128)]):
+        leaves = [t.requires_grad_() for t in qkv(*shape, torch.bfloat16, device, seed=10 * i)]
+        do = make((shape[0], shape[1], shape[3], shape[5]), torch.bfloat16, device, seed=7 + i)
+
+        def step(leaves=leaves, do=do):
+            o = flash_attn(*leaves, causal=True)
+            return (o, *torch.autograd.grad(o, leaves, do))
+
+        calls.append(step)
+    alone = [step() for step in calls]  # (Gluon forward / split-KV decode, then backward)
+    streams = [torch.cuda.Stream() for _ in calls]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    together: list[list] = [[] for _ in calls]
+    for _ in range(4):
+        for out, s, step in zip(together, streams, calls):
+            with torch.cuda.stream(s):
+                out.append(step())
+    for s in streams:
+        torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    for out, ref in zip(together, alone):
+        for got in out:
+            assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = calls[0]()
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(streams[0]):
+        for _ in range(4):
+            graph.replay()
+    with torch.cuda.stream(streams[1]):
+        eager = [calls[0]() for _ in range(4)]
+    for s in streams:
+        torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    for got in (captured, *eager):
+        assert all(torch.equal(a, b) for a, b in zip(got, alone[0]))
+
+
 # GQA/MQA, Nq != Nk both ways, ragged ends, a padded head dim, one short sequence.
 HOPPER_GPU_SHAPES = [
     (2, 1024, 1024, 8, 2, 128),
