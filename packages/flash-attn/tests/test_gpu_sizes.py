@@ -235,45 +235,57 @@ def test_gpu_tma_scratch_per_stream(device):
     launch path) and a captured graph keeps its own: forward and backward on two streams at
     once, and a graph replaying on one stream while eager calls run on another, each give
     what they give alone, bitwise."""
-    calls = []
+    inputs = []
     for i, shape in enumerate([(2, 2048, 2048, 8, 2, 128), (2, 1, 4096, 16, 4, 128)]):
-        leaves = [t.requires_grad_() for t in qkv(*shape, torch.bfloat16, device, seed=10 * i)]
         do = make((shape[0], shape[1], shape[3], shape[5]), torch.bfloat16, device, seed=7 + i)
+        inputs.append((qkv(*shape, torch.bfloat16, device, seed=10 * i), do))
 
-        def step(leaves=leaves, do=do):
+    def fresh(i):
+        """Call i (Gluon forward / split-KV decode, then the backward) on leaves of its own:
+        autograd keeps the stream a leaf was first used on, and a capture must not meet the
+        legacy stream (all work here runs on side streams)."""
+        tensors, do = inputs[i]
+        leaves = [t.clone().requires_grad_() for t in tensors]
+
+        def step():
             o = flash_attn(*leaves, causal=True)
             return (o, *torch.autograd.grad(o, leaves, do))
 
-        calls.append(step)
-    alone = [step() for step in calls]  # (Gluon forward / split-KV decode, then backward)
-    streams = [torch.cuda.Stream() for _ in calls]
-    for s in streams:
-        s.wait_stream(torch.cuda.current_stream())
-    together: list[list] = [[] for _ in calls]
+        return step
+
+    firsts, steps, (graphed, eager) = (
+        [fresh(i) for i in range(2)],
+        [fresh(i) for i in range(2)],
+        (fresh(0), fresh(0)),
+    )
+    side, *streams = (torch.cuda.Stream() for _ in range(3))
+    for s in (side, *streams):
+        s.wait_stream(torch.cuda.current_stream())  # the leaves' copies are there
+    with torch.cuda.stream(side):
+        alone = [step() for step in firsts]
+    together: list[list] = [[], []]
     for _ in range(4):
-        for out, s, step in zip(together, streams, calls):
+        for out, s, step in zip(together, streams, steps):
             with torch.cuda.stream(s):
                 out.append(step())
-    for s in streams:
-        torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.stream(side):  # warm up outside the capture
+        graphed()
     torch.cuda.synchronize()
-    for out, ref in zip(together, alone):
-        for got in out:
-            assert all(torch.equal(a, b) for a, b in zip(got, ref))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = calls[0]()
+        captured = graphed()
     for s in streams:
         s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(streams[0]):
         for _ in range(4):
             graph.replay()
     with torch.cuda.stream(streams[1]):
-        eager = [calls[0]() for _ in range(4)]
-    for s in streams:
-        torch.cuda.current_stream().wait_stream(s)
+        beside = [eager() for _ in range(4)]
     torch.cuda.synchronize()
-    for got in (captured, *eager):
+    for out, ref in zip(together, alone):
+        for got in out:
+            assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    for got in (captured, *beside):
         assert all(torch.equal(a, b) for a, b in zip(got, alone[0]))
 
 

@@ -5,8 +5,10 @@ Backend: NCCL with one GPU per rank when the machine has W GPUs, else gloo on CP
 Triton interpreter runs the real kernels there, as in the other suites). Every rank builds the
 case's full inputs from its seed, takes its own shard, runs `ring_attn` forward and backward
 (eager, and compiled where the case says so) and saves its shard's outputs, gradients, or the
-error it raised, to OUT_DIR/<case>-rank<r>.pt. The test process compares them with the
-references; nothing is checked here.
+error it raised, to OUT_DIR/<case>-rank<r>.pt; rank 0 also saves single-process `flash_attn`
+over the full sequence on its own device (`single`), so the test compares the ring with the
+same kernels on the same backend (a machine with fewer GPUs than ranks runs the ranks on CPU).
+The test process compares them with the references; nothing is checked here.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from kernelkit.flash_attn import flash_attn
 from kernelkit.ring_attn import ring_attn, shard
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -40,6 +43,26 @@ def inputs(case: dict, device) -> tuple[torch.Tensor, ...]:
     return q, k, v, do, dlse
 
 
+def _forward_backward(fn, q, k, v, do, dlse) -> list[torch.Tensor]:
+    """(o, lse, dq, dk, dv) of `fn(q, k, v)` (o, lse) and its backward from do (and dlse), on
+    the CPU."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    o, lse = fn(*leaves)
+    outs, grads = [o], [do]
+    if dlse is not None:
+        outs.append(lse)
+        grads.append(dlse)
+    return [t.detach().cpu() for t in (o, lse, *torch.autograd.grad(outs, leaves, grads))]
+
+
+def single_process(case: dict, device) -> list[torch.Tensor]:
+    """(o, lse, dq, dk, dv) of single-process `flash_attn` over the full sequence on `device`."""
+    kw = dict(causal=case.get("causal", False), softmax_scale=case.get("softmax_scale"),
+              softcap=case.get("softcap", 0.0))  # fmt: skip
+    return _forward_backward(lambda q, k, v: flash_attn(q, k, v, return_lse=True, **kw),
+                             *inputs(case, device))  # fmt: skip
+
+
 def run_case(case: dict, rank: int, world: int, device, groups: dict) -> dict:
     layout = case.get("layout", "zigzag")
     q, k, v, do, dlse = inputs(case, device)
@@ -54,7 +77,6 @@ def run_case(case: dict, rank: int, world: int, device, groups: dict) -> dict:
     q, k, v, do = (shard(t, rank, world, layout) for t in (q, k, v, do))
     if dlse is not None:
         dlse = shard(dlse, rank, world, layout, dim=2)
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     group = None
     if case.get("new_group"):  # a group not used before: the first call checks the ranks
         groups[case["name"]] = group = dist.new_group(list(range(world)))
@@ -68,16 +90,13 @@ def run_case(case: dict, rank: int, world: int, device, groups: dict) -> dict:
         forward = torch.compile(forward, fullgraph=True)
 
     def step():
-        o, lse = forward(*leaves)
-        outs, grads = [o], [do]
-        if dlse is not None:
-            outs.append(lse)
-            grads.append(dlse)
-        return [t.detach().cpu() for t in (o, lse, *torch.autograd.grad(outs, leaves, grads))]
+        return _forward_backward(forward, q, k, v, do, dlse)
 
     result = {"o_lse_grads": step()}
     if case.get("repeat"):  # determinism: a second run, bitwise the same
         result["again"] = step()
+    if rank == 0:
+        result["single"] = single_process(case, device)
     return result
 
 
