@@ -2,7 +2,8 @@
 --nproc-per-node W ring_worker.py CASES.json OUT_DIR`.
 
 Backend: NCCL with one GPU per rank when the machine has W GPUs, else gloo on CPU tensors (the
-Triton interpreter runs the real kernels there, as in the other suites). Every rank builds the
+Triton interpreter runs the real kernels there, as in the other suites: test_ring.py sets
+TRITON_INTERPRET=1 for such runs, also on a machine with fewer GPUs than ranks). Every rank builds the
 case's full inputs from its seed, takes its own shard, runs `ring_attn` forward and backward
 (eager, and compiled where the case says so) and saves its shard's outputs, gradients, or the
 error it raised, to OUT_DIR/<case>-rank<r>.pt; rank 0 also saves single-process `flash_attn`

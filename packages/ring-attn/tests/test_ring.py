@@ -78,6 +78,10 @@ RUNS = [(w, c["name"]) for w in WORLDS for c in CASES if w in c.get("worlds", WO
 def _torchrun(world: int, cases_file: Path, out: Path) -> None:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    if torch.cuda.device_count() < world:
+        # The ranks run on CPU (ring_worker.py): the real kernels under the Triton interpreter,
+        # as on a machine without a GPU (CPU tensors would otherwise take the PyTorch reference).
+        env["TRITON_INTERPRET"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={world}", str(WORKER), str(cases_file), str(out)]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
