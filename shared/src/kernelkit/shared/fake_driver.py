@@ -137,11 +137,12 @@ class _FakeDriver:
 @contextlib.contextmanager
 def fake_cuda(record: bool = True) -> Iterator[FakeLaunches]:
     """Within the block, Triton launches (kernel[grid] and kernelkit's cached path) go to the
-    fake driver; yields the FakeLaunches log. Set `log.device` / `log.stream` / `log.capturing` to change
-    what the launch path sees as the current device and stream and whether that stream is being
-    captured into a CUDA graph, `log.scratch_size` to give the kernels compiled next global
-    scratch memory (Triton's device-side TMA descriptors need it). The kernels' and launchers' caches
-    keep the fake kernels afterwards: use it where nothing launches for real."""
+    fake driver; yields the FakeLaunches log. Set `log.device` / `log.stream` /
+    `log.capturing` to change what the launch path sees as the current device and stream and
+    whether that stream is being captured into a CUDA graph, `log.scratch_size` to give the
+    kernels compiled next global scratch memory (Triton's device-side TMA descriptors need it).
+    The kernels' and launchers' caches keep the fake kernels afterwards: use it where nothing
+    launches for real."""
     global FakeCompiled
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
