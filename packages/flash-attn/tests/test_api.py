@@ -343,6 +343,138 @@ def test_device_mismatch():
         flash_attn(q, q.cpu(), q)
 
 
+def _prepared(q, k, v, kw):
+    """What `flash_attn`'s checks make of a call: the prepared arguments, whether q is
+    unchanged (4-D, not negated: the call a shortcut replays) and the LSE flag; or the error."""
+    try:
+        fa_op.check_bool("return_lse", kw["return_lse"])
+        args = dict(kw)
+        del args["return_lse"]
+        q4, _, _, options, three_d = fa_op._prepare(q, k, v, **args)
+    except ValueError as e:
+        return ("error", str(e))
+    return options, three_d, q4 is q, kw["return_lse"]
+
+
+def test_shortcut_key_holds_what_the_checks_read(device):
+    """`flash_attn`'s shortcut (`op._call_key`: a call like an earlier checked one replays its
+    sequence without the checks) is sound: calls with one key pass the checks alike, to the same
+    prepared arguments. A valid call, then every change of one argument: to another valid value,
+    to an invalid one, to a value of another type that compares equal (1 for True, 4.0 for 4),
+    and tensors of other layouts, dtypes, classes, devices or alignment."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def t(*shape, dtype=torch.float16):
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    q, kv = t(2, 8, 4, 32), t(2, 8, 2, 32)
+    with FakeTensorMode():
+        fake = torch.empty(2, 8, 4, 32, dtype=torch.float16, device=device)
+    base = {"causal": True, "softmax_scale": None, "return_lse": False, "window_size": (-1, -1),
+            "softcap": 0.0, "deterministic": True, "sm_margin": 0}  # fmt: skip
+    options = [
+        ("causal", False), ("causal", 1), ("causal", 1.0), ("softmax_scale", 0.5),
+        ("softmax_scale", 1), ("softmax_scale", True), ("softmax_scale", -0.5),
+        ("softmax_scale", math.inf), ("softmax_scale", math.nan), ("return_lse", True),
+        ("return_lse", 1), ("window_size", (4, 0)), ("window_size", (4.0, 0)),
+        ("window_size", [4, 0]), ("window_size", (True, 0)), ("window_size", (-2, 0)),
+        ("window_size", (4, 2)), ("window_size", (7, 0)), ("window_size", (100, 0)),
+        ("window_size", (4,)), ("softcap", 30.0), ("softcap", 30), ("softcap", True),
+        ("softcap", -1.0), ("softcap", math.nan), ("deterministic", False),
+        ("deterministic", 1), ("sm_margin", 1), ("sm_margin", True), ("sm_margin", -1),
+        ("sm_margin", 1.0),
+    ]  # fmt: skip
+    tensors = [
+        (0, t(2, 8, 4, 32, dtype=torch.int32)), (0, t(2, 8, 4, 32, dtype=torch.bfloat16)),
+        (0, t(2, 8, 32)), (0, t(2, 8, 4, 16)), (0, t(1, 8, 4, 32)), (0, t(2, 8, 3, 32)),
+        (0, t(2, 0, 4, 32)), (0, t(2, 8, 4, 33)[..., 1:]), (0, t(2, 4, 8, 32).transpose(1, 2)),
+        (0, fake), (0, torch.nn.Parameter(q)), (0, q.clone().requires_grad_()),
+        (1, t(2, 8, 2, 16)), (1, t(2, 5, 2, 32)), (1, t(2, 8, 2, 32, dtype=torch.float32)),
+        (1, q), (2, t(2, 8, 2, 48)), (2, kv), (2, t(2, 8, 2, 64)[..., ::2]),
+    ]  # fmt: skip
+    if device.type == "cuda":
+        tensors += [(1, kv.cpu()), (2, kv.cpu())]
+    calls = [((q, kv, kv.clone()), dict(base))]
+    for name, value in options:
+        calls.append(((q, kv, kv.clone()), {**base, name: value}))
+    for i, value in tensors:
+        qkv_ = [q, kv, kv.clone()]
+        qkv_[i] = value
+        calls.append((tuple(qkv_), dict(base)))
+    outcomes: dict = {}
+    for (a, b, c), kw in calls:
+        key = fa_op._call_key(a, b, c, **kw)
+        if key is not None:
+            outcomes.setdefault(key, set()).add(_prepared(a, b, c, kw))
+    assert fa_op._call_key(q, kv, kv.clone(), **base) is not None  # the valid call has a key
+    for seen in outcomes.values():
+        assert len(seen) == 1, seen  # one key, one outcome
+
+
+def test_repeated_calls_take_the_shortcut(device):
+    """A call like an earlier one that passed the checks replays its sequence at once
+    (`op._CALLS`), with the same outputs bitwise: causal, non-causal with Nq != Nk, split-KV
+    decoding, a window, softcap, an explicit scale, one tensor as q, k and v, and inputs
+    requiring grad (the same gradients, bitwise, through the shortcut's autograd node). Calls
+    that take the checked path each time: 3-D inputs, a negative scale, an int softcap."""
+    shortcut = [
+        ((2, 40, 4, 64), (2, 40, 2, 64), {"causal": True}),
+        ((1, 33, 2, 32), (1, 50, 2, 32), {}),
+        ((2, 1, 4, 64), (2, 600, 1, 64), {"causal": True}),
+        ((1, 48, 2, 32), (1, 48, 2, 32), {"causal": True, "window_size": (8, 0)}),
+        ((1, 48, 2, 32), (1, 48, 2, 32), {"softcap": 5.0, "softmax_scale": 0.3}),
+        ((1, 24, 2, 32), None, {"causal": True}),  # one tensor as q, k and v
+        ((1, 40, 4, 32), (1, 40, 2, 32), {"causal": True, "grad": True}),
+        ((1, 24, 2, 32), None, {"grad": True}),
+    ]
+    checked = [
+        ((1, 24, 32), (1, 24, 32), {"causal": True}),
+        ((1, 24, 2, 32), (1, 24, 2, 32), {"softmax_scale": -0.2}),
+        ((1, 24, 2, 32), (1, 24, 2, 32), {"softcap": 5}),
+    ]
+    for cases, takes in ((shortcut, True), (checked, False)):
+        for n, (q_shape, kv_shape, kw) in enumerate(cases):
+            kw = dict(kw)
+            grad = kw.pop("grad", False)
+            fa_op._CALLS.clear()
+            outs, grads = [], []
+            for seed in (0, 0, 1):  # recorded, shortcut, shortcut on other values
+                q = make(q_shape, torch.bfloat16, device, seed).requires_grad_(grad)
+                k, v = (q, q) if kv_shape is None else (
+                    make(kv_shape, torch.bfloat16, device, seed + 1).requires_grad_(grad),
+                    make(kv_shape, torch.bfloat16, device, seed + 2).requires_grad_(grad),
+                )  # fmt: skip
+                o, lse = flash_attn(q, k, v, return_lse=True, **kw)
+                assert len(fa_op._CALLS._plans) == int(takes), (n, kw)
+                outs.append((o.detach(), lse.detach(), (q, k, v)))
+                if grad:
+                    do = make(o.shape, o.dtype, device, 7)
+                    inputs = (q,) if kv_shape is None else (q, k, v)
+                    grads.append(torch.autograd.grad(o, inputs, do))
+            assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+            if grad:
+                assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
+            # the third call against the full host path (chooser, no replay), bitwise
+            o, lse = _direct_forward(*(x.detach() for x in outs[2][2]), kw)
+            assert torch.equal(outs[2][0], o) and torch.equal(outs[2][1], lse), (n, kw)
+
+
+def _direct_forward(q, k, v, kw):
+    """`flash_attn(q, k, v, return_lse=True, **kw)` through the full host path: the checks,
+    the chooser's config, launches without replay."""
+    from kernelkit.flash_attn import launch
+
+    opts = {"causal": False, "softmax_scale": None, "window_size": (-1, -1), "softcap": 0.0,
+            "deterministic": True, **kw}  # fmt: skip
+    q4, k4, v4, (causal, scale, softcap, left, right, _, _), three_d = fa_op._prepare(
+        q, k, v, **opts
+    )
+    window = (left, right)
+    cfg = choose_fwd(launch.forward_problem(q4, k4, v4, causal, softcap, window))
+    o, lse = launch.forward(q4, k4, v4, causal, scale, softcap=softcap, window=window, config=cfg)
+    return (o.squeeze(2), lse.squeeze(1)) if three_d else (o, lse)
+
+
 def test_replayed_launches_match_the_full_host_path():
     """Launch sequences recorded per layout and replayed (`replay`, through prepared launches)
     pass the same compiled kernels the same arguments, tensor for tensor, as the full host path

@@ -34,6 +34,7 @@ from kernelkit.flash_attn.config import FWD_SPLIT, H100, KVCache, Problem
 from kernelkit.flash_attn.kvcache import kvcache_forward
 from kernelkit.flash_attn.reference import attention_kvcache_reference, kvcache_append_reference
 from kernelkit.flash_attn.validation import window_for
+from kernelkit.shared.runtime import use_triton
 from kernelkit.shared.testing import run_without_interpreter
 
 
@@ -355,13 +356,105 @@ def test_common_call_accepts_only_what_the_checks_accept(device):
             assert got is None or got == expected, (name, i, got, expected)
 
 
+def _kv_outcome(args, kw):
+    """What `flash_attn_with_kvcache`'s checks make of a call: (scale, the cache's length,
+    Nnew, page size and capacity, softcap, return_lse, window), or the error."""
+    q, kc, vc, k, v, lens, table = args
+    try:
+        scale, cache = kv_checks.validate_kvcache(q, kc, vc, k, v, lens, table, kw["causal"],
+                                                  kw["softmax_scale"])  # fmt: skip
+        softcap = kv_checks.check_softcap(kw["softcap"])
+        lse = kv_checks.check_bool("return_lse", kw["return_lse"])
+        window = window_for(kw["window_size"], kw["causal"], q.shape[1], cache.capacity)
+    except ValueError as e:
+        return ("error", str(e))
+    return (scale, cache.length, cache.n_new, cache.page_size, cache.capacity, softcap, lse,
+            window)  # fmt: skip
+
+
+def test_shortcut_key_holds_what_the_checks_read(device):
+    """`flash_attn_with_kvcache`'s shortcut (`kvcache._call_key`: a call like an earlier checked
+    one replays its sequence after the checks of values only) is sound: calls with one key pass
+    the other checks alike. Valid calls (contiguous, paged, an int cache_seqlens), then every
+    change of one argument: another valid value, an invalid one, a value of another type that
+    compares equal, tensors of other layouts, dtypes, classes or devices, inputs requiring
+    grad, one tensor passed twice."""
+
+    def t(*shape, dtype=torch.float16):
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    q, kc, vc, new = t(2, 1, 4, 32), t(2, 64, 2, 32), t(2, 64, 2, 32), t(2, 3, 2, 32)
+    pages, table = t(8, 16, 2, 32), torch.zeros(2, 4, dtype=torch.int32, device=device)
+    lens = torch.zeros(2, dtype=torch.int32, device=device)
+    with FakeTensorMode():
+        fake = torch.empty(2, 1, 4, 32, dtype=torch.float16, device=device)
+    bases = {  # (q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+        "contiguous": (q, kc, vc, new, new.clone(), lens, None),
+        "paged": (q, pages, pages.clone(), None, None, lens, table),
+        "int length": (q, kc, vc, None, None, 5, None),
+    }
+    base_kw = {"causal": False, "softmax_scale": None, "window_size": (-1, -1), "softcap": 0.0,
+               "return_lse": False}  # fmt: skip
+    options = [
+        ("causal", True), ("causal", 1), ("softmax_scale", 0.5), ("softmax_scale", 1),
+        ("softmax_scale", True), ("softmax_scale", -0.5), ("softmax_scale", math.nan),
+        ("window_size", (8, 0)), ("window_size", (8.0, 0)), ("window_size", [8, 0]),
+        ("window_size", (-2, 0)), ("window_size", (8,)), ("softcap", 5.0), ("softcap", 5),
+        ("softcap", True), ("softcap", -1.0), ("return_lse", True), ("return_lse", 1),
+    ]  # fmt: skip
+    tensors = [
+        (0, t(2, 1, 4, 32, dtype=torch.bfloat16)), (0, t(2, 2, 4, 32)), (0, t(2, 1, 3, 32)),
+        (0, fake), (0, torch.nn.Parameter(q)), (0, q.clone().requires_grad_()),
+        (1, kc.transpose(1, 2).contiguous().transpose(1, 2)), (1, t(2, 64, 2, 32)[:, :48]),
+        (2, None), (2, t(2, 64, 2, 48)), (3, None), (3, t(2, 4, 2, 32)), (4, None),
+        (5, 4), (5, 70), (5, True), (5, 4.0), (5, None), (5, lens.long()), (6, None),
+        (6, table[:, :2]), (6, table.long()),
+    ]  # fmt: skip
+    if device.type == "cuda":
+        tensors += [(0, q.cpu()), (5, lens.cpu())]
+    outcomes: dict = {}
+    for base in bases.values():
+        calls = [(base, base_kw)]
+        calls += [(base, {**base_kw, name: value}) for name, value in options]
+        for i, value in tensors:
+            args = list(base)
+            args[i] = value
+            calls.append((tuple(args), base_kw))
+        calls.append(((q, kc, kc, new, new, lens, None), base_kw))  # one cache as both
+        for args, kw in calls:
+            key = kv_checks._call_key(*args, **kw)
+            if key is not None:
+                outcomes.setdefault(key, set()).add(_kv_outcome(args, kw))
+        assert kv_checks._call_key(*base, **base_kw) is not None  # a valid call has a key
+    for seen in outcomes.values():
+        assert len(seen) == 1, seen  # one key, one outcome
+
+
+@pytest.mark.parametrize("call", [CASES[1], CASES[4], CASES[8]], ids=str)
+def test_repeated_calls_take_the_shortcut(call, device):
+    """A call like an earlier one that passed the checks replays its sequence (`_CALLS`): the
+    same cache after the append and the same outputs, bitwise, as the checked call."""
+    kv_checks._CALLS.clear()
+    results = []
+    for _ in range(2):
+        args, _ = call.inputs(device)
+        o, lse = call.call(*args)
+        results.append((o, lse, args[1], args[2]))
+        assert len(kv_checks._CALLS._plans) == 1
+    for a, b in zip(*results):  # (unread cache rows hold NaN)
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
 def test_errors_read_on_the_host_only_where_free():
     """CPU tensors' values are checked: lengths past the capacity, page indices in use out of
-    range (entries past the pages in use are never read, and may hold anything)."""
+    range (entries past the pages in use are never read, and may hold anything); also where
+    the call takes the shortcut of an earlier one (under the interpreter)."""
     q, pages = torch.zeros(2, 1, 4, 32), torch.zeros(8, 16, 2, 32)
     table = torch.tensor([[0, 1, 2, -1], [3, 4, 5, 99]], dtype=torch.int32)
     lens = torch.tensor([40, 48], dtype=torch.int32)
+    kv_checks._CALLS.clear()
     flash_attn_with_kvcache(q, pages, pages, cache_seqlens=lens, block_table=table)
+    assert len(kv_checks._CALLS._plans) == int(use_triton(q))
     with pytest.raises(ValueError, match="block_table: the pages in use"):
         flash_attn_with_kvcache(q, pages, pages, cache_seqlens=lens + 1, block_table=table)
     too_long = torch.tensor([40, 65], dtype=torch.int32)

@@ -35,7 +35,16 @@ import torch
 from . import fast_launch, runtime
 from .runtime import PLAIN_TENSORS, PlanCache
 
-__all__ = ["DIRECT", "Probe", "Recorder", "clear", "replayed"]
+__all__ = [
+    "DIRECT",
+    "Probe",
+    "Recorder",
+    "Shortcuts",
+    "call_layout",
+    "clear",
+    "recorded",
+    "replayed",
+]
 
 
 class _Direct:
@@ -271,11 +280,33 @@ class Recorder:
 
 
 _SEQUENCES = PlanCache()
+_SHORTCUTS: list = []  # every Shortcuts made, cleared with the sequences
 
 
 def clear() -> None:
-    """Forget every recorded sequence (after changing a module constant that plans read)."""
+    """Forget every recorded sequence (after changing a module constant that plans read), and
+    every public call's shortcut to one."""
     _SEQUENCES.clear()
+    for shortcuts in _SHORTCUTS:
+        shortcuts.clear()
+
+
+class Shortcuts(PlanCache):
+    """Recorded sequences keyed by a public function's whole call: the arguments' layout and
+    values, once the call has passed the function's checks and its sequence is recorded. A
+    function whose checks read only what its key holds can then skip them with its op's own
+    key (`recorded`): one key for the call instead of two plus the checks. The function owns
+    the key and its soundness: every argument value and type the checks or the host path read,
+    `runtime.launch` and whether the interpreter runs. Cleared by `clear()`."""
+
+    def __init__(self, size: int = 4096):
+        super().__init__(size)
+        _SHORTCUTS.append(self)
+
+    def remember(self, key, sequence) -> None:
+        if len(self._plans) >= self.size:
+            self._plans.clear()
+        self._plans[key] = sequence
 
 
 # The key entry of an int input: its width as Triton keys a do_not_specialize int.
@@ -290,30 +321,9 @@ def replayed(run: Callable, inputs: Sequence[torch.Tensor | int | None], options
     """`run(ops, *args)` (a tuple of output tensors), replayed per layout of `inputs` (None
     allowed; inputs[0] a tensor; an int input is a per-call value, see `ops.launch`'s `vary`)
     and hashable `options`; traced calls (fake, functional tensors, symbolic ints) always run."""
-    # The key: run, options, the launch function (a patched one, in tests and tools, records
-    # anew), input 0's device, then per input None, or the index of the earlier input that is
-    # the same tensor (flash_attn(x, x, x): which inputs are one tensor is layout too, and the
-    # same tensor has the same layout), or its shape, strides, dtype and data pointer mod 16
-    # (its 16-byte alignment, which Triton specialises on), or an int's width (a str).
-    # Each kind of entry starts with a different type (None, int, torch.Size, str): the flat key
-    # reads back one way only.
-    key = [run, options, runtime.launch, inputs[0].device]
-    seen: dict[int, int] = {}
-    for i, t in enumerate(inputs):
-        if t is None:
-            key.append(None)
-            continue
-        if t.__class__ is int:
-            key.append(_width(t))
-            continue
-        j = seen.setdefault(id(t), i)
-        if j != i:
-            key.append(j)
-        elif t.__class__ in PLAIN_TENSORS:
-            key += (t.shape, t.stride(), t.dtype, t.data_ptr() & 15)
-        else:
-            return run(DIRECT, *args)
-    key = tuple(key)
+    key = _key(run, inputs, options)
+    if key is None:
+        return run(DIRECT, *args)
     seq = _SEQUENCES._plans.get(key)  # PlanCache.lookup, without its call
     if seq is None:
         rec = Recorder(inputs)
@@ -323,3 +333,61 @@ def replayed(run: Callable, inputs: Sequence[torch.Tensor | int | None], options
     if seq is _NOT_REPLAYED:
         return run(DIRECT, *args)
     return seq(inputs)
+
+
+def recorded(run: Callable, inputs: Sequence[torch.Tensor | int | None], options):
+    """The sequence `replayed(run, inputs, options, ...)` replays for this layout of `inputs`
+    (`seq(inputs)` runs it), or None where it has none (not called yet, not replayable, or a
+    traced call)."""
+    key = _key(run, inputs, options)
+    seq = None if key is None else _SEQUENCES._plans.get(key)
+    return None if seq is _NOT_REPLAYED else seq
+
+
+def _key(run, inputs, options) -> tuple | None:
+    """`replayed`'s key, or None for a traced call."""
+    # The key: run, options, the launch function (a patched one, in tests and tools, records
+    # anew), input 0's device, then per input None, or the index of the earlier input that is
+    # the same tensor (flash_attn(x, x, x): which inputs are one tensor is layout too, and the
+    # same tensor has the same layout), or its shape, strides, dtype and data pointer mod 16
+    # (its 16-byte alignment, which Triton specialises on), or an int's width (a str).
+    # Each kind of entry starts with a different type (None, int, torch.Size, str): the flat key
+    # reads back one way only.
+    key = [run, options, runtime.launch, inputs[0].device]
+    return tuple(key) if _layout_into(key, inputs, _width, False) else None
+
+
+def call_layout(inputs: Sequence[torch.Tensor | int | None]) -> tuple | None:
+    """The layout of a public call's arguments for its `Shortcuts` key: per input what
+    `replayed`'s key holds, with an int's value instead of its width (an option of the call)
+    and each tensor's device after its alignment (the replay key leaves devices to the checks,
+    which a shortcut skips). None where an input is neither None, an int nor a plain tensor."""
+    key: list = []
+    return tuple(key) if _layout_into(key, inputs, _int_value, True) else None
+
+
+def _int_value(v: int) -> tuple:
+    """An int input's entry in `call_layout`: not a bare int, which is an earlier input's index."""
+    return ("int", v)
+
+
+def _layout_into(key: list, inputs, int_entry, devices: bool) -> bool:
+    """Append the entries of `inputs` to key (see `_key`); False for a traced call."""
+    seen: dict[int, int] = {}
+    for i, t in enumerate(inputs):
+        if t is None:
+            key.append(None)
+            continue
+        if t.__class__ is int:
+            key.append(int_entry(t))
+            continue
+        j = seen.setdefault(id(t), i)
+        if j != i:
+            key.append(j)
+        elif t.__class__ in PLAIN_TENSORS:
+            key += (t.shape, t.stride(), t.dtype, t.data_ptr() & 15)
+            if devices:
+                key.append(t.device)
+        else:
+            return False
+    return True

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernelkit.shared import replay
+from kernelkit.shared import replay, runtime
 from kernelkit.shared.runtime import define_op, interpreting, traced, use_triton
 
 from .choose import check_fwd, choose_fwd
@@ -35,7 +35,13 @@ from .validation import (
 # A paged cache's page size: a multiple of this many rows.
 PAGE_MULTIPLE = 16
 
-__all__ = ["attn_kvcache_fwd", "flash_attn_with_kvcache", "kvcache_forward", "validate_kvcache"]
+__all__ = [
+    "attn_kvcache_fwd",
+    "flash_attn_with_kvcache",
+    "kvcache_forward",
+    "kvcache_recorded",
+    "validate_kvcache",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,6 +258,23 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, caus
     if common is None:
         common = _check_structure(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
     page_size, capacity, n_new = common
+    seqlens, length = _check_values(q, k_cache, cache_seqlens, block_table, page_size, capacity,
+                                    n_new)  # fmt: skip
+    if torch.is_grad_enabled():
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+            if t is not None and t.requires_grad:
+                raise ValueError(f"{name}: requires grad, but flash_attn_with_kvcache is "
+                                 "forward only (not differentiable); call it under "
+                                 "torch.no_grad() or detach the inputs")  # fmt: skip
+    scale = _check_scale(causal, softmax_scale, q.shape[-1])
+    return scale, KVCache(seqlens, length, n_new, block_table, page_size, capacity)
+
+
+def _check_values(q, k_cache, cache_seqlens, block_table, page_size: int, capacity: int,
+                  n_new: int) -> tuple[torch.Tensor | None, int]:  # fmt: skip
+    """`validate_kvcache`'s checks of values, of arguments whose structure passed: an int
+    cache_seqlens, and the cache_seqlens and block_table tensors where reading them is free.
+    Returns (the lengths tensor or None, the length of an int or no cache_seqlens)."""
     seqlens, length = None, capacity
     if isinstance(cache_seqlens, torch.Tensor):
         seqlens, length = cache_seqlens, 0
@@ -268,14 +291,7 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, caus
     paged = block_table is not None
     if paged and _free_to_read(block_table) and (seqlens is None or _free_to_read(seqlens)):
         _check_pages(block_table, seqlens, length + n_new, page_size, k_cache.shape[0])
-    if torch.is_grad_enabled():
-        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
-            if t is not None and t.requires_grad:
-                raise ValueError(f"{name}: requires grad, but flash_attn_with_kvcache is "
-                                 "forward only (not differentiable); call it under "
-                                 "torch.no_grad() or detach the inputs")  # fmt: skip
-    scale = _check_scale(causal, softmax_scale, q.shape[-1])
-    return scale, KVCache(seqlens, length, n_new, block_table, page_size, capacity)
+    return seqlens, length
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,6 +311,16 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache: KVCache, causal: bool, sca
                                cache, causal, scale, softcap, window, None, None)  # fmt: skip
     return _kvcache_forward(replay.DIRECT, q, k_cache, v_cache, k, v, cache, causal, scale,
                             softcap, window, config, target)  # fmt: skip
+
+
+def kvcache_recorded(q, k_cache, v_cache, k, v, cache: KVCache, causal: bool, scale: float,
+                     softcap: float, window: tuple[int, int]):  # fmt: skip
+    """The sequence `kvcache_forward(...)` (no config, no target) replays for this call: run
+    it as `seq((q, k_cache, v_cache, k, v, cache.seqlens, cache.table))`, which returns (o,
+    lse); None where there is none (not called yet, or not replayable)."""
+    inputs = (q, k_cache, v_cache, k, v, cache.seqlens, cache.table)
+    options = ("kvcache", causal, scale, softcap, window, cache.length, interpreting())
+    return replay.recorded(_kvcache_forward, inputs, options)
 
 
 def _kvcache_forward(ops, q, k_cache, v_cache, k, v, cache, causal, scale, softcap, window,
@@ -350,6 +376,52 @@ def attn_kvcache_fwd(
 # The public function
 # ---------------------------------------------------------------------------------------------
 
+_NO_WINDOW = (-1, -1)
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
+# flash_attn_with_kvcache's calls that passed its checks, by `_call_key`: (the recorded
+# sequence, page size, capacity, Nnew: what the checks of values read besides the values)
+_CALLS = replay.Shortcuts()
+
+
+def _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale,
+              window_size, softcap, return_lse):  # fmt: skip
+    """The key of a `flash_attn_with_kvcache` call in `_CALLS`: everything its checks of
+    structure and the replay key read (`replay.call_layout` of the tensors and an int
+    cache_seqlens: shapes, strides, dtypes, devices, alignment, which are one tensor, the int's
+    value), every option's value, the launch function, whether the interpreter runs and whether
+    a gradient is asked for. The checks of values (`_check_values`) run at every call. None
+    (the checked path) for traced calls, functorch transforms and options of other types than
+    the plain ones (bool, float or None, a tuple of two ints)."""
+    if (
+        causal.__class__ is bool
+        and return_lse.__class__ is bool
+        and softcap.__class__ is float
+        and (softmax_scale is None or softmax_scale.__class__ is float)
+        and (
+            window_size is _NO_WINDOW
+            or (
+                window_size.__class__ is tuple
+                and len(window_size) == 2
+                and window_size[0].__class__ is int
+                and window_size[1].__class__ is int
+            )
+        )
+        and not _is_compiling()
+        and not _functorch_active()
+    ):
+        layout = replay.call_layout((q, k_cache, v_cache, k, v, cache_seqlens, block_table))
+        if layout is not None:
+            grad = False
+            if _grad_enabled():  # (any input may be None or an int here: the checks decide)
+                for t in (q, k_cache, v_cache, k, v):
+                    if t is not None and t.__class__ is not int and t.requires_grad:
+                        grad = True
+            return (layout, causal, softmax_scale, window_size, softcap, return_lse,
+                    interpreting(), runtime.launch, grad)  # fmt: skip
+    return None
+
 
 def flash_attn_with_kvcache(
     q: torch.Tensor,
@@ -362,7 +434,7 @@ def flash_attn_with_kvcache(
     block_table: torch.Tensor | None = None,
     causal: bool = False,
     softmax_scale: float | None = None,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: tuple[int, int] = _NO_WINDOW,
     softcap: float = 0.0,
     return_lse: bool = False,
 ):
@@ -392,16 +464,34 @@ def flash_attn_with_kvcache(
     step captured in a CUDA graph replays with new values in cache_seqlens and block_table.
     CPU tensors without the Triton interpreter run the PyTorch reference.
     """
+    # A call like an earlier one that passed the checks replays its sequence after the checks
+    # of values: the other checks and the host path read nothing the key does not hold.
+    key = _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
+                    softmax_scale, window_size, softcap, return_lse)  # fmt: skip
+    if key is not None:
+        entry = _CALLS._plans.get(key)
+        if entry is not None:
+            seq, page_size, capacity, n_new = entry
+            seqlens, _ = _check_values(q, k_cache, cache_seqlens, block_table, page_size,
+                                       capacity, n_new)  # fmt: skip
+            o, lse = seq((q, k_cache, v_cache, k, v, seqlens, block_table))
+            return (o, lse) if return_lse else o
     scale, cache = validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                     causal, softmax_scale)  # fmt: skip
     softcap = check_softcap(softcap)
     check_bool("return_lse", return_lse)
     left, right = window_for(window_size, causal, q.shape[1], cache.capacity)
+    q0 = q
     if scale < 0:  # as in flash_attn: the kernels assume scale >= 0
         q, scale = -q, -scale
     if use_triton(q):
         o, lse = attn_kvcache_fwd(q, k_cache, v_cache, k, v, cache.seqlens, block_table,
                                   cache.length, causal, scale, softcap, left, right)  # fmt: skip
+        if key is not None and q is q0:  # q not negated: the call the sequence replays
+            seq = kvcache_recorded(q, k_cache, v_cache, k, v, cache, causal, scale, softcap,
+                                   (left, right))  # fmt: skip
+            if seq is not None:
+                _CALLS.remember(key, (seq, cache.page_size, cache.capacity, cache.n_new))
     else:  # the PyTorch reference (CPU tensors without the interpreter)
         seqlens = cache.seqlens
         if seqlens is None:

@@ -41,7 +41,7 @@ from .triton import bwd as triton_bwd
 from .triton import fwd as triton_fwd
 from .triton import split_kv as triton_split_kv
 
-__all__ = ["backward", "backward_problem", "forward", "forward_problem"]
+__all__ = ["backward", "backward_problem", "forward", "forward_problem", "forward_recorded"]
 
 
 def forward_problem(q, k, v, causal, softcap=0.0, window=(-1, -1), varlen=None,
@@ -82,6 +82,15 @@ def forward(q, k, v, causal: bool, scale: float, *, softcap: float = 0.0,
                                window, varlen, None, target)  # fmt: skip
     return _forward(replay.DIRECT, q, k, v, causal, scale, softcap, window, varlen, config,
                     target)  # fmt: skip
+
+
+def forward_recorded(q, k, v, causal: bool, scale: float, softcap: float,
+                     window: tuple[int, int], sm_margin: int):  # fmt: skip
+    """The sequence `forward(q, k, v, ...)` (dense, no config) replays for this call: run it
+    as `seq((q, k, v))`, which returns (o, lse); None where there is none (not called yet, or
+    not replayable)."""
+    options = ("fwd", causal, scale, softcap, window, None, sm_margin, interpreting())
+    return replay.recorded(_forward, (q, k, v), options)
 
 
 def _forward(ops, q, k, v, causal, scale, softcap, window, varlen, config, target=None):
