@@ -14,7 +14,13 @@ import pytest
 import torch
 from fa_testing import NO_GLUON, check_with_configs, finite, make, packed, problems, qkv
 
-from kernelkit.flash_attn import FlashAttentionFunction, explain, families, flash_attn
+from kernelkit.flash_attn import (
+    FlashAttentionFunction,
+    explain,
+    families,
+    flash_attn,
+    flash_attn_backward,
+)
 from kernelkit.flash_attn import op as fa_op
 from kernelkit.flash_attn.choose import choose_bwd, choose_fwd
 from kernelkit.flash_attn.config import (
@@ -415,8 +421,9 @@ def test_repeated_calls_take_the_shortcut(device):
     """A call like an earlier one that passed the checks replays its sequence at once
     (`op._CALLS`), with the same outputs bitwise: causal, non-causal with Nq != Nk, split-KV
     decoding, a window, softcap, an explicit scale, one tensor as q, k and v, and inputs
-    requiring grad (the same gradients, bitwise, through the shortcut's autograd node). Calls
-    that take the checked path each time: 3-D inputs, a negative scale, an int softcap."""
+    requiring grad (the same gradients, bitwise, through the shortcut's autograd node, whose
+    backward keeps its own sequence, `op._BACKWARDS`). Calls that take the checked path each
+    time: 3-D inputs, a negative scale, an int softcap."""
     shortcut = [
         ((2, 40, 4, 64), (2, 40, 2, 64), {"causal": True}),
         ((1, 33, 2, 32), (1, 50, 2, 32), {}),
@@ -437,8 +444,11 @@ def test_repeated_calls_take_the_shortcut(device):
             kw = dict(kw)
             grad = kw.pop("grad", False)
             fa_op._CALLS.clear()
+            fa_op._BACKWARDS.clear()
             outs, grads = [], []
-            for seed in (0, 0, 1):  # recorded, shortcut, shortcut on other values
+            # recorded, shortcut (its backward recorded), shortcuts on other and on the same
+            # values (their backwards too)
+            for seed in (0, 0, 1, 0):
                 q = make(q_shape, torch.bfloat16, device, seed).requires_grad_(grad)
                 k, v = (q, q) if kv_shape is None else (
                     make(kv_shape, torch.bfloat16, device, seed + 1).requires_grad_(grad),
@@ -451,12 +461,47 @@ def test_repeated_calls_take_the_shortcut(device):
                     do = make(o.shape, o.dtype, device, 7)
                     inputs = (q,) if kv_shape is None else (q, k, v)
                     grads.append(torch.autograd.grad(o, inputs, do))
-            assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+            for i in (1, 3):
+                assert torch.equal(outs[0][0], outs[i][0]) and torch.equal(outs[0][1], outs[i][1])
             if grad:
-                assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
+                assert len(fa_op._BACKWARDS._plans) == 1
+                for i in (1, 3):
+                    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[i]))
             # the third call against the full host path (chooser, no replay), bitwise
             o, lse = _direct_forward(*(x.detach() for x in outs[2][2]), kw)
             assert torch.equal(outs[2][0], o) and torch.equal(outs[2][1], lse), (n, kw)
+
+
+def test_shortcut_backward_keys_the_output_gradient(device):
+    """The backward of a shortcut forward keeps its sequence per layout of do and dlse
+    (`op._BACKWARDS`): do contiguous, with other strides, not 16-byte aligned, the output
+    itself, and with an LSE gradient, each twice and in an order where each could take the
+    sequence kept for the one before; every time bitwise the checked backward's gradients
+    (`flash_attn_backward`)."""
+    q, k, v = (x.requires_grad_() for x in qkv(1, 24, 24, 4, 2, 32, torch.bfloat16, device))
+    fa_op._CALLS.clear()
+    fa_op._BACKWARDS.clear()
+    flash_attn(q, k, v, causal=True, return_lse=True)  # checked: the shortcut is recorded
+    shape = (1, 24, 4, 32)
+    variants = [
+        lambda o: make(shape, o.dtype, device, 3),
+        lambda o: make((1, 4, 24, 32), o.dtype, device, 4).transpose(1, 2),
+        lambda o: make((o.numel() + 1,), o.dtype, device, 5)[1:].view(shape),
+        lambda o: o,
+        lambda o: make(shape, o.dtype, device, 6),
+    ]
+    for n, do_of in enumerate(variants):
+        for _ in range(2):
+            o, lse = flash_attn(q, k, v, causal=True, return_lse=True)
+            do = do_of(o)
+            dlse = make(lse.shape, torch.float32, device, 7) if n == 4 else None
+            outputs, grads = ((o, lse), (do, dlse)) if dlse is not None else ((o,), (do,))
+            got = torch.autograd.grad(outputs, (q, k, v), grads)
+            want = flash_attn_backward(do.detach(), q.detach(), k.detach(), v.detach(),
+                                       o.detach(), lse.detach(), causal=True,
+                                       dlse=dlse)  # fmt: skip
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), n
+    assert len(fa_op._BACKWARDS._plans) == 4  # contiguous, strided, misaligned, with dlse
 
 
 def _direct_forward(q, k, v, kw):

@@ -41,7 +41,14 @@ from .triton import bwd as triton_bwd
 from .triton import fwd as triton_fwd
 from .triton import split_kv as triton_split_kv
 
-__all__ = ["backward", "backward_problem", "forward", "forward_problem", "forward_recorded"]
+__all__ = [
+    "backward",
+    "backward_problem",
+    "backward_recorded",
+    "forward",
+    "forward_problem",
+    "forward_recorded",
+]
 
 
 def forward_problem(q, k, v, causal, softcap=0.0, window=(-1, -1), varlen=None,
@@ -148,6 +155,16 @@ def backward(do, q, k, v, o, lse, dlse, causal: bool, scale: float, *, softcap: 
                                target)  # fmt: skip
     return _backward(replay.DIRECT, do, q, k, v, o, lse, dlse, causal, scale, softcap, window,
                      varlen, deterministic, config, target)  # fmt: skip
+
+
+def backward_recorded(do, q, k, v, o, lse, dlse, causal: bool, scale: float, softcap: float,
+                      window: tuple[int, int], deterministic: bool, sm_margin: int):  # fmt: skip
+    """The sequence `backward(do, q, ...)` (dense, no config) replays for this call: run it as
+    `seq((do, q, k, v, o, lse, dlse))`, which returns (dq, dk, dv); None where there is none
+    (not called yet, or not replayable)."""
+    options = ("bwd", causal, scale, softcap, window, None, deterministic, sm_margin,
+               interpreting())  # fmt: skip
+    return replay.recorded(_backward, (do, q, k, v, o, lse, dlse), options)
 
 
 def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, softcap, window, varlen,

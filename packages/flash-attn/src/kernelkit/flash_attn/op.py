@@ -21,7 +21,7 @@ from kernelkit.shared.runtime import (
 
 from . import families
 from .config import Target, Varlen, leave_sms
-from .launch import backward, forward, forward_recorded
+from .launch import backward, backward_recorded, forward, forward_recorded
 from .reference import (
     attention_reference,
     attention_reference_grads,
@@ -309,6 +309,8 @@ _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda
 # flash_attn's calls that passed its checks, by `_call_key`: (the recorded sequence of the
 # forward, attn_fwd's options)
 _CALLS = replay.Shortcuts()
+# the backwards of shortcut forwards, by `_backward_key`: the recorded sequence
+_BACKWARDS = replay.Shortcuts()
 
 
 def _call_key(q, k, v, causal, softmax_scale, return_lse, window_size, softcap, deterministic,
@@ -354,17 +356,65 @@ def _call_key(q, k, v, causal, softmax_scale, return_lse, window_size, softcap, 
     return None
 
 
+def _backward_key(entry, do, dlse, q, k, v, o, lse):
+    """The key of the backward of a shortcut forward in `_BACKWARDS`: the forward's `_CALLS`
+    entry (its recorded sequence, which fixes the layouts of q, k, v and the forward's options,
+    and attn_fwd's options; o and lse are that sequence's buffers), the layout of do and dlse
+    and the alignment of o and lse; None (the checked path) for tensor subclasses, traced
+    calls, and a do or dlse that is one of the other tensors."""
+    if (
+        do.__class__ is _T
+        and do is not q
+        and do is not k
+        and do is not v
+        and do is not o
+        and do is not lse
+        and not _is_compiling()
+    ):
+        if dlse is None:
+            stats = None
+        elif dlse.__class__ is _T and all(dlse is not t for t in (do, q, k, v, o, lse)):
+            stats = (dlse.shape, dlse.stride(), dlse.device, dlse.data_ptr() & 15)
+        else:
+            return None
+        return (
+            entry, do.shape, do.stride(), do.dtype, do.device, do.data_ptr() & 15,
+            o.data_ptr() & 15, lse.data_ptr() & 15, stats, interpreting(), runtime.launch,
+        )  # fmt: skip
+    return None
+
+
 class _ReplayedForward(torch.autograd.Function):
-    """attn_fwd's autograd node around a shortcut's sequence: the same saved tensors and
-    backward as attn_fwd's own (`_setup`, `_backward`)."""
+    """attn_fwd's autograd node around a shortcut's sequence: the same saved tensors as attn_fwd's
+    own (`_setup`) and its backward, whose sequence is kept too (`_BACKWARDS`): a backward like
+    an earlier one runs it at once."""
 
     @staticmethod
-    def forward(ctx, q, k, v, seq, options):
+    def forward(ctx, q, k, v, entry):
+        seq, options = entry
         output = seq((q, k, v))
         _setup(ctx, (q, k, v, *options), output)
+        ctx.entry = entry
         return output
 
-    backward = staticmethod(_backward)
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        bkey = _backward_key(ctx.entry, do, dlse, q, k, v, o, lse)
+        seq = None if bkey is None else _BACKWARDS._plans.get(bkey)
+        if seq is not None:
+            return (*seq((do, q, k, v, o, lse, dlse)), None)
+        options = ctx.options
+        dq, dk, dv = attn_bwd(do, q, k, v, o, lse, dlse, *options)
+        if bkey is not None:
+            causal, scale, softcap, left, right, deterministic, margin = options
+            seq = backward_recorded(do, q, k, v, o, lse, dlse, causal, scale, softcap,
+                                    (left, right), deterministic, margin)  # fmt: skip
+            if seq is not None:
+                _BACKWARDS.remember(bkey, seq)
+        return dq, dk, dv, None
 
 
 # Function.apply's C implementation: its Python wrapper only matters under functorch
@@ -416,7 +466,7 @@ def flash_attn(
         entry = _CALLS._plans.get(key)
         if entry is not None:
             seq, args = entry
-            o, lse = _replayed_forward(q, k, v, seq, args) if key[-1] else seq((q, k, v))
+            o, lse = _replayed_forward(q, k, v, entry) if key[-1] else seq((q, k, v))
             return (o, lse) if return_lse else o
     check_bool("return_lse", return_lse)
     q0 = q
