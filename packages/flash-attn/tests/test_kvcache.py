@@ -308,21 +308,27 @@ def test_errors(device):
             flash_attn_with_kvcache(*args, **kw)
 
 
+def _structure_tensors(device):
+    """(t, q, k_cache, k, pages, block_table, cache_seqlens, a fake q) of the structure tests'
+    small calls; t(*shape, dtype=float16) makes more."""
+
+    def t(*shape, dtype=torch.float16):
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    with FakeTensorMode():
+        fake = torch.empty(2, 1, 4, 32, dtype=torch.float16, device=device)
+    table = torch.zeros(2, 4, dtype=torch.int32, device=device)
+    lens = torch.zeros(2, dtype=torch.int32, device=device)
+    return t, t(2, 1, 4, 32), t(2, 64, 2, 32), t(2, 3, 2, 32), t(8, 16, 2, 32), table, lens, fake
+
+
 def test_common_call_accepts_only_what_the_checks_accept(device):
     """`validate_kvcache`'s one-expression check of the common serving call (an int32
     cache_seqlens tensor) against its checks one by one: for a valid call and every change of
     one argument, either both accept with the same (page_size, capacity, Nnew), or the
     one-expression check declines (None) and the checks raise."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    def t(*shape, dtype=torch.float16):
-        return torch.zeros(shape, dtype=dtype, device=device)
-
-    q, kc, vc, new = t(2, 1, 4, 32), t(2, 64, 2, 32), t(2, 64, 2, 48), t(2, 3, 2, 32)
-    pages, table = t(8, 16, 2, 32), torch.zeros(2, 4, dtype=torch.int32, device=device)
-    lens = torch.zeros(2, dtype=torch.int32, device=device)
-    with FakeTensorMode():
-        fake = torch.empty(2, 1, 4, 32, dtype=torch.float16, device=device)
+    t, q, kc, new, pages, table, lens, fake = _structure_tensors(device)
+    vc = t(2, 64, 2, 48)
     bases = {  # (q, k_cache, v_cache, k, v, cache_seqlens, block_table)
         "contiguous": (q, kc, kc, None, None, lens, None),
         "append, Dv": (q, kc, vc, new, t(2, 3, 2, 48), lens, None),
@@ -379,15 +385,8 @@ def test_shortcut_key_holds_what_the_checks_read(device):
     change of one argument: another valid value, an invalid one, a value of another type that
     compares equal, tensors of other layouts, dtypes, classes or devices, inputs requiring
     grad, one tensor passed twice."""
-
-    def t(*shape, dtype=torch.float16):
-        return torch.zeros(shape, dtype=dtype, device=device)
-
-    q, kc, vc, new = t(2, 1, 4, 32), t(2, 64, 2, 32), t(2, 64, 2, 32), t(2, 3, 2, 32)
-    pages, table = t(8, 16, 2, 32), torch.zeros(2, 4, dtype=torch.int32, device=device)
-    lens = torch.zeros(2, dtype=torch.int32, device=device)
-    with FakeTensorMode():
-        fake = torch.empty(2, 1, 4, 32, dtype=torch.float16, device=device)
+    t, q, kc, new, pages, table, lens, fake = _structure_tensors(device)
+    vc = kc.clone()
     bases = {  # (q, k_cache, v_cache, k, v, cache_seqlens, block_table)
         "contiguous": (q, kc, vc, new, new.clone(), lens, None),
         "paged": (q, pages, pages.clone(), None, None, lens, table),

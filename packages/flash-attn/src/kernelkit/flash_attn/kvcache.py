@@ -25,10 +25,12 @@ from .validation import (
     FLOAT_DTYPES,
     MAX_HEAD_DIM,
     MIN_HEAD_DIM,
+    NO_WINDOW,
     _check_heads,
     _check_scale,
     check_bool,
     check_softcap,
+    plain_options,
     window_for,
 )
 
@@ -376,10 +378,7 @@ def attn_kvcache_fwd(
 # The public function
 # ---------------------------------------------------------------------------------------------
 
-_NO_WINDOW = (-1, -1)
-_is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
-_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
 # flash_attn_with_kvcache's calls that passed its checks, by `_call_key`: (the recorded
 # sequence, page size, capacity, Nnew: what the checks of values read besides the values)
 _CALLS = replay.Shortcuts()
@@ -394,23 +393,7 @@ def _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, sof
     a gradient is asked for. The checks of values (`_check_values`) run at every call. None
     (the checked path) for traced calls, functorch transforms and options of other types than
     the plain ones (bool, float or None, a tuple of two ints)."""
-    if (
-        causal.__class__ is bool
-        and return_lse.__class__ is bool
-        and softcap.__class__ is float
-        and (softmax_scale is None or softmax_scale.__class__ is float)
-        and (
-            window_size is _NO_WINDOW
-            or (
-                window_size.__class__ is tuple
-                and len(window_size) == 2
-                and window_size[0].__class__ is int
-                and window_size[1].__class__ is int
-            )
-        )
-        and not _is_compiling()
-        and not _functorch_active()
-    ):
+    if plain_options(causal, softmax_scale, window_size, softcap, return_lse):
         layout = replay.call_layout((q, k_cache, v_cache, k, v, cache_seqlens, block_table))
         if layout is not None:
             grad = False
@@ -434,7 +417,7 @@ def flash_attn_with_kvcache(
     block_table: torch.Tensor | None = None,
     causal: bool = False,
     softmax_scale: float | None = None,
-    window_size: tuple[int, int] = _NO_WINDOW,
+    window_size: tuple[int, int] = NO_WINDOW,
     softcap: float = 0.0,
     return_lse: bool = False,
 ):

@@ -29,9 +29,11 @@ from .reference import (
     attention_varlen_reference_grads,
 )
 from .validation import (
+    NO_WINDOW,
     check_bool,
     check_sm_margin,
     check_softcap,
+    plain_options,
     validate,
     validate_stats,
     validate_varlen,
@@ -302,10 +304,8 @@ varlen_reference.register_autograd(_reference_backward, setup_context=_reference
 
 
 _T = torch.Tensor
-_NO_WINDOW = (-1, -1)
 _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
-_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
 # flash_attn's calls that passed its checks, by `_call_key`: (the recorded sequence of the
 # forward, attn_fwd's options)
 _CALLS = replay.Shortcuts()
@@ -326,23 +326,9 @@ def _call_key(q, k, v, causal, softmax_scale, return_lse, window_size, softcap, 
         q.__class__ is _T
         and k.__class__ is _T
         and v.__class__ is _T
-        and causal.__class__ is bool
-        and return_lse.__class__ is bool
         and deterministic.__class__ is bool
         and sm_margin.__class__ is int
-        and softcap.__class__ is float
-        and (softmax_scale is None or softmax_scale.__class__ is float)
-        and (
-            window_size is _NO_WINDOW
-            or (
-                window_size.__class__ is tuple
-                and len(window_size) == 2
-                and window_size[0].__class__ is int
-                and window_size[1].__class__ is int
-            )
-        )
-        and not _is_compiling()
-        and not _functorch_active()
+        and plain_options(causal, softmax_scale, window_size, softcap, return_lse)
     ):
         return (
             q.shape, q.stride(), q.dtype, q.device, q.data_ptr() & 15,
@@ -431,7 +417,7 @@ def flash_attn(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     *,
-    window_size: tuple[int, int] = _NO_WINDOW,
+    window_size: tuple[int, int] = NO_WINDOW,
     softcap: float = 0.0,
     deterministic: bool = True,
     sm_margin: int = 0,

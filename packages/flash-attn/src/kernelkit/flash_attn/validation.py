@@ -247,6 +247,35 @@ def validate_stats(q, do, o, lse, dlse, v=None) -> None:
             raise ValueError(f"{name}: on device {t.device}, but q is on {q.device}")
 
 
+NO_WINDOW = (-1, -1)  # the public functions' default window_size (one object: `plain_options`)
+_is_compiling = torch.compiler.is_compiling
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
+
+
+def plain_options(causal, softmax_scale, window_size, softcap, return_lse) -> bool:
+    """Whether the options `flash_attn` and `flash_attn_with_kvcache` share have the plain types
+    (bool, float or None, the default window or a tuple of two ints), whose values compare
+    equal only to values the checks treat alike (unlike 1 and True), so that a shortcut key may
+    hold the values; and whether the call is eager (no tracing, no functorch transform)."""
+    return (
+        causal.__class__ is bool
+        and return_lse.__class__ is bool
+        and softcap.__class__ is float
+        and (softmax_scale is None or softmax_scale.__class__ is float)
+        and (
+            window_size is NO_WINDOW
+            or (
+                window_size.__class__ is tuple
+                and len(window_size) == 2
+                and window_size[0].__class__ is int
+                and window_size[1].__class__ is int
+            )
+        )
+        and not _is_compiling()
+        and not _functorch_active()
+    )
+
+
 def check_bool(name: str, value) -> bool:
     """A boolean option: True or False only (a truthy "no" is an error, not True)."""
     if not isinstance(value, bool):
@@ -276,8 +305,10 @@ __all__ = [
     "FLOAT_DTYPES",
     "MAX_HEAD_DIM",
     "MIN_HEAD_DIM",
+    "NO_WINDOW",
     "check_sm_margin",
     "check_softcap",
+    "plain_options",
     "validate",
     "validate_stats",
     "validate_varlen",
