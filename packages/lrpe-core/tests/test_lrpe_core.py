@@ -23,9 +23,11 @@ from kernelkit.lrpe_core.op import (
     position_args,
     position_strides,
     reduce_dtheta,
+    shortcut_key,
     validate_act,
     validate_positions,
     validate_theta,
+    validate_x,
 )
 from kernelkit.lrpe_core.reference import (
     grid_positions as grid_positions_ref,
@@ -318,3 +320,60 @@ def test_packed_needs_one_row():
         validate_positions(
             torch.empty(2, 5, 1, 4), 0, None, torch.tensor([0, 5], dtype=torch.int32)
         )
+
+
+def _checked(x, theta, offset, act, dim, positions=None, cu_seqlens=None):
+    """What the shared checks make of an LRPE call, the per-call offset value left out: (E, the
+    kernel kind, the positions' form), or the error."""
+    try:
+        validate_x(x)
+        e = validate_theta(x, theta)
+        start, starts, table = validate_positions(x, offset, positions, cu_seqlens)
+        kind = validate_act(x, act, dim, cu_seqlens)
+    except ValueError as err:
+        return ("error", str(err))
+    return e, kind, type(start), starts is None, table is None
+
+
+def test_shortcut_key_holds_what_the_checks_read(device):
+    """`shortcut_key` (an LRPE op's common call replays its recorded sequence without the
+    checks) is sound: calls with one key get one outcome from the checks, the offset's value
+    aside (each replay passes its own). A valid call, then every change of one argument: other
+    valid and invalid values, values of other types that compare equal (True for 1, 1.0 for 1),
+    tensors of other layouts, dtypes, classes, devices or alignment, gradients."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.zeros(2, 8, 4, 32, dtype=torch.bfloat16, device=device)
+    theta = torch.zeros(4, 16, device=device)
+    with FakeTensorMode():
+        fake = torch.empty(2, 8, 4, 32, dtype=torch.bfloat16, device=device)
+    base = (x, theta, 3, "softmax", -1)
+    changes = [
+        (2, 0), (2, -5), (2, 2**40), (2, 2**62), (2, 2**62 + 1), (2, True), (2, 3.0),
+        (2, torch.zeros(2, dtype=torch.int64, device=device)), (3, "relu"), (3, "none"),
+        (3, "bogus"), (4, None), (4, 1), (4, 2), (4, 3), (4, True), (4, 1.0), (4, -1.0),
+        (1, theta.double()), (1, theta[:1]), (1, torch.zeros(3, 16, device=device)),
+        (1, torch.zeros(16, device=device)), (1, theta.clone().requires_grad_()),
+        (1, torch.zeros(4, 16, dtype=torch.int32, device=device)), (1, theta.t().contiguous().t()),
+        (0, x[..., 0]), (0, x.float()), (0, x.to(torch.int32)), (0, x.clone().requires_grad_()),
+        (0, torch.nn.Parameter(x)), (0, fake), (0, x.transpose(1, 2).contiguous().transpose(1, 2)),
+        (0, torch.zeros(x.numel() + 1, dtype=x.dtype, device=device)[1:].view(x.shape)),
+        (0, torch.zeros(2, 8, 4, 8, dtype=torch.bfloat16, device=device)),
+    ]  # fmt: skip
+    if device.type == "cuda":
+        changes += [(1, theta.cpu()), (0, x.cpu())]
+    calls = [base]
+    for i, value in changes:
+        call = list(base)
+        call[i] = value
+        calls.append(tuple(call))
+    calls.append((x, theta, 3, "softmax", -1, torch.zeros(1, 8, dtype=torch.int64), None))
+    calls.append((x, theta, 0, "softmax", 1, None, torch.tensor([0, 8], dtype=torch.int32)))
+    outcomes: dict = {}
+    for call in calls:
+        key = shortcut_key(*call)
+        if key is not None:
+            outcomes.setdefault(key, set()).add(_checked(*call))
+    assert shortcut_key(*base) is not None  # the valid call has a key
+    for seen in outcomes.values():
+        assert len(seen) == 1, seen  # one key, one outcome

@@ -42,6 +42,7 @@ __all__ = [
     "Shortcuts",
     "call_layout",
     "clear",
+    "int_width",
     "recorded",
     "replayed",
 ]
@@ -315,6 +316,12 @@ _I32, _I64, _U64 = "i32", "i64", "u64"
 
 def _width(v: int) -> str:
     return _I32 if -(2**31) <= v < 2**31 else _I64 if -(2**63) <= v < 2**63 else _U64
+
+
+def int_width(v: int) -> str:
+    """What `replayed`'s key holds for an int input (a per-call value): its width as Triton
+    keys a do_not_specialize int. For `Shortcuts` keys of calls with such an int."""
+    return _width(v)
 
 
 def replayed(run: Callable, inputs: Sequence[torch.Tensor | int | None], options, *args):

@@ -22,6 +22,7 @@ __all__ = [
     "assert_compiled_matches",
     "assert_graph_replays",
     "assert_launch_paths_agree",
+    "assert_shortcuts_replay",
     "compilations",
     "entry_kernels",
     "launched_kernels",
@@ -98,6 +99,25 @@ def _flat(out) -> list[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return [out]
     return [t for o in out for t in _flat(o)] if isinstance(out, (tuple, list)) else []
+
+
+def assert_shortcuts_replay(fn, pairs, shortcuts) -> None:
+    """For a public function `fn` with `replay.Shortcuts` `shortcuts`: for each (record, call)
+    pair of argument tuples, `fn(*record)` through the checked path keeps one shortcut, and
+    `fn(*call)` after it (through that shortcut where the call is like `record`, else checked)
+    equals, bitwise (NaN where NaN), `fn(*call)` through the checked path (the shortcuts
+    cleared). Pairs of one layout test the replay; pairs of two test that the key tells them
+    apart."""
+    for record, call in pairs:
+        shortcuts.clear()
+        fn(*record)
+        assert len(shortcuts._plans) == 1, "the checked call kept no shortcut"
+        got = _flat(fn(*call))
+        shortcuts.clear()
+        want = _flat(fn(*call))
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
 def assert_graph_replays(fn, inputs, new_inputs, *, warmup: int = 2, name: str = "output"):

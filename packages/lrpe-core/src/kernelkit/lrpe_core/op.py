@@ -19,9 +19,10 @@ from kernelkit.act import (
     softmax_chunk_stats,
 )
 from kernelkit.act import act as apply_act
+from kernelkit.shared import replay, runtime
 from kernelkit.shared.packed import check_cu_seqlens
 from kernelkit.shared.replay import DIRECT
-from kernelkit.shared.runtime import cdiv, next_power_of_2, num_sms
+from kernelkit.shared.runtime import cdiv, interpreting, next_power_of_2, num_sms
 
 from .kernels import merge_chunk_stats_kernel, merge_chunk_sums_kernel
 
@@ -43,6 +44,7 @@ __all__ = [
     "reduce_dtheta",
     "register_lrpe_autograd",
     "sequence_softmax_stats",
+    "shortcut_key",
     "theta_args",
     "validate_act",
     "validate_positions",
@@ -193,6 +195,43 @@ def validate_act(x: torch.Tensor, act, dim, cu_seqlens=None) -> str:
     if dim % x.dim() == x.dim() - 1:
         return "softmax"
     raise ValueError(f"dim: softmax runs over D (dim=-1) or the sequence (dim=1), got dim={dim}")
+
+
+_T = torch.Tensor
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
+_MAX_OFFSET = 2**62  # validate_positions' bound on an int offset
+
+
+def shortcut_key(x, theta, offset, act, dim, positions=None, cu_seqlens=None) -> tuple | None:
+    """The key of an LRPE op's common call in its `replay.Shortcuts` (a call like an earlier
+    one that passed the checks replays its recorded sequence at once): plain tensors x and
+    theta with nothing requiring grad, an int offset inside validate_positions' bound (its
+    width: its value is the replay's per-call value), no positions table, no packed sequences,
+    act a str and dim None or an int. The key holds everything the checks and the replay key
+    read: the layouts of x and theta (shapes, strides, dtypes, devices, alignment, whether
+    they are one tensor), act, dim, the launch function and whether the interpreter runs. None
+    (the checked path) for every other call."""
+    if (
+        x.__class__ is _T
+        and theta.__class__ is _T
+        and offset.__class__ is int
+        and -_MAX_OFFSET <= offset <= _MAX_OFFSET
+        and positions is None
+        and cu_seqlens is None
+        and act.__class__ is str
+        and (dim is None or dim.__class__ is int)
+        and not (_grad_enabled() and (x.requires_grad or theta.requires_grad))
+        and not _is_compiling()
+        and not _functorch_active()
+    ):
+        return (
+            x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
+            theta.shape, theta.stride(), theta.dtype, theta.device, theta.data_ptr() & 15,
+            theta is x, act, dim, replay.int_width(offset), interpreting(), runtime.launch,
+        )  # fmt: skip
+    return None
 
 
 def act_and_dim(kind: str) -> tuple[str, int | None]:

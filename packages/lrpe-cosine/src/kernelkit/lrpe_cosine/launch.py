@@ -94,6 +94,15 @@ def forward(
     return replay.replayed(_forward, inputs, options, *args)
 
 
+def forward_recorded(x, theta, start: int, kind: str):
+    """The sequence `forward(x, theta, start, None, None, None, kind)` replays for this call
+    (positions `start + t`, no grid, no cache, the default plan): run it as
+    `seq((x, theta, start, None, None, None))`, whose first output is y; None where there is
+    none (not called yet, or not replayable)."""
+    options = (kind, None, None, _key(PLAN))
+    return replay.recorded(_forward, (x, theta, start, None, None, None), options)
+
+
 def _forward(ops, x, theta, start, starts, table, cu_seqlens, kind, grid, cache, plan):
     """`forward` with its allocations and launches through `ops`: act's chunk stats and
     lrpe-core's merge (softmax_seq), then cosine_fwd_kernel."""

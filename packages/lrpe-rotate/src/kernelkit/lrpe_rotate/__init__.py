@@ -4,5 +4,5 @@ from kernelkit.act import ACTS
 
 from .op import lrpe_rotate
 
-__version__ = "0.2.8"
+__version__ = "0.2.9"
 __all__ = ["ACTS", "__version__", "lrpe_rotate"]

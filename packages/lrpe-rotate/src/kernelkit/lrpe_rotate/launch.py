@@ -45,6 +45,15 @@ def forward(x, theta, start, starts, table, cu_seqlens, kind, plan: Plan = PLAN)
     return replay.replayed(_forward, inputs, options, *inputs, kind, plan, tiling)
 
 
+def forward_recorded(x, theta, start: int, kind: str):
+    """The sequence `forward(x, theta, start, None, None, None, kind)` replays for this call
+    (positions `start + t`, the default plan): run it as `seq((x, theta, start, None, None,
+    None))`, whose first output is y; None where there is none (not called yet, or not
+    replayable)."""
+    options = (kind, None, K.POSITIONS_TILING)
+    return replay.recorded(_forward, (x, theta, start, None, None, None), options)
+
+
 def _forward(ops, x, theta, start, starts, table, cu_seqlens, kind, plan, tiling):
     """`forward` through `ops`: rotate_fwd_kernel (or, per POSITIONS_TILING,
     rotate_fwd_tokens_kernel), or act's chunk stats, their merge and seq_softmax_fwd_kernel."""
