@@ -691,26 +691,9 @@ def test_positions_tiling_switch_is_read_per_call(device, monkeypatch):
 
 def test_repeated_calls_take_the_shortcut(device):
     """A call like an earlier one that passed the checks replays its recorded sequence
-    (`op._CALLS`): bitwise the checked call, for every kind (element-wise, softmax over D and
-    over N), a decode shape, another offset (the replay's per-call value) and a wider
-    one; and calls of another layout than the kept one (theta float64, another theta, x with
-    other strides) still get their own results."""
+    (`op._CALLS`): bitwise the checked call (`lrpe_shortcut_pairs`: every kind, a decode
+    shape, other offsets and values; calls of other layouts after a kept shortcut)."""
     from kernelkit.lrpe_rotate import op
-    from kernelkit.shared.testing import assert_shortcuts_replay
+    from kernelkit.shared.testing import assert_shortcuts_replay, lrpe_shortcut_pairs
 
-    g = torch.Generator().manual_seed(0)
-
-    def r(*shape, dtype=torch.bfloat16):
-        return torch.randn(shape, generator=g).to(dtype).to(device)
-
-    x, xd, theta = r(2, 40, 4, 32), r(8, 1, 4, 32), r(4, 16, dtype=torch.float32)
-    pairs = [
-        ((x, theta, 5), (r(2, 40, 4, 32), theta, 9)),
-        ((x, theta, 5, "silu"), (x, r(4, 16, dtype=torch.float32), 2**40, "silu")),
-        ((x, theta, 5, "softmax", -1), (x, theta, 7, "softmax", -1)),
-        ((x, theta, 5, "softmax", 1), (r(2, 40, 4, 32), theta, 0, "softmax", 1)),
-        ((xd, theta[:1], 100), (r(8, 1, 4, 32), theta[:1], 101)),
-        ((x, theta, 5), (x, theta.double(), 5)),
-        ((x, theta, 5), (x.transpose(1, 2).contiguous().transpose(1, 2), theta, 5)),
-    ]
-    assert_shortcuts_replay(lrpe_rotate, pairs, op._CALLS)
+    assert_shortcuts_replay(lrpe_rotate, lrpe_shortcut_pairs(16, device), op._CALLS)

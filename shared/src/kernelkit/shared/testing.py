@@ -27,6 +27,7 @@ __all__ = [
     "entry_kernels",
     "launched_kernels",
     "lrpe_position_args",
+    "lrpe_shortcut_pairs",
     "packing",
     "rel_err",
     "run_cases_without_interpreter",
@@ -400,3 +401,26 @@ def lrpe_position_args(where: str, b: int, n: int, device):
         raise ValueError(f"where: expected int, starts, table or packed, got {where!r}")
     cuts = sorted({0, n, *(n * k // 7 for k in (1, 3, 4, 6))})
     return 0, None, packing([hi - lo for lo, hi in pairwise(cuts)] + [0], device)
+
+
+def lrpe_shortcut_pairs(e: int, device) -> list:
+    """(record, call) argument pairs of an LRPE op (x (2, 40, 4, 32) bf16, theta (4, e)
+    float32) for `assert_shortcuts_replay`: calls like the recorded one for every kind
+    (element-wise, softmax over D and over N) and a decode shape, with another offset (the
+    replay's per-call value) and a wider one, other x and theta values; and calls of another
+    layout than the kept one (theta float64, x with other strides)."""
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape, dtype=torch.bfloat16):
+        return torch.randn(shape, generator=g).to(dtype).to(device)
+
+    x, xd, theta = r(2, 40, 4, 32), r(8, 1, 4, 32), r(4, e, dtype=torch.float32)
+    return [
+        ((x, theta, 5), (r(2, 40, 4, 32), theta, 9)),
+        ((x, theta, 5, "silu"), (x, r(4, e, dtype=torch.float32), 2**40, "silu")),
+        ((x, theta, 5, "softmax", -1), (x, theta, 7, "softmax", -1)),
+        ((x, theta, 5, "softmax", 1), (r(2, 40, 4, 32), theta, 0, "softmax", 1)),
+        ((xd, theta[:1], 100), (r(8, 1, 4, 32), theta[:1], 101)),
+        ((x, theta, 5), (x, theta.double(), 5)),
+        ((x, theta, 5), (x.transpose(1, 2).contiguous().transpose(1, 2), theta, 5)),
+    ]
