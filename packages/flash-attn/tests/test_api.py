@@ -475,7 +475,8 @@ def test_repeated_calls_take_the_shortcut(device):
 def test_shortcut_backward_keys_the_output_gradient(device):
     """The backward of a shortcut forward keeps its sequence per layout of do and dlse
     (`op._BACKWARDS`): do contiguous, with other strides, not 16-byte aligned, the output
-    itself, and with an LSE gradient, each twice and in an order where each could take the
+    itself, with stride 0 (which the backward copies: no sequence) and with an LSE gradient,
+    each twice and in an order where each could take the
     sequence kept for the one before; every time bitwise the checked backward's gradients
     (`flash_attn_backward`)."""
     q, k, v = (x.requires_grad_() for x in qkv(1, 24, 24, 4, 2, 32, torch.bfloat16, device))
@@ -488,20 +489,22 @@ def test_shortcut_backward_keys_the_output_gradient(device):
         lambda o: make((1, 4, 24, 32), o.dtype, device, 4).transpose(1, 2),
         lambda o: make((o.numel() + 1,), o.dtype, device, 5)[1:].view(shape),
         lambda o: o,
+        lambda o: make((1, 1, 1, 1), o.dtype, device, 8).expand(shape),  # stride 0: copied
         lambda o: make(shape, o.dtype, device, 6),
     ]
     for n, do_of in enumerate(variants):
         for _ in range(2):
             o, lse = flash_attn(q, k, v, causal=True, return_lse=True)
             do = do_of(o)
-            dlse = make(lse.shape, torch.float32, device, 7) if n == 4 else None
+            dlse = make(lse.shape, torch.float32, device, 7) if n == 5 else None
             outputs, grads = ((o, lse), (do, dlse)) if dlse is not None else ((o,), (do,))
             got = torch.autograd.grad(outputs, (q, k, v), grads)
             want = flash_attn_backward(do.detach(), q.detach(), k.detach(), v.detach(),
                                        o.detach(), lse.detach(), causal=True,
                                        dlse=dlse)  # fmt: skip
             assert all(torch.equal(a, b) for a, b in zip(got, want)), n
-    assert len(fa_op._BACKWARDS._plans) == 4  # contiguous, strided, misaligned, with dlse
+    # contiguous, strided, misaligned, with dlse, and stride 0 (kept as not recorded)
+    assert len(fa_op._BACKWARDS._plans) == 5
 
 
 def _direct_forward(q, k, v, kw):

@@ -309,8 +309,10 @@ _grad_enabled = torch.is_grad_enabled
 # flash_attn's calls that passed its checks, by `_call_key`: (the recorded sequence of the
 # forward, attn_fwd's options)
 _CALLS = replay.Shortcuts()
-# the backwards of shortcut forwards, by `_backward_key`: the recorded sequence
+# the backwards of shortcut forwards, by `_backward_key`: the recorded sequence, or
+# _NOT_RECORDED where the backward has none (a stride-0 do, which it copies, say)
 _BACKWARDS = replay.Shortcuts()
+_NOT_RECORDED = object()
 
 
 def _call_key(q, k, v, causal, softmax_scale, return_lse, window_size, softcap, deterministic,
@@ -360,7 +362,7 @@ def _backward_key(entry, do, dlse, q, k, v, o, lse):
         if dlse is None:
             stats = None
         elif dlse.__class__ is _T and all(dlse is not t for t in (do, q, k, v, o, lse)):
-            stats = (dlse.shape, dlse.stride(), dlse.device, dlse.data_ptr() & 15)
+            stats = (dlse.shape, dlse.stride(), dlse.dtype, dlse.device, dlse.data_ptr() & 15)
         else:
             return None
         return (
@@ -390,16 +392,15 @@ class _ReplayedForward(torch.autograd.Function):
             do = torch.zeros_like(o)
         bkey = _backward_key(ctx.entry, do, dlse, q, k, v, o, lse)
         seq = None if bkey is None else _BACKWARDS._plans.get(bkey)
-        if seq is not None:
+        if seq is not None and seq is not _NOT_RECORDED:
             return (*seq((do, q, k, v, o, lse, dlse)), None)
         options = ctx.options
         dq, dk, dv = attn_bwd(do, q, k, v, o, lse, dlse, *options)
-        if bkey is not None:
+        if bkey is not None and seq is None:
             causal, scale, softcap, left, right, deterministic, margin = options
             seq = backward_recorded(do, q, k, v, o, lse, dlse, causal, scale, softcap,
                                     (left, right), deterministic, margin)  # fmt: skip
-            if seq is not None:
-                _BACKWARDS.remember(bkey, seq)
+            _BACKWARDS.remember(bkey, _NOT_RECORDED if seq is None else seq)
         return dq, dk, dv, None
 
 
