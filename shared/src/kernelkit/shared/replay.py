@@ -314,14 +314,10 @@ class Shortcuts(PlanCache):
 _I32, _I64, _U64 = "i32", "i64", "u64"
 
 
-def _width(v: int) -> str:
-    return _I32 if -(2**31) <= v < 2**31 else _I64 if -(2**63) <= v < 2**63 else _U64
-
-
 def int_width(v: int) -> str:
     """What `replayed`'s key holds for an int input (a per-call value): its width as Triton
-    keys a do_not_specialize int. For `Shortcuts` keys of calls with such an int."""
-    return _width(v)
+    keys a do_not_specialize int. Also for `Shortcuts` keys of calls with such an int."""
+    return _I32 if -(2**31) <= v < 2**31 else _I64 if -(2**63) <= v < 2**63 else _U64
 
 
 def replayed(run: Callable, inputs: Sequence[torch.Tensor | int | None], options, *args):
@@ -361,7 +357,7 @@ def _key(run, inputs, options) -> tuple | None:
     # Each kind of entry starts with a different type (None, int, torch.Size, str): the flat key
     # reads back one way only.
     key = [run, options, runtime.launch, inputs[0].device]
-    return tuple(key) if _layout_into(key, inputs, _width, False) else None
+    return tuple(key) if _layout_into(key, inputs, int_width, False) else None
 
 
 def call_layout(inputs: Sequence[torch.Tensor | int | None]) -> tuple | None:

@@ -50,11 +50,13 @@ __all__ = [
     "cdiv",
     "define_op",
     "define_opaque_op",
+    "function_apply",
     "inductor_compiles",
     "interpreting",
     "launch",
     "next_power_of_2",
     "num_sms",
+    "plain_call",
     "traced",
     "use_triton",
 ]
@@ -227,6 +229,20 @@ _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
 
 
+def plain_call() -> bool:
+    """Whether the current call runs eagerly: no torch.compile tracing, no functorch transform
+    (vmap, grad). Where a public function may take its `replay.Shortcuts`."""
+    return not _is_compiling() and not _functorch_active()
+
+
+def function_apply(function: type) -> Callable:
+    """`function.apply` (a torch.autograd.Function) through its C implementation, without the
+    Python wrapper, which only matters under functorch transforms (callers check
+    `plain_call` or, as `KernelOp`, route those to `function.apply`)."""
+    c_apply = getattr(torch._C._FunctionBase, "__dict__", {}).get("apply")
+    return c_apply.__get__(None, function) if c_apply else function.apply
+
+
 # The classes of an op's non-tensor arguments (options): no tensor among them.
 _OPTIONS = frozenset((bool, int, float, str, type(None), torch.dtype))
 
@@ -290,8 +306,7 @@ class KernelOp:
         )
         # Function.apply's Python wrapper only matters under functorch transforms (checked in
         # __call__); outside them, its C implementation is called directly.
-        c_apply = getattr(torch._C._FunctionBase, "__dict__", {}).get("apply")
-        self._apply = c_apply.__get__(None, self._function) if c_apply else self._function.apply
+        self._apply = function_apply(self._function)
 
 
 def define_op(

@@ -14,7 +14,9 @@ from kernelkit.shared import replay, runtime
 from kernelkit.shared.runtime import (
     define_op,
     define_opaque_op,
+    function_apply,
     interpreting,
+    plain_call,
     traced,
     use_triton,
 )
@@ -304,7 +306,6 @@ varlen_reference.register_autograd(_reference_backward, setup_context=_reference
 
 
 _T = torch.Tensor
-_is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
 # flash_attn's calls that passed its checks, by `_call_key`: (the recorded sequence of the
 # forward, attn_fwd's options)
@@ -357,7 +358,7 @@ def _backward_key(entry, do, dlse, q, k, v, o, lse):
         and do is not v
         and do is not o
         and do is not lse
-        and not _is_compiling()
+        and plain_call()
     ):
         if dlse is None:
             stats = None
@@ -404,10 +405,8 @@ class _ReplayedForward(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-# Function.apply's C implementation: its Python wrapper only matters under functorch
-# transforms, which take the checked path (as in `runtime.KernelOp`)
-_c_apply = getattr(torch._C._FunctionBase, "__dict__", {}).get("apply")
-_replayed_forward = _c_apply.__get__(None, _ReplayedForward) if _c_apply else _ReplayedForward.apply
+# (functorch transforms take the checked path: `plain_options`)
+_replayed_forward = function_apply(_ReplayedForward)
 
 
 def flash_attn(
@@ -452,8 +451,7 @@ def flash_attn(
     if key is not None:
         entry = _CALLS._plans.get(key)
         if entry is not None:
-            seq, args = entry
-            o, lse = _replayed_forward(q, k, v, entry) if key[-1] else seq((q, k, v))
+            o, lse = _replayed_forward(q, k, v, entry) if key[-1] else entry[0]((q, k, v))
             return (o, lse) if return_lse else o
     check_bool("return_lse", return_lse)
     q0 = q

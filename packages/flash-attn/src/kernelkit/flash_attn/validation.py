@@ -7,6 +7,7 @@ import math
 import torch
 
 from kernelkit.shared.packed import check_cu_seqlens
+from kernelkit.shared.runtime import plain_call
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
@@ -248,8 +249,6 @@ def validate_stats(q, do, o, lse, dlse, v=None) -> None:
 
 
 NO_WINDOW = (-1, -1)  # the public functions' default window_size (one object: `plain_options`)
-_is_compiling = torch.compiler.is_compiling
-_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
 
 
 def plain_options(causal, softmax_scale, window_size, softcap, return_lse) -> bool:
@@ -271,8 +270,7 @@ def plain_options(causal, softmax_scale, window_size, softcap, return_lse) -> bo
                 and window_size[1].__class__ is int
             )
         )
-        and not _is_compiling()
-        and not _functorch_active()
+        and plain_call()
     )
 
 

@@ -22,7 +22,7 @@ from kernelkit.act import act as apply_act
 from kernelkit.shared import replay, runtime
 from kernelkit.shared.packed import check_cu_seqlens
 from kernelkit.shared.replay import DIRECT
-from kernelkit.shared.runtime import cdiv, interpreting, next_power_of_2, num_sms
+from kernelkit.shared.runtime import cdiv, interpreting, next_power_of_2, num_sms, plain_call
 
 from .kernels import merge_chunk_stats_kernel, merge_chunk_sums_kernel
 
@@ -58,6 +58,8 @@ SEQ = "softmax_seq"
 # for this many times their usual number of programs to keep the launch's tail short.
 PACKED_WAVES = 4
 PACKED_CHUNK_CAP = 32  # ... up to this many chunks: programs merge every chunk of their row
+# An int offset's bound (positions are int64, with room for N)
+_MAX_OFFSET = 2**62
 
 
 def packed_chunks(base: int) -> int:
@@ -123,7 +125,7 @@ def validate_positions(x: torch.Tensor, offset, positions=None, cu_seqlens=None)
     table. Packed sequences (`cu_seqlens`) return (0, None, None): the kernels derive each
     token's position from its sequence's start on the device, with no per-call table."""
     if offset.__class__ is int and positions is None and cu_seqlens is None:  # the common call
-        if not -(2**62) <= offset <= 2**62:
+        if not -_MAX_OFFSET <= offset <= _MAX_OFFSET:
             raise ValueError(f"offset: {offset} is out of range (positions are int64)")
         return offset, None, None
     b, n = x.shape[0], x.shape[1]
@@ -164,7 +166,7 @@ def validate_positions(x: torch.Tensor, offset, positions=None, cu_seqlens=None)
         return 0, offset.to(torch.int64), None
     if not _is_int(offset):
         raise ValueError(f"offset: expected an int or an integer tensor (B,), got {offset!r}")
-    if isinstance(offset, int) and not -(2**62) <= offset <= 2**62:
+    if isinstance(offset, int) and not -_MAX_OFFSET <= offset <= _MAX_OFFSET:
         raise ValueError(f"offset: {offset} is out of range (positions are int64)")
     return offset, None, None
 
@@ -198,10 +200,7 @@ def validate_act(x: torch.Tensor, act, dim, cu_seqlens=None) -> str:
 
 
 _T = torch.Tensor
-_is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
-_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
-_MAX_OFFSET = 2**62  # validate_positions' bound on an int offset
 
 
 def shortcut_key(x, theta, offset, act, dim, positions=None, cu_seqlens=None) -> tuple | None:
@@ -223,8 +222,7 @@ def shortcut_key(x, theta, offset, act, dim, positions=None, cu_seqlens=None) ->
         and act.__class__ is str
         and (dim is None or dim.__class__ is int)
         and not (_grad_enabled() and (x.requires_grad or theta.requires_grad))
-        and not _is_compiling()
-        and not _functorch_active()
+        and plain_call()
     ):
         return (
             x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
