@@ -82,8 +82,13 @@ def resource_usage(kernel, args, kwargs) -> dict:
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, spec, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, spec, options)
+    source = ASTSource
+    if kernel.is_gluon():  # (Gluon kernels start at TTGIR)
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        source = GluonASTSource
     compiled = triton.compile(
-        ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__
+        source(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__
     )
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])

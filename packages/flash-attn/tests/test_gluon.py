@@ -8,6 +8,7 @@ Gluon has no interpreter: tests that run these kernels need an sm_90 GPU (`need_
 sizes are in test_gpu_sizes.py, the helpers in fa_testing.py.
 """
 
+import itertools
 import math
 from dataclasses import replace
 
@@ -153,10 +154,15 @@ def test_gluon_backward_launches_are_compile_checked():
     assert [kw["LOCAL"] for *_, kw in gluon] == [False] * 4 + [True] * 2
     # dq summed in the Gluon kernel: its launches run only there, the portable preprocess
     # (ZERO_DQ) and dq conversion included; the window's tiles and dq order too.
+    # (d64: by a dq warpgroup with K/V in registers; d128 and the padded d96: by the consumers
+    # in column halves)
     fused = []
-    for deterministic, softcap, window in ((True, 0.0, (-1, -1)), (False, 0.0, (-1, -1)),
-                                           (True, 0.0, (64, 0)), (False, 0.0, (32, 16))):  # fmt: skip
-        q, k, v = qkv(2, 300, 260, 4, 2, 64, torch.bfloat16, "cpu")
+    for d, (deterministic, softcap, window) in itertools.product(
+        (64, 128, 96),
+        ((True, 0.0, (-1, -1)), (False, 0.0, (-1, -1)), (True, 0.0, (64, 0)),
+         (False, 0.0, (32, 16))),
+    ):  # fmt: skip
+        q, k, v = qkv(2, 300, 260, 4, 2, d, torch.bfloat16, "cpu")
         do = torch.randn_like(q)
         p = fa_launch.backward_problem(do, q, k, v, True, softcap, window,
                                        deterministic=deterministic, target=H100)  # fmt: skip
@@ -166,11 +172,13 @@ def test_gluon_backward_launches_are_compile_checked():
                                             window).launches  # fmt: skip
     names = [kernel_name(kernel) for kernel, *_ in fused]
     assert names == ["attn_bwd_preprocess_kernel", "attn_bwd_gluon_kernel",
-                     "attn_bwd_dq_convert_kernel"] * 4  # fmt: skip
-    assert [kw["DQ_MODE"] for *_, kw in fused[1::3]] == [2, 1, 2, 1]
-    assert [kw["KV_REGS"] for *_, kw in fused[1::3]] == [True] * 4
-    assert [kw["LOCAL"] for *_, kw in fused[1::3]] == [False, False, True, True]
-    assert [kw["ZERO_DQ"] for *_, kw in fused[::3]] == [True] * 4
+                     "attn_bwd_dq_convert_kernel"] * 12  # fmt: skip
+    assert [kw["DQ_MODE"] for *_, kw in fused[1::3]] == [2, 1, 2, 1] * 3
+    assert [kw["KV_REGS"] for *_, kw in fused[1::3]] == [True] * 4 + [False] * 8
+    assert [kw["DQ_HALVES"] for *_, kw in fused[1::3]] == [False] * 4 + [True] * 8
+    assert [kw["BLOCK_D"] for *_, kw in fused[1::3]] == [64] * 4 + [128] * 8
+    assert [kw["LOCAL"] for *_, kw in fused[1::3]] == [False, False, True, True] * 3
+    assert [kw["ZERO_DQ"] for *_, kw in fused[::3]] == [True] * 12
     for kernel, _, args, kwargs in gluon + fused:
         record_launch(kernel, args, kwargs)
 
@@ -264,7 +272,9 @@ def _check_error_cases():
         (check_bwd, replace(p, softcap=True), bwd, "softcap"),
         (check_bwd, replace(p, packed=True), bwd, "a packed batch"),
         (check_bwd, p, replace(bwd, dkdv=Tile(64, 64, 4, 2, tma=True)), "BLOCK_N must be 128"),
-        (check_bwd, p, replace(fused, dkdv=bwd.dkdv), "dq summed in the kernel only up to BLOCK_D 64"),
+        (check_bwd, p, replace(fused, dkdv=bwd.dkdv), "dq summed by a dq warpgroup only up to BLOCK_D 64"),
+        (check_bwd, p, replace(bwd, dq_halves=True), "dq_halves: dq summed in the kernel, K and V in"),
+        (check_bwd, p64, replace(fused, dq_halves=True), "dq_halves: dq summed in the kernel, K and V in"),
         (check_bwd, p, replace(bwd, kv_regs=True), "a dq tile and K/V in shared memory"),
         (check_bwd, p, replace(bwd, dq=None), "a dq tile and K/V in shared memory"),
         (check_bwd, p64, replace(fused, persistent=True), "run one program per tile"),
@@ -297,13 +307,13 @@ def _check_error_cases():
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("case", range(45))
+@pytest.mark.parametrize("case", range(47))
 def test_check_errors_name_the_reason(case):
     """check_fwd / check_bwd (what launch.forward / backward do with a config passed in) accept
     a config only where its kernels can run the call, else raise a ValueError naming the config
     and the reason (the backend's `can_implement`)."""
     cases = _check_error_cases()
-    assert len(cases) == 45
+    assert len(cases) == 47
     check, p, cfg, reason = cases[case]
     with pytest.raises(ValueError) as error:
         check(p, cfg)
@@ -378,35 +388,40 @@ def test_bwd_tile_heads():
 
 
 def test_fused_dq_rule():
-    """Half-precision d64 backwards from FUSED_DQ_MIN_N query rows on sum dq in the Gluon kernel
-    in a fixed order; with deterministic=False from ANY_ORDER_DQ_MIN_N rows on (fewer); shorter
-    ones keep the portable kernels and d128 its Gluon dk/dv kernel with the dq kernel beside.
-    As on an H100."""
+    """Half-precision backwards from FUSED_DQ_MIN_N query rows on sum dq in the Gluon kernel in
+    a fixed order, with deterministic=False from ANY_ORDER_DQ_MIN_N rows on: d64 by a dq
+    warpgroup (K/V in registers), d128 by the consumers in column halves. Shorter ones keep
+    the portable kernels (d64) or the Gluon dk/dv kernel with the dq kernel beside it (d128,
+    persistent). As on an H100."""
     for deterministic, table, mode in ((True, T.FUSED_DQ_MIN_N, DQ_ORDERED),
                                        (False, T.ANY_ORDER_DQ_MIN_N, DQ_ANY_ORDER)):  # fmt: skip
-        for causal in (False, True):
+        for d, causal in itertools.product((64, 128), (False, True)):
             opts = dict(causal=causal, deterministic=deterministic)
-            n = table[64][causal]
-            if n is None:
-                long = meta_problem(1, 1 << 20, 1 << 20, 2, 1, 64, **opts)
-                assert choose_bwd(long).kernel == BWD_TRITON
-                continue
-            p = meta_problem(1, n, n, 2, 1, 64, **opts)
+            n = table[d][causal]
+            p = meta_problem(1, n, n, 2, 1, d, **opts)
             cfg = choose_bwd(p)
             assert cfg == gluon_bwd_config(p, T.FUSED_DQ_DKDV, mode)
             assert (cfg.kernel, cfg.dkdv, cfg.dq_mode, cfg.dq) == (BWD_GLUON, T.FUSED_DQ_DKDV,
                                                                    mode, None)  # fmt: skip
-            assert cfg.kv_regs and not cfg.persistent and f"from {n} query rows" in cfg.why
-            shorter = choose_bwd(meta_problem(1, n - 1, n - 1, 2, 1, 64, **opts))
-            tables = T.CAUSAL_TILES[64][1:] if causal else (T.DKDV_TILES[64], T.DQ_TILES[64])
-            assert shorter.kernel == BWD_TRITON and (shorter.dkdv, shorter.dq) == tables
-            cfg128 = choose_bwd(meta_problem(1, 1 << 20, 1 << 20, 2, 1, 128, **opts))
-            assert (cfg128.kernel, cfg128.dq_mode) == (BWD_GLUON, DQ_KERNEL)
-            assert cfg128.dkdv == T.GLUON_DKDV_TILES[128][causal]
+            assert (cfg.kv_regs, cfg.dq_halves) == (d == 64, d == 128)
+            assert not cfg.persistent and f"from {n} query rows" in cfg.why
+            by = "its consumers" if d == 128 else "a dq warpgroup"
+            assert f"(by {by})" in cfg.why
+            assert choose_bwd(meta_problem(1, 1 << 20, 1 << 20, 2, 1, d, **opts)) == replace(
+                gluon_bwd_config(meta_problem(1, 1 << 20, 1 << 20, 2, 1, d, **opts),
+                                 T.FUSED_DQ_DKDV, mode), why=cfg.why)  # fmt: skip
+            shorter = choose_bwd(meta_problem(1, n - 1, n - 1, 2, 1, d, **opts))
+            if d == 64:
+                tables = T.CAUSAL_TILES[64][1:] if causal else (T.DKDV_TILES[64], T.DQ_TILES[64])
+                assert shorter.kernel == BWD_TRITON and (shorter.dkdv, shorter.dq) == tables
+            else:
+                assert (shorter.kernel, shorter.dq_mode) == (BWD_GLUON, DQ_KERNEL)
+                assert shorter.dkdv == T.GLUON_DKDV_TILES[128][causal] and shorter.persistent
             # The forward does not read `deterministic`.
             assert choose_fwd(p) == choose_fwd(replace(p, deterministic=not deterministic))
     for causal in (False, True):
         assert T.ANY_ORDER_DQ_MIN_N[64][causal] < T.FUSED_DQ_MIN_N[64][causal]
+        assert T.FUSED_DQ_MIN_N[128][causal] <= T.GLUON_BWD_PERSISTENT_MAX_N
 
 
 def test_deterministic_option_launches():
@@ -426,6 +441,15 @@ def test_deterministic_option_launches():
                  if kernel_name(kernel) == "attn_bwd_gluon_kernel"]  # fmt: skip
         return launch_names(probe), [(kw["DQ_MODE"], kw["KV_REGS"]) for kw in gluon]
 
+    def backward128(n, deterministic):
+        q = torch.empty(1, n, 2, 128, dtype=torch.bfloat16, device="meta")
+        lse = torch.empty(1, 2, n, device="meta")
+        probe = families.probe_backward(q, q, q, q, q, lse, None, True, 0.125, 0.0, (-1, 0),
+                                        None, deterministic, H100)  # fmt: skip
+        gluon = [kw for kernel, _, _, kw in probe.launches
+                 if kernel_name(kernel) == "attn_bwd_gluon_kernel"]  # fmt: skip
+        return launch_names(probe), [(kw["DQ_MODE"], kw["DQ_HALVES"]) for kw in gluon]
+
     n = T.ANY_ORDER_DQ_MIN_N[64][1]
     names, modes = backward(n, (-1, -1), False)
     assert "attn_bwd_dq_kernel" not in names and "attn_bwd_dq_convert_kernel" in names
@@ -436,6 +460,13 @@ def test_deterministic_option_launches():
     assert "attn_bwd_dq_kernel" not in names and modes == [(2, True)]
     names, modes = backward(n, (100, 0), False)  # a window: the same kernels
     assert "attn_bwd_dq_kernel" not in names and modes == [(1, True)]
+    # d128: the consumers sum dq in column halves from FUSED_DQ_MIN_N rows, in either order
+    for deterministic in (True, False):
+        names, modes = backward128(T.FUSED_DQ_MIN_N[128][1], deterministic)
+        assert "attn_bwd_dq_kernel" not in names and "attn_bwd_dq_convert_kernel" in names
+        assert modes == [(2 if deterministic else 1, True)]
+    names, modes = backward128(T.FUSED_DQ_MIN_N[128][1] - 1, True)
+    assert "attn_bwd_dq_kernel" in names and modes == [(0, False)]
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -456,22 +487,24 @@ def test_deterministic_option(causal, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [True, False], ids=["ordered", "any-order"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gpu_fused_dq_by_rule(causal, deterministic, device):
-    """The Gluon kernel summing dq (K/V in registers) where the chooser takes it: from
-    FUSED_DQ_MIN_N / ANY_ORDER_DQ_MIN_N query rows on (probed at that length, as on an H100);
-    that config (gluon_bwd_config) run at a test's size through the op's autograd path, with GQA,
-    Nq != Nk and the LSE's gradient; deterministic: bitwise the same gradients on a second
-    run."""
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_fused_dq_by_rule(d, causal, deterministic, device):
+    """The Gluon kernel summing dq (d64: a dq warpgroup, K/V in registers; d128: the consumers
+    in column halves) where the chooser takes it: from FUSED_DQ_MIN_N / ANY_ORDER_DQ_MIN_N
+    query rows on (probed at that length, as on an H100); that config (gluon_bwd_config) run at
+    a test's size, below the rule, through the op's autograd path, with GQA, Nq != Nk and the
+    LSE's gradient; deterministic: bitwise the same gradients on a second run."""
     table, mode = ((T.FUSED_DQ_MIN_N, DQ_ORDERED) if deterministic
                    else (T.ANY_ORDER_DQ_MIN_N, DQ_ANY_ORDER))  # fmt: skip
-    n = table[64][causal]
-    rule = meta_problem(2, n, n + 100, 8, 2, 64, causal=causal, deterministic=deterministic)
+    n = table[d][causal]
+    rule = meta_problem(2, n, n + 100, 8, 2, d, causal=causal, deterministic=deterministic)
     assert choose_bwd(rule) == gluon_bwd_config(rule, T.FUSED_DQ_DKDV, mode)
     need_sm90(device)
-    q, k, v = qkv(2, 1000, 1100, 8, 2, 64, torch.bfloat16, device)
+    q, k, v = qkv(2, 1000, 1100, 8, 2, d, torch.bfloat16, device)
     pb = problems(q, k, v, causal, deterministic=deterministic)[1]
     cfg = check_bwd(pb, gluon_bwd_config(pb, T.FUSED_DQ_DKDV, mode))
-    assert cfg.kv_regs and cfg.dq is None and choose_bwd(pb).kernel == BWD_TRITON
+    assert (cfg.kv_regs, cfg.dq_halves) == (d == 64, d == 128) and cfg.dq is None
+    assert choose_bwd(pb).dq_mode == DQ_KERNEL  # (at this length)
     _, _, grads = check_with_configs(q, k, v, causal, bwd=cfg, deterministic=deterministic)
     if deterministic:
         _, _, again = check_with_configs(q, k, v, causal, bwd=cfg, deterministic=deterministic)

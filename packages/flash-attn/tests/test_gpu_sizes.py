@@ -403,13 +403,16 @@ def test_gpu_gluon_backward_schedules_agree(causal, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d, mode", [(128, "dkdv"), (64, "ordered"), (64, "any-order")])
+@pytest.mark.parametrize(
+    "d, mode",
+    [(128, "dkdv"), (64, "ordered"), (64, "any-order"), (128, "ordered"), (128, "any-order")],
+)
 def test_gpu_gluon_backward_tile_groups(d, mode, causal, device):
     """The Gluon dk/dv kernel's tiles in groups of a few (batch, kv head)s (here 2 groups of 8:
     choose.tile_heads) and in one group of all heads (`tile_heads` = all 16; negative: from
     the last key block down), one program per tile: the d128 dk/dv-only kernel, dq summed in
-    the kernel in a fixed order (causal: from the last key block down either way) and in any
-    order. Right against the reference; bitwise the same gradients either way where the order
+    the kernel (d64: by a dq warpgroup, d128: by the consumers in column halves) in a fixed
+    order (causal: from the last key block down either way) and in any order. Right against the reference; bitwise the same gradients either way where the order
     of the sums is fixed."""
     need_sm90(device)
     deterministic = mode != "any-order"
@@ -433,6 +436,7 @@ def test_gpu_gluon_backward_tile_groups(d, mode, causal, device):
     for heads in (16 * sign, grouped):
         cfg = check_bwd(p, replace(base, persistent=False, tile_heads=heads))
         assert (cfg.dq_mode == DQ_KERNEL) == (mode == "dkdv")
+        assert cfg.dq_halves == (d == 128 and mode != "dkdv")
         grads.append(fa_launch.backward(do, q, k, v, o, lse, None, causal, scale,
                                         deterministic=deterministic, config=cfg))  # fmt: skip
         for g, g64, gl, name in zip(grads[-1], grads64, grads_l, ("dq", "dk", "dv")):
@@ -477,21 +481,20 @@ def test_gpu_gluon_backward(shape, causal, stages, device):
     "shape", HOPPER_GPU_SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}-hkv{}-d{}".format(*s)
 )
 def test_gpu_gluon_fused_dq(shape, causal, deterministic, device):
-    """dq summed in the Gluon dk/dv kernel (DQ_ORDERED / DQ_ANY_ORDER configs; above
-    tables.GLUON_FUSED_DQ_MAX_D such a config is an error, and the dq kernel runs beside the
-    Gluon one instead): against the reference; in a fixed order the gradients are bitwise the
-    same from run to run."""
+    """dq summed in the Gluon dk/dv kernel (DQ_ORDERED / DQ_ANY_ORDER configs): up to
+    tables.GLUON_FUSED_DQ_MAX_D by a dq warpgroup, above it by the consumers in column halves
+    (`dq_halves`; without them such a config is an error): against the reference; in a fixed
+    order the gradients are bitwise the same from run to run."""
     need_sm90(device)
     q, k, v = qkv(*shape, torch.bfloat16, device)
     p = problems(q, k, v, causal, deterministic=deterministic)[1]
     tile = Tile(64, 128, 4, 2, tma=True)
-    fused = gluon_bwd_config(p, tile, DQ_ORDERED if deterministic else DQ_ANY_ORDER)
-    if block_d_for(shape[-1]) <= T.GLUON_FUSED_DQ_MAX_D:
-        bwd = check_bwd(p, fused)
-    else:
-        with pytest.raises(ValueError, match="dq summed in the kernel only up to BLOCK_D 64"):
-            check_bwd(p, fused)
-        bwd = check_bwd(p, gluon_bwd_config(p, tile, DQ_KERNEL))
+    bwd = check_bwd(p, gluon_bwd_config(p, tile, DQ_ORDERED if deterministic else DQ_ANY_ORDER))
+    halves = block_d_for(shape[-1]) > T.GLUON_FUSED_DQ_MAX_D
+    assert bwd.dq_halves == halves and bwd.kv_regs == (not halves)
+    if halves:
+        with pytest.raises(ValueError, match="dq summed by a dq warpgroup only up to BLOCK_D 64"):
+            check_bwd(p, replace(bwd, dq_halves=False))
     o, lse, grads = check_launches(None, bwd, q, k, v, causal, deterministic)
     if deterministic:
         do = make(q.shape, q.dtype, q.device, seed=9)  # (check_launches')

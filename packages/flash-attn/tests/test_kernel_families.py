@@ -34,14 +34,15 @@ WIN1 = (256, -1)  # one split of a long cache: the window's keys
 P64 = dict(b=2, nq=300, nk=300, h=4, hkv=2, d=64)
 P128 = dict(b=2, nq=300, nk=300, h=4, hkv=2, d=128)
 E128 = dict(b=2, nq=256, nk=256, h=4, hkv=2, d=128)  # an even number of query blocks: pairs
-N128 = dict(nq=4224, nk=4224, d=128)  # past GLUON_BWD_PERSISTENT_MAX_N
+N128 = dict(nq=2176, nk=2176, d=128)  # d128: dq summed by the consumers, in a fixed order
+ANY128 = dict(N128, deterministic=False)  # and in any order
 N64 = dict(nq=8192, nk=8192, h=6, hkv=2)  # d64: the fused-dq Gluon backward, in a fixed order
 ANY64 = dict(nq=4096, nk=4096, deterministic=False)  # and in any order
 MLA = dict(b=2, nq=300, nk=300, h=4, hkv=2, d=192, dv=128)  # a value head dim of its own
 
-# (forward family, backward family, a call that takes them). bwd-gluon "persistent" takes at
-# most tables.GLUON_BWD_PERSISTENT_MAX_N rows, fused dq (dq-ordered / dq-any-order) at least
-# tables.FUSED_DQ_MIN_N / ANY_ORDER_DQ_MIN_N; the d64 Gluon forward needs
+# (forward family, backward family, a call that takes them). bwd-gluon "persistent" (the dq
+# kernel beside it) takes fewer than tables.FUSED_DQ_MIN_N rows at d128, fused dq (dq-ordered
+# / dq-any-order; dq-halves at d128) at least tables.FUSED_DQ_MIN_N / ANY_ORDER_DQ_MIN_N; the d64 Gluon forward needs
 # tables.GLUON_FWD_MIN_N rows and a grid that fills the GPU (tables.SMALL_GRID_FWD,
 # choose._small_grid).
 FAMILY_CASES = [
@@ -117,13 +118,23 @@ FAMILY_CASES = [
      Call(**P128, causal=True, window=WIN)),
     ("fwd-gluon(d128,causal,local,softcap,dynamic)", "bwd(causal,local,softcap)",
      Call(**P128, causal=True, window=WIN, softcap=5.0)),
-    ("fwd-gluon(d128)", "bwd-gluon(d128,dq-kernel)", Call(**N128)),
-    ("fwd-gluon(d128,causal)", "bwd-gluon(d128,causal,dq-kernel)", Call(**N128, causal=True)),
-    ("fwd-gluon(d128,local,dynamic)", "bwd-gluon(d128,local,dq-kernel)", Call(**N128, window=WIN)),
+    ("fwd-gluon(d128)", "bwd-gluon(d128,dq-ordered,dq-halves)", Call(**N128)),
+    ("fwd-gluon(d128,causal)", "bwd-gluon(d128,causal,dq-ordered,dq-halves)",
+     Call(**N128, causal=True)),
+    ("fwd-gluon(d128,local,dynamic)", "bwd-gluon(d128,local,dq-ordered,dq-halves)",
+     Call(**N128, window=WIN)),
     # a window's right edge (the causal family, its edge off the diagonal)
-    ("fwd-gluon(d128,causal)", "bwd-gluon(d128,causal,dq-kernel)", Call(**N128, window=(-1, 64))),
-    ("fwd-gluon(d128,causal,local,dynamic)", "bwd-gluon(d128,causal,local,dq-kernel)",
+    ("fwd-gluon(d128,causal)", "bwd-gluon(d128,causal,dq-ordered,dq-halves)",
+     Call(**N128, window=(-1, 64))),
+    ("fwd-gluon(d128,causal,local,dynamic)", "bwd-gluon(d128,causal,local,dq-ordered,dq-halves)",
      Call(**N128, causal=True, window=WIN)),
+    ("fwd-gluon(d128)", "bwd-gluon(d128,dq-any-order,dq-halves)", Call(**ANY128)),
+    ("fwd-gluon(d128,causal)", "bwd-gluon(d128,causal,dq-any-order,dq-halves)",
+     Call(**ANY128, causal=True)),
+    ("fwd-gluon(d128,local,dynamic)", "bwd-gluon(d128,local,dq-any-order,dq-halves)",
+     Call(**ANY128, window=WIN)),
+    ("fwd-gluon(d128,causal,local,dynamic)", "bwd-gluon(d128,causal,local,dq-any-order,dq-halves)",
+     Call(**ANY128, causal=True, window=WIN)),
     ("fwd-gluon(d64)", "bwd-gluon(d64,dq-ordered)", Call(**N64)),
     ("fwd-gluon(d64,local,dynamic)", "bwd-gluon(d64,local,dq-ordered)", Call(**N64, window=WIN)),
     ("fwd-gluon(d64,local,softcap,dynamic)", "bwd(local,softcap)", Call(**N64, window=WIN, softcap=5.0)),

@@ -270,9 +270,9 @@ def portable_bwd_config(p: Problem, dkdv: Tile, dq: Tile, why: str = "given tile
 
 
 def _gluon_bwd_wanted(p: Problem) -> tuple[Tile, int, str] | None:
-    """(dk/dv tile, dq mode, why) of the Gluon backward where the tables ask for it: d128 with
-    the dq kernel beside it, d64 summing dq from FUSED_DQ_MIN_N query rows (ANY_ORDER_DQ_MIN_N
-    with deterministic=False); half precision, no packing."""
+    """(dk/dv tile, dq mode, why) of the Gluon backward where the tables ask for it: summing dq
+    from FUSED_DQ_MIN_N query rows (ANY_ORDER_DQ_MIN_N with deterministic=False), d128 below
+    them with the dq kernel beside it; half precision, no packing."""
     if not p.half or p.packed or p.target.interpreter:
         return None
     table = T.FUSED_DQ_MIN_N if p.deterministic else T.ANY_ORDER_DQ_MIN_N
@@ -280,7 +280,12 @@ def _gluon_bwd_wanted(p: Problem) -> tuple[Tile, int, str] | None:
     if min_n is not None and p.nq >= min_n:
         mode = DQ_ORDERED if p.deterministic else DQ_ANY_ORDER
         order = "in a fixed order" if p.deterministic else "in any order"
-        return T.FUSED_DQ_DKDV, mode, f"Gluon dk/dv summing dq {order}: from {min_n} query rows"
+        by = "its consumers" if p.block_d > T.GLUON_FUSED_DQ_MAX_D else "a dq warpgroup"
+        return (
+            T.FUSED_DQ_DKDV,
+            mode,
+            f"Gluon dk/dv summing dq {order} (by {by}): from {min_n} query rows",
+        )
     tiles = T.GLUON_DKDV_TILES.get(p.block_d)
     if tiles is None:
         return None
@@ -291,17 +296,20 @@ def gluon_bwd_config(p: Problem, tile: Tile, dq_mode: int, dq: Tile | None = Non
                      why: str = "") -> BwdConfig:  # fmt: skip
     """The Gluon backward's config for `p`: dk/dv `tile` (2 x 64 keys), dq by the dq kernel with
     tile `dq` (DQ_KERNEL; default the tables') or summed in the kernel (DQ_ANY_ORDER,
-    DQ_ORDERED); K/V in registers where dq is summed here; one program per SM for the
+    DQ_ORDERED): by a dq warpgroup with K/V in registers up to GLUON_FUSED_DQ_MAX_D, above it
+    by the consumers in column halves (`dq_halves`); one program per SM for the
     dq-kernel variant up to GLUON_BWD_PERSISTENT_MAX_N query rows; the tile order
     (`tile_heads`)."""
     fused = dq_mode != DQ_KERNEL
+    halves = fused and p.block_d > T.GLUON_FUSED_DQ_MAX_D
     dq = None if fused else dq or table_tiles(p)[2]
     persistent = bool(not fused and p.nq <= T.GLUON_BWD_PERSISTENT_MAX_N)
     heads = tile_heads(p.batch * p.kv_heads, cdiv(p.nk, tile.block_n), p.target.sms, p.causal,
                        persistent, dq_mode == DQ_ORDERED)  # fmt: skip
     return BwdConfig(BWD_GLUON, tile, True, dq_mode, dq, dq is not None and dq.tma and p.tma_kv,
-                     True, True, _fast_tanh(p), kv_regs=fused and p.block_d <= T.GLUON_FUSED_DQ_MAX_D,
-                     persistent=persistent, tile_heads=heads, why=why)  # fmt: skip
+                     True, True, _fast_tanh(p), kv_regs=fused and not halves,
+                     persistent=persistent, tile_heads=heads, dq_halves=halves,
+                     why=why)  # fmt: skip
 
 
 def tile_heads(bhk: int, key_blocks: int, sms: int, causal: bool, persistent: bool,

@@ -35,7 +35,7 @@ FAMILY_SWITCHES = {
     "attn_fwd_split_kernel": ("CAUSAL", "LOCAL", "SOFTCAP", "VAR_K", "PAGED", "DIRECT"),
     "attn_fwd_gluon_kernel": ("BLOCK_D", "CAUSAL", "LOCAL", "PAIRS", "SOFTCAP", "DYNAMIC"),
     "attn_bwd_dkdv_kernel": ("CAUSAL", "LOCAL", "VARLEN", "SEQUSED", "SOFTCAP"),
-    "attn_bwd_gluon_kernel": ("BLOCK_D", "CAUSAL", "LOCAL", "DQ_MODE", "PERSISTENT"),
+    "attn_bwd_gluon_kernel": ("BLOCK_D", "CAUSAL", "LOCAL", "DQ_MODE", "DQ_HALVES", "PERSISTENT"),
 }
 _SHORT = {
     "attn_fwd_kernel": "fwd",
@@ -62,6 +62,8 @@ def _tag(name: str, value) -> str | None:
         return _DQ_MODES[value]
     if name == "PAGED":
         return _PAGED[value]
+    if name == "DQ_HALVES":
+        return "dq-halves" if value else None
     return name.lower() if value else None
 
 
@@ -147,7 +149,7 @@ def probe_call(q, k, v, causal=False, softcap=0.0, window=(-1, -1), varlen: Varl
 # The compile-time arguments `explain` shows for each launch (tile, schedule), when present.
 _SHOWN = ("HEAD_DIM", "BLOCK_D", "HEAD_DIM_V", "BLOCK_DV", "BLOCK_M", "BLOCK_N", "BLOCK_R",
           "STAGES", "CAUSAL", "LOCAL", "VARLEN", "SEQUSED", "SOFTCAP", "TMA", "PAIRS", "Q_REGS",
-          "DQ_MODE", "KV_REGS", "PERSISTENT", "num_warps", "num_stages")  # fmt: skip
+          "DQ_MODE", "DQ_HALVES", "KV_REGS", "PERSISTENT", "num_warps", "num_stages")  # fmt: skip
 
 
 def _launch_line(kernel, grid, kwargs) -> str:

@@ -81,12 +81,15 @@ GLUON_FWD_Q_REGS_MAX_D = 64
 # causal) tiles. One program per SM up to GLUON_BWD_PERSISTENT_MAX_N query rows.
 GLUON_DKDV_TILES = {128: (Tile(64, 128, 4, 3, tma=True), Tile(64, 128, 4, 2, tma=True))}
 GLUON_BWD_PERSISTENT_MAX_N = 4096
-# dq summed in the Gluon dk/dv kernel (d <= GLUON_FUSED_DQ_MAX_D: its dq part fits beside the
-# consumers' registers), from these query rows (non-causal, causal): in a fixed order
-# (deterministic, the default), in any order (deterministic=False). K and V in registers.
+# dq summed in the Gluon dk/dv kernel from these query rows (non-causal, causal): in a fixed
+# order (deterministic, the default), in any order (deterministic=False). Up to
+# GLUON_FUSED_DQ_MAX_D by a dq warpgroup with K and V in registers; above it by the consumer
+# warpgroups, each computing half of dq's columns (`BwdConfig.dq_halves`: a dq warpgroup's
+# 64 x 128 float32 part would spill). d128 from 2k rows: H200, 2k-16k, every cell faster than
+# the dq kernel beside the Gluon dk/dv one (NOTES.md, session 34).
 GLUON_FUSED_DQ_MAX_D = 64
-FUSED_DQ_MIN_N = {64: (8192, 8192)}
-ANY_ORDER_DQ_MIN_N = {64: (4096, 4096)}
+FUSED_DQ_MIN_N = {64: (8192, 8192), 128: (2048, 2048)}
+ANY_ORDER_DQ_MIN_N = {64: (4096, 4096), 128: (2048, 2048)}
 FUSED_DQ_DKDV = Tile(64, 128, 4, 2, tma=True)
 
 # ---------------------------------------------------------------------------------------------

@@ -63,6 +63,9 @@ SEM_ROWS = gl.constexpr(64)  # query rows per dq semaphore (DQ_MODE 2; triton/bw
 FUSED_CONSUMER_REGS = gl.constexpr(208)
 DQ_WARPGROUP_REGS = gl.constexpr(72)
 REDUCER_WARP_REGS = gl.constexpr(24)
+# With DQ_HALVES (no dq warpgroup: each consumer computes half of dq's columns) three
+# warpgroups share 512: the consumers 240 each, the producer's and reducers' 24.
+HALVES_CONSUMER_REGS = gl.constexpr(240)
 # dq parts in flight between the dq warpgroup and the reducer warps (4: the same speed on the
 # H100, session 23)
 DQ_BUFFERS = gl.constexpr(2)
@@ -210,6 +213,7 @@ class BwdArgs:
     BLOCK_D: gl.constexpr
     STAGES: gl.constexpr
     DQ_MODE: gl.constexpr
+    DQ_HALVES: gl.constexpr
     KV_REGS: gl.constexpr
     PERSISTENT: gl.constexpr
 
@@ -220,7 +224,8 @@ class BwdArgs:
                  stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn, stride_kh, stride_vb,
                  stride_vn, stride_vh, vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads,
                  qk_scale, sm_scale, SEM, sem_stride, lo_shift, hi_shift, CAUSAL, LOCAL, HEAD_DIM,
-                 BLOCK_M, BLOCK_N, BLOCK_D, STAGES, DQ_MODE, KV_REGS, PERSISTENT):  # fmt: skip
+                 BLOCK_M, BLOCK_N, BLOCK_D, STAGES, DQ_MODE, DQ_HALVES, KV_REGS,
+                 PERSISTENT):  # fmt: skip
         self.q_desc, self.do_desc, self.k_desc, self.v_desc = q_desc, do_desc, k_desc, v_desc
         self.dq_desc = dq_desc
         self.q_smem, self.do_smem, self.k_smem, self.v_smem = q_smem, do_smem, k_smem, v_smem
@@ -255,6 +260,7 @@ class BwdArgs:
         self.BLOCK_M, self.BLOCK_N = gl.constexpr(BLOCK_M), gl.constexpr(BLOCK_N)
         self.BLOCK_D, self.STAGES = gl.constexpr(BLOCK_D), gl.constexpr(STAGES)
         self.DQ_MODE, self.KV_REGS = gl.constexpr(DQ_MODE), gl.constexpr(KV_REGS)
+        self.DQ_HALVES = gl.constexpr(DQ_HALVES)
         self.PERSISTENT = gl.constexpr(PERSISTENT)
 
     @gluon.jit
@@ -305,15 +311,17 @@ def _bwd_reduce_tile(a, t, bhq0, i0, descending, ORDERED: gl.constexpr, LANE: gl
     NOTES.md)."""
     BLOCK_M: gl.constexpr = a.BLOCK_M
     BLOCK_N: gl.constexpr = a.BLOCK_N
+    PARTS: gl.constexpr = 2 if a.DQ_HALVES else 1  # dq_smem buffers per part
+    N_BUF: gl.constexpr = a.dq_smem.shape[0] // PARTS
     dq_smem = a.dq_smem
     Nk, pid_n, n_m = a.Nk, t.pid_n, t.n_m
     for it in range((LANE - i0 % REDUCERS + REDUCERS) % REDUCERS, t.n_iter, REDUCERS):
         i = i0 + it
-        par = i % dq_smem.shape[0]
+        par = i % N_BUF
         g = it // n_m
         m0 = (t.m_lo + it - g * n_m) * BLOCK_M
         bhq = bhq0 + g
-        mbarrier.wait(a.dq_ready.index(par), (i // dq_smem.shape[0]) & 1)
+        mbarrier.wait(a.dq_ready.index(par), (i // N_BUF) & 1)
         if ORDERED:
             sem = a.SEM + bhq.to(gl.int64) * a.sem_stride + m0 // SEM_ROWS
             ahead = pid_n
@@ -327,8 +335,9 @@ def _bwd_reduce_tile(a, t, bhq0, i0, descending, ORDERED: gl.constexpr, LANE: gl
             while _ld_acquire(sem) != ahead * 32:
                 pass
             _asm_with_effect("fence.proxy.async.global;", pid_n)  # then the async proxy's add
-        _tma_reduce_add(a.dq_desc, [(bhq * a.vec_stride + m0).to(gl.int32), 0],
-                        dq_smem.index(par))  # fmt: skip
+        row = (bhq * a.vec_stride + m0).to(gl.int32)
+        for h in gl.static_range(PARTS):  # (DQ_HALVES: the consumers' column halves)
+            _tma_reduce_add(a.dq_desc, [row, h * dq_smem.shape[2]], dq_smem.index(par * PARTS + h))
         tma.store_wait(0)  # its source read: the buffer is free
         mbarrier.arrive(a.dq_free.index(par))
         if ORDERED:  # the add performed, then counted
@@ -448,6 +457,13 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
     zero_st = gl.zeros([BWD_WG_KEYS, BLOCK_M], gl.float32, st_layout)
     dk = gl.zeros([BWD_WG_KEYS, BLOCK_D], gl.float32, acc_layout)
     dv = gl.zeros([BWD_WG_KEYS, BLOCK_D], gl.float32, acc_layout)
+    if a.DQ_HALVES:
+        HALF: gl.constexpr = BLOCK_D // 2
+        N_BUF: gl.constexpr = a.dq_smem.shape[0] // 2
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+        )
+        zero_dq = gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout)
     if a.KV_REGS:
         kv_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2)
         rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
@@ -495,15 +511,32 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
         ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
         ds_op = gl.convert_layout(ds_t, op_layout)
         dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-        if a.DQ_MODE > 0:  # this warpgroup's half of dS^T to the dq warpgroup
+        if a.DQ_MODE > 0:  # this warpgroup's half of dS^T to the dq product
             par = i % 2
             mbarrier.wait(a.ds_free.index(par), ((i // 2) & 1) ^ 1)  # step i - 2's dq read it
-            a.ds_smem.index(par).slice(WG * BWD_WG_KEYS, BWD_WG_KEYS).store(ds_t)
+            ds_buf = a.ds_smem.index(par)
+            ds_buf.slice(WG * BWD_WG_KEYS, BWD_WG_KEYS).store(ds_t)
             fence_async_shared()
             gl.thread_barrier()  # every warp's rows are written before the arrival
             mbarrier.arrive(a.ds_ready.index(par))
-        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
-        mbarrier.arrive(a.empty.index(s))
+        if a.DQ_HALVES:  # dq's columns [WG * HALF, +HALF) = dS (all 128 keys) K[:, those]
+            mbarrier.wait(a.ds_ready.index(par), (i // 2) & 1)  # the other half is in too
+            dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), a.k_smem.slice(WG * HALF, HALF, 1),
+                                   zero_dq, use_acc=False, is_async=True)  # fmt: skip
+            dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(
+                0, deps=(dv_tok, dk_tok, dq_tok, p_op, ds_op)
+            )
+            mbarrier.arrive(a.ds_free.index(par))
+            mbarrier.arrive(a.empty.index(s))
+            buf = i % N_BUF  # free once the reducer's adds of its last parts have read it
+            mbarrier.wait(a.dq_free.index(buf), ((i // N_BUF) & 1) ^ 1)
+            a.dq_smem.index(buf * 2 + WG).store(dq * a.sm_scale)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(a.dq_ready.index(buf))
+        else:
+            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+            mbarrier.arrive(a.empty.index(s))
     mbarrier.arrive(a.kv_empty)  # every product of the tile has read K and V
 
     rows = kw0 + gl.arange(0, BWD_WG_KEYS, layout=gl.SliceLayout(1, acc_layout))
@@ -629,6 +662,7 @@ def attn_bwd_gluon_kernel(
     LOCAL: gl.constexpr,
     STAGES: gl.constexpr,
     DQ_MODE: gl.constexpr,
+    DQ_HALVES: gl.constexpr = False,
     KV_REGS: gl.constexpr = False,
     PERSISTENT: gl.constexpr = False,
 ):
@@ -647,7 +681,9 @@ def attn_bwd_gluon_kernel(
     sums' order, whose tile was launched before it: `_bwd_reduce_tile`). The TMA descriptors
     span the whole (B, N, H, D) tensors: built once per program."""
     gl.static_assert(BLOCK_N == 2 * BWD_WG_KEYS, "two consumer warpgroups of 64 keys")
-    gl.static_assert(DQ_MODE == 0 or BLOCK_D <= 64, "the dq warpgroup's registers hold d <= 64")
+    gl.static_assert(DQ_MODE == 0 or DQ_HALVES or BLOCK_D <= 64,
+                     "the dq warpgroup's registers hold d <= 64")  # fmt: skip
+    gl.static_assert(not DQ_HALVES or DQ_MODE > 0, "dq halves: dq summed in the kernel")
     qk_scale = qk_scale.to(gl.float32)
     sm_scale = sm_scale.to(gl.float32)
     lo_shift = Nk - Nq - win_left
@@ -680,27 +716,32 @@ def attn_bwd_gluon_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
-    mbarrier.init(kv_empty, count=3 if DQ_MODE > 0 else 2)  # one arrival per warpgroup reading K
+    # one arrival per warpgroup reading K (a dq warpgroup too)
+    mbarrier.init(kv_empty, count=3 if DQ_MODE > 0 and not DQ_HALVES else 2)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
-    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], gl.float32)
+    # a dq part: BLOCK_M rows of all its columns, or (DQ_HALVES) of half of them per consumer
+    DQ_PARTS: gl.constexpr = 2 if DQ_HALVES else 1
+    DQ_COLS: gl.constexpr = BLOCK_D // DQ_PARTS
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
     if DQ_MODE > 0:
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, BLOCK_M, BLOCK_D], dq_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS * DQ_PARTS, BLOCK_M, DQ_COLS],
+                                            dq_layout)  # fmt: skip
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         dq_ready = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
         dq_free = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)  # both halves of dS^T written
-            mbarrier.init(ds_free.index(i), count=1)  # the dq product has read them
+            mbarrier.init(ds_free.index(i), count=DQ_PARTS)  # each dq product has read them
         for i in gl.static_range(DQ_BUFFERS):
-            mbarrier.init(dq_ready.index(i), count=1)
+            mbarrier.init(dq_ready.index(i), count=DQ_PARTS)
             mbarrier.init(dq_free.index(i), count=1)
         dq_desc = tma.make_tensor_descriptor(DQACC, [dq_rows, BLOCK_D], [BLOCK_D, 1],
-                                             [BLOCK_M, BLOCK_D], dq_layout)  # fmt: skip
+                                             [BLOCK_M, DQ_COLS], dq_layout)  # fmt: skip
     else:  # unused: stand-ins, so that the dk/dv-only kernel allocates nothing more
         ds_smem, dq_smem = k_smem, v_smem
         ds_ready, ds_free, dq_ready, dq_free = kv_bar, kv_bar, kv_bar, kv_bar
@@ -712,11 +753,34 @@ def attn_bwd_gluon_kernel(
                 stride_dvh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                 vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale, SEM,
                 sem_stride, lo_shift, hi_shift, CAUSAL, LOCAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
-                STAGES, DQ_MODE, KV_REGS, PERSISTENT)  # fmt: skip
+                STAGES, DQ_MODE, DQ_HALVES, KV_REGS, PERSISTENT)  # fmt: skip
     # Three partition lists (fixed-order dq: two reducer warps; any order: one; dk/dv only):
     # Gluon takes the (function, args) pairs as a literal list. (One list with a second reducer
     # warp idle in any order would do, but that variant was never timed.)
-    if DQ_MODE == 2:
+    if DQ_HALVES and DQ_MODE == 2:
+        gl.warp_specialize(
+            [
+                (_bwd_consumer, (a, gl.constexpr(0))),
+                (_bwd_consumer, (a, gl.constexpr(1))),
+                (_bwd_producer, (a,)),
+                (_bwd_dq_reducer, (a, gl.constexpr(True), gl.constexpr(0), ORDERED_DQ_REDUCERS)),
+                (_bwd_dq_reducer, (a, gl.constexpr(True), gl.constexpr(1), ORDERED_DQ_REDUCERS)),
+            ],
+            [4, 1, 1, 1],
+            [HALVES_CONSUMER_REGS, 24, REDUCER_WARP_REGS, REDUCER_WARP_REGS],
+        )
+    elif DQ_HALVES:
+        gl.warp_specialize(
+            [
+                (_bwd_consumer, (a, gl.constexpr(0))),
+                (_bwd_consumer, (a, gl.constexpr(1))),
+                (_bwd_producer, (a,)),
+                (_bwd_dq_reducer, (a, gl.constexpr(False), gl.constexpr(0), gl.constexpr(1))),
+            ],
+            [4, 1, 1],
+            [HALVES_CONSUMER_REGS, 24, REDUCER_WARP_REGS],
+        )
+    elif DQ_MODE == 2:
         gl.static_assert(ORDERED_DQ_REDUCERS == 2, "the list below spells out two reducer warps")
         gl.warp_specialize(
             [
@@ -784,8 +848,13 @@ def can_implement(p: Problem, cfg: BwdConfig) -> str | None:
         return "softcap"
     if cfg.dkdv.block_n != 2 * BWD_WG_KEYS.value:
         return f"tile {cfg.dkdv}: BLOCK_N must be {2 * BWD_WG_KEYS.value}"
-    if cfg.dq_mode != DQ_KERNEL and p.block_d > GLUON_FUSED_DQ_MAX_D:
-        return f"dq summed in the kernel only up to BLOCK_D {GLUON_FUSED_DQ_MAX_D}"
+    if cfg.dq_mode != DQ_KERNEL and p.block_d > GLUON_FUSED_DQ_MAX_D and not cfg.dq_halves:
+        return (
+            f"dq summed by a dq warpgroup only up to BLOCK_D {GLUON_FUSED_DQ_MAX_D} (dq_halves:"
+            " by the consumers)"
+        )
+    if cfg.dq_halves and (cfg.dq_mode == DQ_KERNEL or cfg.kv_regs):
+        return "dq_halves: dq summed in the kernel, K and V in shared memory"
     if cfg.dq_mode == DQ_KERNEL and (cfg.dq is None or cfg.kv_regs):
         return "the dq-kernel variant needs a dq tile and K/V in shared memory"
     if cfg.dq_mode != DQ_KERNEL and cfg.persistent:
@@ -815,6 +884,6 @@ def launch(ops, p: Problem, cfg: BwdConfig, s: Scores, q, k, v, do, lse2, delta,
         GROUP=p.heads // p.kv_heads, Nq=p.nq, Nk=p.nk, qk_scale=s.qk_scale,
         sm_scale=s.sm_scale, win_left=max(p.left, 0), win_right=p.right, HEAD_DIM=p.head_dim,
         BLOCK_D=p.block_d, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CAUSAL=p.causal,
-        LOCAL=p.local, STAGES=t.stages, DQ_MODE=cfg.dq_mode,
+        LOCAL=p.local, STAGES=t.stages, DQ_MODE=cfg.dq_mode, DQ_HALVES=cfg.dq_halves,
         KV_REGS=cfg.kv_regs, PERSISTENT=cfg.persistent, num_warps=t.warps,
     )  # fmt: skip
