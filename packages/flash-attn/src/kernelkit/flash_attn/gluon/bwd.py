@@ -16,12 +16,15 @@ share of the tiles. Three partitions:
 The same 4 block products per tile pair as the portable kernel, summed in the same order
 (dk, dv bitwise equal to it on the H100).
 
-DQ_MODE > 0 (choose.choose_bwd, d <= 64; NOTES.md) sums dq here too: a fifth product per
-step, dq_part = dS K over all 128 keys. Both consumers write their half of dS^T into a shared
-buffer (one per step parity) and go on; a third warpgroup, which does nothing else, waits for
-both halves, runs the product and hands the part, scaled, to a reducer warp through a
-shared-memory buffer; that warp adds it into a float32 dq buffer with a TMA reduce-add
-(cp.reduce.async.bulk.tensor). DQ_MODE 1 adds in any order; DQ_MODE 2 key block after key
+DQ_MODE > 0 (choose.choose_bwd; NOTES.md) sums dq here too: a fifth product per step,
+dq_part = dS K over all 128 keys. Both consumers write their half of dS^T into a shared
+buffer (one per step parity). At d <= 64 they go on, and a third warpgroup, which does
+nothing else, waits for both halves, runs the product and hands the part, scaled, to a
+reducer warp through a shared-memory buffer. With DQ_HALVES (d128, whose 64 x 128 float32 part
+a third warpgroup's registers cannot hold) there is no such warpgroup: each consumer waits for
+the other's half and computes half of the part's columns, dS K[:, WG * 64 : +64], under its
+dV / dK products, into its half of the buffer. The reducer warp adds the part into a float32
+dq buffer with TMA reduce-adds (cp.reduce.async.bulk.tensor). DQ_MODE 1 adds in any order; DQ_MODE 2 key block after key
 block (bitwise reproducible sums): a semaphore per query block counts the parts added, and
 only the reducer warps (two, taking turns) wait on it. (Parts added with atomics by the
 consumers themselves were slower; so were parts of 64 keys, and the consumers taking turns at
@@ -149,9 +152,10 @@ class BwdArgs:
     dq_desc: tma.tensor_descriptor
     # Shared memory: STAGES-deep rings of q and do tiles (BLOCK_M rows each), the tile's K and
     # V (BLOCK_N keys); with DQ_MODE > 0 two dS^T buffers (one per step parity) and DQ_BUFFERS
-    # dq parts (else stand-ins, never read). Barriers: kv_bar (K, V landed) / kv_empty (every
-    # warpgroup reading them is done), ready[s] / empty[s] (the ring's slots), ds_ready /
-    # ds_free and dq_ready / dq_free (the dq warpgroup's hand-offs).
+    # dq parts (DQ_HALVES: each as two column halves; else stand-ins, never read). Barriers:
+    # kv_bar (K, V landed) / kv_empty (every warpgroup reading them is done), ready[s] /
+    # empty[s] (the ring's slots), ds_ready / ds_free and dq_ready / dq_free (the dS^T and dq
+    # hand-offs).
     q_smem: gl.shared_memory_descriptor
     do_smem: gl.shared_memory_descriptor
     k_smem: gl.shared_memory_descriptor
@@ -300,7 +304,8 @@ def _bwd_reduce_tile(a, t, bhq0, i0, descending, ORDERED: gl.constexpr, LANE: gl
                      REDUCERS: gl.constexpr):  # fmt: skip
     """Reducer warp LANE's steps of tile t, i = LANE mod REDUCERS (bhq0: the row of its first
     query head in the row vectors; i0: the program's steps before it): adds step i's dq part (in
-    dq_smem[i % DQ_BUFFERS], from the dq warpgroup) into the float32 sums with a TMA reduce-add;
+    dq_smem, from the dq warpgroup or with DQ_HALVES the consumers' two halves) into the float32
+    sums with TMA reduce-adds;
     ORDERED: once the parts of the key blocks before pid_n are in (the semaphore counts 32 per
     part: one per thread of a warp); key blocks 0, 1, ... (a window: from the first that reaches
     the query block), or with `descending` (tile_heads < 0,
@@ -424,7 +429,8 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
     V rows are the S^T / dP^T wgmmas' A operands in registers (loaded from global memory), which
     halves those products' shared-memory reads; used with DQ_MODE > 0 only (the dk/dv-only
     variant gave wrong dk / dv with them on the H100, loaded from global or from the shared
-    tile: `can_implement` refuses them there)."""
+    tile: `can_implement` refuses them there). DQ_HALVES: each step also this warpgroup's half of
+    dq's columns from both halves of dS^T, handed to the reducer warps."""
     BLOCK_M: gl.constexpr = a.BLOCK_M
     BLOCK_D: gl.constexpr = a.BLOCK_D
     STAGES: gl.constexpr = a.STAGES
@@ -671,12 +677,13 @@ def attn_bwd_gluon_kernel(
     portable kernels' window), GQA, any Nq and Nk): tile program_id, or with PERSISTENT tiles
     program_id, + num_programs, ... (one program per SM; `BwdArgs.tile` orders them); launched
     with num_warps = 4 (the default partition), 9 warps in all (14 with DQ_MODE 1, 15 with 2,
-    whose reducer warps take turns). LSE2 / DELTA: (B * H, vec_stride) padded row vectors
+    whose reducer warps take turns; with DQ_HALVES 10 and 11). LSE2 / DELTA: (B * H, vec_stride) padded row vectors
     (triton/bwd.py, attn_bwd_preprocess_kernel with ROWVEC). tile_heads: (batch, kv head)s per tile
-    group, negative for descending key blocks (`BwdArgs.tile`). DQ_MODE > 0 (BLOCK_D <= 64): also
-    dq's float32 sums, scaled, into DQACC ((dq_rows = B * H * vec_stride, BLOCK_D), zeroed
-    before, as is SEM: (B * H, sem_stride)), one program per tile: a third warpgroup computes
-    each step's dq part from the consumers' dS^T (`_bwd_dq_tile`), a reducer warp adds it
+    group, negative for descending key blocks (`BwdArgs.tile`). DQ_MODE > 0: also dq's float32
+    sums, scaled, into DQACC ((dq_rows = B * H * vec_stride, BLOCK_D), zeroed before, as is
+    SEM: (B * H, sem_stride)), one program per tile: a third warpgroup computes each step's dq
+    part from the consumers' dS^T (`_bwd_dq_tile`; BLOCK_D <= 64), or with DQ_HALVES each
+    consumer half of its columns (`_bwd_tile_steps`), a reducer warp adds it
     (DQ_MODE 2: two, taking turns, each waiting for the part of the key block before it in the
     sums' order, whose tile was launched before it: `_bwd_reduce_tile`). The TMA descriptors
     span the whole (B, N, H, D) tensors: built once per program."""
@@ -827,9 +834,9 @@ def can_implement(p: Problem, cfg: BwdConfig) -> str | None:
     """None if the Gluon backward can run `cfg` for problem `p`, else why not: an sm_90 GPU,
     half precision, BLOCK_D 64 or 128, v's head dim equal to q's, TMA-aligned q, k, v, do;
     no packed batch, no softcap (it lost to the portable kernel: NOTES.md); 2 x 64 keys per
-    tile; dq summed
-    here only up to GLUON_FUSED_DQ_MAX_D, and K/V in registers only then (the dq-kernel variant
-    computed wrong dk / dv with them on the H100: a miscompile not understood)."""
+    tile; dq summed here by a dq warpgroup only up to GLUON_FUSED_DQ_MAX_D (above it by the
+    consumers, `dq_halves`), and K/V in registers only with the dq warpgroup (the dq-kernel
+    variant computed wrong dk / dv with them on the H100: a miscompile not understood)."""
     if not p.target.gluon:
         return "not an sm_90 GPU (or under the interpreter)"
     if not p.half:
