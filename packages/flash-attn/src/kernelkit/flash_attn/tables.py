@@ -85,8 +85,9 @@ GLUON_BWD_PERSISTENT_MAX_N = 4096
 # order (deterministic, the default), in any order (deterministic=False). Up to
 # GLUON_FUSED_DQ_MAX_D by a dq warpgroup with K and V in registers; above it by the consumer
 # warpgroups, each computing half of dq's columns (`BwdConfig.dq_halves`: a dq warpgroup's
-# 64 x 128 float32 part would spill). d128 from 2k rows: H200, 2k-16k, every cell faster than
-# the dq kernel beside the Gluon dk/dv one (NOTES.md, session 34).
+# 64 x 128 float32 part would spill). d128 from 2k rows: H200, 2k-16k, faster than the dq
+# kernel beside the Gluon dk/dv one in every cell but GQA causal in the fixed order (2.6%
+# slower at 32/8 heads, 8k; NOTES.md, session 34).
 GLUON_FUSED_DQ_MAX_D = 64
 FUSED_DQ_MIN_N = {64: (8192, 8192), 128: (2048, 2048)}
 ANY_ORDER_DQ_MIN_N = {64: (4096, 4096), 128: (2048, 2048)}
