@@ -19,6 +19,8 @@ README tables are current, relative links resolve, a no-GPU bench run writes not
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -72,6 +74,13 @@ def _kernelkit_closure(dist: str, projects: dict[str, Path]) -> list[str]:
     return seen
 
 
+# Without a GPU the kernels run under the Triton interpreter, one CPU core per pytest process:
+# pytest-xdist spreads a package's tests over up to 4 processes (kernelkit.shared's plugin
+# gathers every worker's launches into one compile check). On a GPU machine the tests share one
+# GPU, so they run in one process. `nox -s test-act -- -n 0` runs in one process anyway.
+WORKERS = 1 if shutil.which("nvidia-smi") else min(4, os.cpu_count() or 1)
+XDIST = ["-n", str(WORKERS), "--dist", "loadscope"] if WORKERS > 1 else []
+
 PROJECTS = {_project(p.parent)["name"]: p.parent for p in ROOT.glob("*/pyproject.toml")}
 PROJECTS.update(
     {_project(p.parent)["name"]: p.parent for p in ROOT.glob("packages/*/pyproject.toml")}
@@ -87,7 +96,9 @@ def _make_sessions(pkg: Path) -> None:
     def test(session: nox.Session) -> None:
         _sync(session, dist)
         paths = [f"{rel}/{d}" for d in ("tests", "benchmarks") if (pkg / d).is_dir()]
-        session.run("python", "-m", "pytest", *paths, "--benchmark-disable", "-q", *session.posargs)
+        session.run(
+            "python", "-m", "pytest", *paths, "--benchmark-disable", "-q", *XDIST, *session.posargs
+        )
 
     if (pkg / "benchmarks").is_dir():  # no session that cannot succeed (lrpe-core has none)
 

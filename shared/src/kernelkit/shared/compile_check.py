@@ -83,8 +83,13 @@ def record_launch(kernel, args, kwargs) -> None:
     if key in _seen:
         return
     _seen.add(key)
-    with open(path, "a") as f:
-        f.write(json.dumps({**rec, "values": values}, sort_keys=True) + "\n")
+    # One write() on an O_APPEND descriptor: pytest-xdist workers append to one file.
+    line = (json.dumps({**rec, "values": values}, sort_keys=True) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
 
 
 def _analyse_traced_launch(kernel, rec) -> None:
@@ -155,8 +160,13 @@ def _compile(key: str) -> str | None:
 def main(path: str) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("run without TRITON_INTERPRET: the check compiles real Triton kernels")
-    with open(path) as f:
-        keys = sorted(set(f.read().splitlines()) - {""})
+    with open(path) as f:  # one per configuration (workers may record one with other sizes)
+        records = {}
+        for line in f.read().splitlines():
+            if line:
+                rec = json.loads(line)
+                records.setdefault(json.dumps({**rec, "values": None}, sort_keys=True), line)
+        keys = sorted(records.values())
     with ProcessPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         failures = [r for r in pool.map(_compile, keys) if r]
     print(

@@ -50,6 +50,13 @@ def pytest_addoption(parser):
     )
 
 
+_RECORD_KEY = "kernelkit_compile_record"
+
+
+def _is_xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (too slow for the interpreter)")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and not config.getoption(
@@ -59,9 +66,13 @@ def pytest_configure(config):
 
         from kernelkit.shared.compile_check import ENV
 
-        fd, path = tempfile.mkstemp(prefix="kernelkit-launches-", suffix=".jsonl")
-        os.close(fd)
-        os.environ[ENV] = path
+        if _is_xdist_worker(config):  # pytest-xdist: record into the controller's file
+            path = config.workerinput.get(_RECORD_KEY)
+        else:
+            fd, path = tempfile.mkstemp(prefix="kernelkit-launches-", suffix=".jsonl")
+            os.close(fd)
+        if path:
+            os.environ[ENV] = path
     opt = config.option
     storage = getattr(opt, "benchmark_storage", None)
     if storage is not None and storage.rstrip("/").endswith(".benchmarks"):
@@ -152,10 +163,23 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     machine_info["kernelkit"] = info
 
 
-def pytest_sessionfinish(session, exitstatus):
-    """Compile every kernel configuration the interpreter launched for a Hopper GPU."""
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist (controller): each worker appends its launches to the controller's record
+    file, which the controller compiles once at the end."""
     from kernelkit.shared.compile_check import ENV
 
+    if os.environ.get(ENV):
+        node.workerinput[_RECORD_KEY] = os.environ[ENV]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Compile every kernel configuration the interpreter launched for a Hopper GPU (under
+    pytest-xdist: the controller, once, for every worker's launches)."""
+    from kernelkit.shared.compile_check import ENV
+
+    if _is_xdist_worker(session.config):
+        return
     path = os.environ.pop(ENV, None)
     if not path or not os.path.getsize(path):
         return
