@@ -51,6 +51,7 @@ def pytest_addoption(parser):
 
 
 _RECORD_KEY = "kernelkit_compile_record"
+_PATH_KEY = "kernelkit_sys_path"
 
 
 def _is_xdist_worker(config) -> bool:
@@ -163,6 +164,9 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     machine_info["kernelkit"] = info
 
 
+_WORKER_PATHS = pytest.StashKey[list]()
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
     """pytest-xdist (controller): each worker appends its launches to the controller's record
@@ -173,21 +177,32 @@ def pytest_configure_node(node):
         node.workerinput[_RECORD_KEY] = os.environ[ENV]
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist (controller): a worker's import path (its test directories, where kernels
+    defined in test modules live) for the compile check."""
+    paths = getattr(node, "workeroutput", {}).get(_PATH_KEY, [])
+    node.config.stash.setdefault(_WORKER_PATHS, []).extend(paths)
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Compile every kernel configuration the interpreter launched for a Hopper GPU (under
     pytest-xdist: the controller, once, for every worker's launches)."""
+    import sys
+
     from kernelkit.shared.compile_check import ENV
 
     if _is_xdist_worker(session.config):
+        session.config.workeroutput[_PATH_KEY] = list(sys.path)
         return
     path = os.environ.pop(ENV, None)
     if not path or not os.path.getsize(path):
         return
     import subprocess
-    import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    paths = [*sys.path, *session.config.stash.get(_WORKER_PATHS, [])]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     proc = subprocess.run(
         [sys.executable, "-m", "kernelkit.shared.compile_check", path],
         env=env,
