@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-KERNELS = '''
+KERNELS = """
 import triton
 import triton.language as tl
 from kernelkit.shared.compile_check import record_launch
@@ -37,7 +37,7 @@ def record(kernel, block):
     import torch
 
     record_launch(kernel, (torch.empty(block),), {"BLOCK": block, "num_warps": 4})
-'''
+"""
 
 
 def _run(tmp_path, modules: dict[str, str]) -> subprocess.CompletedProcess:
