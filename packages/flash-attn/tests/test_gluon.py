@@ -392,13 +392,14 @@ def test_fused_dq_rule():
     a fixed order, with deterministic=False from ANY_ORDER_DQ_MIN_N rows on: d64 by a dq
     warpgroup (K/V in registers), d128 by the consumers in column halves. Shorter ones keep
     the portable kernels (d64) or the Gluon dk/dv kernel with the dq kernel beside it (d128,
-    persistent). As on an H100."""
+    persistent). MHA here; GQA causal in the fixed order: test_gqa_causal_keeps_dq_kernel.
+    As on an H100."""
     for deterministic, table, mode in ((True, T.FUSED_DQ_MIN_N, DQ_ORDERED),
                                        (False, T.ANY_ORDER_DQ_MIN_N, DQ_ANY_ORDER)):  # fmt: skip
         for d, causal in itertools.product((64, 128), (False, True)):
             opts = dict(causal=causal, deterministic=deterministic)
             n = table[d][causal]
-            p = meta_problem(1, n, n, 2, 1, d, **opts)
+            p = meta_problem(1, n, n, 2, 2, d, **opts)
             cfg = choose_bwd(p)
             assert cfg == gluon_bwd_config(p, T.FUSED_DQ_DKDV, mode)
             assert (cfg.kernel, cfg.dkdv, cfg.dq_mode, cfg.dq) == (BWD_GLUON, T.FUSED_DQ_DKDV,
@@ -407,9 +408,9 @@ def test_fused_dq_rule():
             assert not cfg.persistent and f"from {n} query rows" in cfg.why
             by = "its consumers" if d == 128 else "a dq warpgroup"
             assert f"(by {by})" in cfg.why
-            long = meta_problem(1, 1 << 20, 1 << 20, 2, 1, d, **opts)
+            long = meta_problem(1, 1 << 20, 1 << 20, 2, 2, d, **opts)
             assert choose_bwd(long) == gluon_bwd_config(long, T.FUSED_DQ_DKDV, mode)
-            shorter = choose_bwd(meta_problem(1, n - 1, n - 1, 2, 1, d, **opts))
+            shorter = choose_bwd(meta_problem(1, n - 1, n - 1, 2, 2, d, **opts))
             if d == 64:
                 tables = T.CAUSAL_TILES[64][1:] if causal else (T.DKDV_TILES[64], T.DQ_TILES[64])
                 assert shorter.kernel == BWD_TRITON and (shorter.dkdv, shorter.dq) == tables
@@ -421,6 +422,34 @@ def test_fused_dq_rule():
     for causal in (False, True):
         assert T.ANY_ORDER_DQ_MIN_N[64][causal] < T.FUSED_DQ_MIN_N[64][causal]
         assert T.FUSED_DQ_MIN_N[128][causal] <= T.GLUON_BWD_PERSISTENT_MAX_N
+
+
+def test_gqa_causal_keeps_dq_kernel():
+    """d128 GQA causal in the fixed order (ORDERED_GQA_CAUSAL_DQ_KERNEL_D) keeps the dq kernel
+    beside the Gluon dk/dv one at every length (persistent up to GLUON_BWD_PERSISTENT_MAX_N
+    rows), and says why; in any order, non-causal, with a window's left edge, or MHA the
+    consumers sum dq. As on an H100."""
+    assert 128 in T.ORDERED_GQA_CAUSAL_DQ_KERNEL_D
+    for n in (T.FUSED_DQ_MIN_N[128][1], 8192, 1 << 20):
+        gqa = meta_problem(1, n, n, 4, 1, 128, causal=True)
+        cfg = choose_bwd(gqa)
+        assert (cfg.kernel, cfg.dq_mode) == (BWD_GLUON, DQ_KERNEL)
+        assert cfg.dkdv == T.GLUON_DKDV_TILES[128][1] and not cfg.dq_halves
+        assert cfg.persistent == (n <= T.GLUON_BWD_PERSISTENT_MAX_N)
+        assert "GQA causal" in cfg.why
+        assert cfg == gluon_bwd_config(gqa, T.GLUON_DKDV_TILES[128][1], DQ_KERNEL)
+        fused = {
+            DQ_ANY_ORDER: meta_problem(1, n, n, 4, 1, 128, causal=True, deterministic=False),
+            DQ_ORDERED: meta_problem(1, n, n, 4, 1, 128),
+        }
+        local = meta_problem(1, n, n, 4, 1, 128, causal=True, window_size=(256, 0))
+        mha = meta_problem(1, n, n, 4, 4, 128, causal=True)
+        for mode, p in [*fused.items(), (DQ_ORDERED, local), (DQ_ORDERED, mha)]:
+            chosen = choose_bwd(p)
+            assert (chosen.dq_mode, chosen.dq_halves) == (mode, True), (p, chosen)
+    # below FUSED_DQ_MIN_N rows: the dq kernel as for MHA, without the GQA note
+    n = T.FUSED_DQ_MIN_N[128][1] - 1
+    assert "GQA" not in choose_bwd(meta_problem(1, n, n, 4, 1, 128, causal=True)).why
 
 
 def test_deterministic_option_launches():
@@ -496,7 +525,10 @@ def test_gpu_fused_dq_by_rule(d, causal, deterministic, device):
     table, mode = ((T.FUSED_DQ_MIN_N, DQ_ORDERED) if deterministic
                    else (T.ANY_ORDER_DQ_MIN_N, DQ_ANY_ORDER))  # fmt: skip
     n = table[d][causal]
-    rule = meta_problem(2, n, n + 100, 8, 2, d, causal=causal, deterministic=deterministic)
+    # (GQA causal in the fixed order keeps the dq kernel at ORDERED_GQA_CAUSAL_DQ_KERNEL_D: MHA)
+    keeps = causal and deterministic and d in T.ORDERED_GQA_CAUSAL_DQ_KERNEL_D
+    rule = meta_problem(2, n, n + 100, 8, 8 if keeps else 2, d, causal=causal,
+                        deterministic=deterministic)  # fmt: skip
     assert choose_bwd(rule) == gluon_bwd_config(rule, T.FUSED_DQ_DKDV, mode)
     need_sm90(device)
     q, k, v = qkv(2, 1000, 1100, 8, 2, d, torch.bfloat16, device)

@@ -34,8 +34,9 @@ WIN1 = (256, -1)  # one split of a long cache: the window's keys
 P64 = dict(b=2, nq=300, nk=300, h=4, hkv=2, d=64)
 P128 = dict(b=2, nq=300, nk=300, h=4, hkv=2, d=128)
 E128 = dict(b=2, nq=256, nk=256, h=4, hkv=2, d=128)  # an even number of query blocks: pairs
-N128 = dict(nq=2176, nk=2176, d=128)  # d128: dq summed by the consumers, in a fixed order
+N128 = dict(nq=2176, nk=2176, h=2, hkv=2, d=128)  # d128: dq summed by the consumers (fixed order)
 ANY128 = dict(N128, deterministic=False)  # and in any order
+GQA128 = dict(nq=4224, nk=4224, d=128)  # GQA causal in a fixed order: the dq kernel beside
 N64 = dict(nq=8192, nk=8192, h=6, hkv=2)  # d64: the fused-dq Gluon backward, in a fixed order
 ANY64 = dict(nq=4096, nk=4096, deterministic=False)  # and in any order
 MLA = dict(b=2, nq=300, nk=300, h=4, hkv=2, d=192, dv=128)  # a value head dim of its own
@@ -135,6 +136,10 @@ FAMILY_CASES = [
      Call(**ANY128, window=WIN)),
     ("fwd-gluon(d128,causal,local,dynamic)", "bwd-gluon(d128,causal,local,dq-any-order,dq-halves)",
      Call(**ANY128, causal=True, window=WIN)),
+    # GQA causal in the fixed order keeps the dq kernel at d128 (tables.ORDERED_GQA_CAUSAL_DQ_KERNEL_D)
+    ("fwd-gluon(d128,causal)", "bwd-gluon(d128,causal,dq-kernel)", Call(**GQA128, causal=True)),
+    ("fwd-gluon(d128,causal)", "bwd-gluon(d128,causal,dq-kernel,persistent)",
+     Call(**dict(GQA128, nq=2176, nk=2176), window=(-1, 64))),
     ("fwd-gluon(d64)", "bwd-gluon(d64,dq-ordered)", Call(**N64)),
     ("fwd-gluon(d64,local,dynamic)", "bwd-gluon(d64,local,dq-ordered)", Call(**N64, window=WIN)),
     ("fwd-gluon(d64,local,softcap,dynamic)", "bwd(local,softcap)", Call(**N64, window=WIN, softcap=5.0)),
@@ -195,17 +200,16 @@ def _sweep():
     one), half and full precision, causal, a window's left (short or long: one split of a long
     cache or several) or right edge / softcap / packing
     (with seqused_k too) in every combination, decoding (a long and a short cache) to long rows
-    (block counts odd and even), deterministic or not."""
+    (block counts odd and even), deterministic or not, GQA or not."""
     lengths = {1: (1, 4096), 0: (1, 200), 128: (128, 128), 2176: (2176, 2176), 4096: (4096, 4096),
                8192: (8192, 8192)}  # fmt: skip
-    for d, dtype, causal, window, softcap, packed, n, det in itertools.product(
+    for d, dtype, causal, window, softcap, packed, n, det, (b, h, hkv) in itertools.product(
         (64, 80, 128), (torch.bfloat16, torch.float32), (False, True),
         ((-1, -1), (256, -1), (1000, -1), (-1, 64)),
-        (0.0, 30.0), (False, True), lengths, (True, False),
+        (0.0, 30.0), (False, True), lengths, (True, False), ((2, 4, 2), (1, 2, 2)),
     ):  # fmt: skip
         if causal and window[1] >= 0:
             continue  # (causal means right = 0)
-        b, h, hkv = 2, 4, 2
         nq, nk = lengths[n]
         if packed:
             seqs = tuple((nq, nk) for _ in range(b))

@@ -272,12 +272,17 @@ def portable_bwd_config(p: Problem, dkdv: Tile, dq: Tile, why: str = "given tile
 def _gluon_bwd_wanted(p: Problem) -> tuple[Tile, int, str] | None:
     """(dk/dv tile, dq mode, why) of the Gluon backward where the tables ask for it: summing dq
     from FUSED_DQ_MIN_N query rows (ANY_ORDER_DQ_MIN_N with deterministic=False), d128 below
-    them with the dq kernel beside it; half precision, no packing."""
+    them (and for GQA causal in the fixed order, ORDERED_GQA_CAUSAL_DQ_KERNEL_D) with the dq
+    kernel beside it; half precision, no packing."""
     if not p.half or p.packed or p.target.interpreter:
         return None
     table = T.FUSED_DQ_MIN_N if p.deterministic else T.ANY_ORDER_DQ_MIN_N
     min_n = table.get(p.block_d, (None, None))[p.causal]
-    if min_n is not None and p.nq >= min_n:
+    fused = min_n is not None and p.nq >= min_n
+    gqa_keeps_dq_kernel = fused and (p.deterministic and p.causal and not p.local
+                                     and p.kv_heads < p.heads
+                                     and p.block_d in T.ORDERED_GQA_CAUSAL_DQ_KERNEL_D)  # fmt: skip
+    if fused and not gqa_keeps_dq_kernel:
         mode = DQ_ORDERED if p.deterministic else DQ_ANY_ORDER
         order = "in a fixed order" if p.deterministic else "in any order"
         by = "its consumers" if p.block_d > T.GLUON_FUSED_DQ_MAX_D else "a dq warpgroup"
@@ -289,7 +294,10 @@ def _gluon_bwd_wanted(p: Problem) -> tuple[Tile, int, str] | None:
     tiles = T.GLUON_DKDV_TILES.get(p.block_d)
     if tiles is None:
         return None
-    return tiles[p.causal], DQ_KERNEL, f"Gluon dk/dv at d{p.block_d}, dq kernel beside it"
+    why = f"Gluon dk/dv at d{p.block_d}, dq kernel beside it"
+    if gqa_keeps_dq_kernel:
+        why += f" (GQA causal from {min_n} query rows: faster than dq sums in a fixed order)"
+    return tiles[p.causal], DQ_KERNEL, why
 
 
 def gluon_bwd_config(p: Problem, tile: Tile, dq_mode: int, dq: Tile | None = None,

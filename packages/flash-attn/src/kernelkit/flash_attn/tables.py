@@ -86,11 +86,17 @@ GLUON_BWD_PERSISTENT_MAX_N = 4096
 # GLUON_FUSED_DQ_MAX_D by a dq warpgroup with K and V in registers; above it by the consumer
 # warpgroups, each computing half of dq's columns (`BwdConfig.dq_halves`: a dq warpgroup's
 # 64 x 128 float32 part would spill). d128 from 2k rows: H200, 2k-16k, faster than the dq
-# kernel beside the Gluon dk/dv one in every cell but GQA causal in the fixed order (2.6%
-# slower at 32/8 heads, 8k; NOTES.md, session 34).
+# kernel beside the Gluon dk/dv one in every cell but GQA causal in the fixed order
+# (ORDERED_GQA_CAUSAL_DQ_KERNEL_D below; NOTES.md, sessions 34-35).
 GLUON_FUSED_DQ_MAX_D = 64
 FUSED_DQ_MIN_N = {64: (8192, 8192), 128: (2048, 2048)}
 ANY_ORDER_DQ_MIN_N = {64: (4096, 4096), 128: (2048, 2048)}
+# Head dims (BLOCK_D) where GQA causal (no window) in the fixed order keeps the dq kernel
+# beside the Gluon dk/dv one at every length: the fused sums' wait chain grows with the query
+# heads per kv head (H200, session 35, 32 heads on 8 / 4 kv heads, TFLOP/s fused / dq kernel:
+# 8k 384 / 421 and 344 / 403, 16k 384 / 437 and 354 / 415, 4k 351 / 338 and 307 / 325, 2k
+# 318 / 310 and 280 / 301; 16 / 16 heads causal: fused 6-12% faster from 2k to 16k).
+ORDERED_GQA_CAUSAL_DQ_KERNEL_D = (128,)
 FUSED_DQ_DKDV = Tile(64, 128, 4, 2, tma=True)
 
 # ---------------------------------------------------------------------------------------------
