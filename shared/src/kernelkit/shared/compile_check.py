@@ -79,7 +79,7 @@ def record_launch(kernel, args, kwargs) -> None:
         "constexprs": constexprs,
         "options": {k: kwargs[k] for k in _OPTIONS if k in kwargs},
     }
-    key = json.dumps(rec, sort_keys=True)  # one record per configuration, whatever the sizes
+    key = _config_key(rec)
     if key in _seen:
         return
     _seen.add(key)
@@ -90,6 +90,11 @@ def record_launch(kernel, args, kwargs) -> None:
         os.write(fd, line)
     finally:
         os.close(fd)
+
+
+def _config_key(rec: dict) -> str:
+    """One record per configuration, whatever the sizes (`values`)."""
+    return json.dumps({k: v for k, v in rec.items() if k != "values"}, sort_keys=True)
 
 
 def _analyse_traced_launch(kernel, rec) -> None:
@@ -160,12 +165,11 @@ def _compile(key: str) -> str | None:
 def main(path: str) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("run without TRITON_INTERPRET: the check compiles real Triton kernels")
-    with open(path) as f:  # one per configuration (workers may record one with other sizes)
+    with open(path) as f:  # pytest-xdist workers may each record a configuration once
         records = {}
         for line in f.read().splitlines():
             if line:
-                rec = json.loads(line)
-                records.setdefault(json.dumps({**rec, "values": None}, sort_keys=True), line)
+                records.setdefault(_config_key(json.loads(line)), line)
         keys = sorted(records.values())
     with ProcessPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         failures = [r for r in pool.map(_compile, keys) if r]
