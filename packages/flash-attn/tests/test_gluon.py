@@ -129,14 +129,15 @@ def test_gluon_backward_launches_are_compile_checked():
     """The Gluon dk/dv kernel (gluon/bwd.py, attn_bwd_gluon_kernel) runs only on an sm_90 GPU:
     its launches are probed as on an H100 and recorded for the compile check, as the forward's
     above. GQA with ragged ends and Nq != Nk (causal), a padded head dim, both ring depths,
-    sliding windows (causal; both edges off the diagonal); dq summed in the kernel in both
-    orders, with and without a window."""
+    sliding windows (causal; both edges off the diagonal), softcap (tanh.approx); dq summed in
+    the kernel in both orders, with and without a window, with and without softcap."""
     from kernelkit.shared.compile_check import record_launch
 
     gluon = []
     cases = [(64, True, 2, (300, 260), 0.0, (-1, -1)), (80, False, 3, (300, 300), 0.0, (-1, -1)),
              (128, True, 2, (260, 300), 0.0, (-1, -1)), (128, False, 3, (256, 256), 0.0, (-1, -1)),
-             (128, True, 2, (300, 260), 0.0, (64, 0)), (64, False, 2, (300, 300), 0.0, (32, 16))]  # fmt: skip
+             (128, True, 2, (300, 260), 0.0, (64, 0)), (64, False, 2, (300, 300), 0.0, (32, 16)),
+             (128, True, 2, (300, 260), 5.0, (-1, -1)), (128, False, 3, (300, 300), 5.0, (32, 16))]  # fmt: skip
     for d, causal, stages, (nq, nk), softcap, window in cases:
         q, k, v = qkv(2, nq, nk, 4, 2, d, torch.bfloat16, "cpu")
         do = torch.randn_like(q)
@@ -149,9 +150,10 @@ def test_gluon_backward_launches_are_compile_checked():
         assert launch_names(probe) == ["attn_bwd_preprocess_kernel", "attn_bwd_gluon_kernel",
                                  "attn_bwd_dq_kernel"]  # fmt: skip
         gluon.append(probe.launches[1])
-    assert [kw["CAUSAL"] for *_, kw in gluon] == [True, False, True, False, True, True]
-    assert [kw["STAGES"] for *_, kw in gluon] == [2, 3, 2, 3, 2, 2]
-    assert [kw["LOCAL"] for *_, kw in gluon] == [False] * 4 + [True] * 2
+    assert [kw["CAUSAL"] for *_, kw in gluon] == [True, False, True, False, True, True, True, True]
+    assert [kw["STAGES"] for *_, kw in gluon] == [2, 3, 2, 3, 2, 2, 2, 3]
+    assert [kw["LOCAL"] for *_, kw in gluon] == [False] * 4 + [True] * 2 + [False, True]
+    assert [kw["SOFTCAP"] for *_, kw in gluon] == [False] * 6 + [True] * 2
     # dq summed in the Gluon kernel: its launches run only there, the portable preprocess
     # (ZERO_DQ) and dq conversion included; the window's tiles and dq order too.
     # (d64: by a dq warpgroup with K/V in registers; d128 and the padded d96: by the consumers
@@ -160,7 +162,7 @@ def test_gluon_backward_launches_are_compile_checked():
     for d, (deterministic, softcap, window) in itertools.product(
         (64, 128, 96),
         ((True, 0.0, (-1, -1)), (False, 0.0, (-1, -1)), (True, 0.0, (64, 0)),
-         (False, 0.0, (32, 16))),
+         (False, 0.0, (32, 16)), (True, 5.0, (64, 0)), (False, 5.0, (-1, -1))),
     ):  # fmt: skip
         q, k, v = qkv(2, 300, 260, 4, 2, d, torch.bfloat16, "cpu")
         do = torch.randn_like(q)
@@ -172,13 +174,14 @@ def test_gluon_backward_launches_are_compile_checked():
                                             window).launches  # fmt: skip
     names = [kernel_name(kernel) for kernel, *_ in fused]
     assert names == ["attn_bwd_preprocess_kernel", "attn_bwd_gluon_kernel",
-                     "attn_bwd_dq_convert_kernel"] * 12  # fmt: skip
-    assert [kw["DQ_MODE"] for *_, kw in fused[1::3]] == [2, 1, 2, 1] * 3
-    assert [kw["KV_REGS"] for *_, kw in fused[1::3]] == [True] * 4 + [False] * 8
-    assert [kw["DQ_HALVES"] for *_, kw in fused[1::3]] == [False] * 4 + [True] * 8
-    assert [kw["BLOCK_D"] for *_, kw in fused[1::3]] == [64] * 4 + [128] * 8
-    assert [kw["LOCAL"] for *_, kw in fused[1::3]] == [False, False, True, True] * 3
-    assert [kw["ZERO_DQ"] for *_, kw in fused[::3]] == [True] * 12
+                     "attn_bwd_dq_convert_kernel"] * 18  # fmt: skip
+    assert [kw["DQ_MODE"] for *_, kw in fused[1::3]] == [2, 1, 2, 1, 2, 1] * 3
+    assert [kw["KV_REGS"] for *_, kw in fused[1::3]] == [True] * 6 + [False] * 12
+    assert [kw["DQ_HALVES"] for *_, kw in fused[1::3]] == [False] * 6 + [True] * 12
+    assert [kw["BLOCK_D"] for *_, kw in fused[1::3]] == [64] * 6 + [128] * 12
+    assert [kw["LOCAL"] for *_, kw in fused[1::3]] == [False, False, True, True, True, False] * 3
+    assert [kw["SOFTCAP"] for *_, kw in fused[1::3]] == ([False] * 4 + [True] * 2) * 3
+    assert [kw["ZERO_DQ"] for *_, kw in fused[::3]] == [True] * 18
     for kernel, _, args, kwargs in gluon + fused:
         record_launch(kernel, args, kwargs)
 
@@ -269,7 +272,7 @@ def _check_error_cases():
         (check_bwd, p, replace(bwd, tile_heads=0), "tile_heads 0: must divide the 4"),
         (check_bwd, p, replace(bwd, tile_heads=3), "tile_heads 3: must divide the 4"),
         (check_bwd, p, replace(bwd, tile_heads=-4), "descending tiles (tile_heads < 0) only"),
-        (check_bwd, replace(p, softcap=True), bwd, "softcap"),
+        (check_bwd, replace(p, softcap=True), bwd, "softcap only through tanh.approx"),
         (check_bwd, replace(p, packed=True), bwd, "a packed batch"),
         (check_bwd, p, replace(bwd, dkdv=Tile(64, 64, 4, 2, tma=True)), "BLOCK_N must be 128"),
         (check_bwd, p, replace(fused, dkdv=bwd.dkdv), "dq summed by a dq warpgroup only up to BLOCK_D 64"),
@@ -338,17 +341,18 @@ def test_check_accepts_the_chosen_configs():
 
 def test_chooser_takes_the_gluon_kernels_by_rule():
     """Where the Gluon kernels ship (choose.py, tables.py; H100 A/B), as on an H100: the d128
-    dk/dv kernel, causal or not, with a window too, not for a packed batch or softcap (the
-    forward takes softcap), nor d64 at these lengths or float32; the d64 forward from
+    dk/dv kernel, causal or not, with a window or softcap too (tanh.approx), not for a packed
+    batch, nor d64 at these lengths or float32; the d64 forward from
     GLUON_FWD_MIN_N query rows on (causal: fewer) for a grid that fills the GPU."""
     for causal in (False, True):
         cfg = choose_bwd(meta_problem(2, 1024, 1024, 8, 2, 128, causal=causal))
         assert cfg.kernel == BWD_GLUON and cfg.dq_mode == DQ_KERNEL
         assert cfg.dkdv == T.GLUON_DKDV_TILES[128][causal] and cfg.why
-        for variant, bwd_kernel in ((dict(window_size=(256, -1)), BWD_GLUON),
-                                    (dict(softcap=30.0), BWD_TRITON)):  # fmt: skip
+        for variant in (dict(window_size=(256, -1)), dict(softcap=30.0)):
             p = meta_problem(2, 1024, 1024, 8, 2, 128, causal=causal, **variant)
-            assert (choose_fwd(p).kernel, choose_bwd(p).kernel) == (FWD_GLUON, bwd_kernel)
+            bwd = choose_bwd(p)
+            assert (choose_fwd(p).kernel, bwd.kernel) == (FWD_GLUON, BWD_GLUON)
+            assert bwd.fast_tanh == bool(p.softcap) and bwd.dq_mode == DQ_KERNEL
         p = meta_problem(2, 1024, 1024, 8, 2, 128, causal=causal, packed=True)
         assert (choose_fwd(p).kernel, choose_bwd(p).kernel) == (FWD_TRITON, BWD_TRITON)
         assert choose_bwd(meta_problem(2, 1024, 1024, 8, 2, 64, causal=causal)).kernel == BWD_TRITON

@@ -12,6 +12,9 @@ import pytest
 import torch
 from attn_cases import Call, check_call, fwd_bwd
 
+from kernelkit.flash_attn import explain
+from kernelkit.flash_attn import tables as T
+
 # (Nq, Nk): one key, Nq >> Nk, a few keys, a ragged block
 FEW_KEYS = [(1, 1), (5, 1), (128, 3), (2, 5), (300, 17)]
 LARGE = (5.0, 3.0)  # q x 5, k and v x 3: scores of +-100 and more
@@ -74,3 +77,22 @@ def test_gpu_packed_few_and_no_keys(keys, d, causal, device):
     lengths = tuple(zip((76, 34, 146), keys)) + ((0, 0), (1, 0))
     _check(Call(h=4, hkv=2, d=d, causal=causal, lengths=lengths, dtype=torch.float16,
                 scale_q=LARGE[0], scale_kv=LARGE[1]), device)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("nq, nk", [(5, 1), (300, 17), (2176, 3), (8192, 5)], ids=lambda n: str(n))
+def test_gpu_few_keys_softcap(nq, nk, d, causal, dtype, device):
+    """Softcap on the Gluon backward (tanh.approx, P in 16 bits; d128 at every length, d64 from
+    tables.FUSED_DQ_MIN_N rows) with large inputs and a few keys: the keys past the last one in
+    a ragged block score exp2(-lse) before their mask, which overflows 16 bits there."""
+    call = Call(b=1, nq=nq, nk=nk, h=4, hkv=2, d=d, causal=causal, softcap=5.0, dtype=dtype,
+                scale_q=LARGE[0], scale_kv=LARGE[1])  # fmt: skip
+    q, k, v, _ = call.inputs(device)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
+        kernel = "gluon" if d == 128 or nq >= T.FUSED_DQ_MIN_N[64][True] else "triton"
+        e = explain(q, k, v, causal, softcap=call.softcap)
+        assert (e.backward_config.kernel, e.backward_config.fast_tanh) == (kernel, True)
+    _check(call, device)

@@ -273,7 +273,7 @@ def _gluon_bwd_wanted(p: Problem) -> tuple[Tile, int, str] | None:
     """(dk/dv tile, dq mode, why) of the Gluon backward where the tables ask for it: summing dq
     from FUSED_DQ_MIN_N query rows (ANY_ORDER_DQ_MIN_N with deterministic=False), d128 below
     them (and for GQA causal in the fixed order, ORDERED_GQA_CAUSAL_DQ_KERNEL_D) with the dq
-    kernel beside it; half precision, no packing."""
+    kernel beside it; half precision (softcap too: tanh.approx), no packing."""
     if not p.half or p.packed or p.target.interpreter:
         return None
     table = T.FUSED_DQ_MIN_N if p.deterministic else T.ANY_ORDER_DQ_MIN_N

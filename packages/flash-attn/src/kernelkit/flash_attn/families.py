@@ -35,7 +35,15 @@ FAMILY_SWITCHES = {
     "attn_fwd_split_kernel": ("CAUSAL", "LOCAL", "SOFTCAP", "VAR_K", "PAGED", "DIRECT"),
     "attn_fwd_gluon_kernel": ("BLOCK_D", "CAUSAL", "LOCAL", "PAIRS", "SOFTCAP", "DYNAMIC"),
     "attn_bwd_dkdv_kernel": ("CAUSAL", "LOCAL", "VARLEN", "SEQUSED", "SOFTCAP"),
-    "attn_bwd_gluon_kernel": ("BLOCK_D", "CAUSAL", "LOCAL", "DQ_MODE", "DQ_HALVES", "PERSISTENT"),
+    "attn_bwd_gluon_kernel": (
+        "BLOCK_D",
+        "CAUSAL",
+        "LOCAL",
+        "SOFTCAP",
+        "DQ_MODE",
+        "DQ_HALVES",
+        "PERSISTENT",
+    ),
 }
 _SHORT = {
     "attn_fwd_kernel": "fwd",

@@ -12,7 +12,10 @@ share of the tiles. Three partitions:
   S^T = K q^T and dP^T = V do^T (both asynchronous: the softmax of S^T runs under dP^T),
   then dV += P^T do and dK += dS^T q with P^T / dS^T as register A operands (dV runs under
   dS^T). K and V stay in shared memory as wgmma operands; the portable dk/dv kernel holds
-  them in registers, which made its d = 128 tiles spill.
+  them in registers, which made its d = 128 tiles spill. Softcap (SOFTCAP, tanh.approx): P
+  and the cap's derivative 1 - tanh^2 are held in 16 bits until dS (with P and the tanh in
+  float32 across the dP^T wait the consumers spilled, and that variant lost to the portable
+  backward: NOTES.md).
 The same 4 block products per tile pair as the portable kernel, summed in the same order
 (dk, dv bitwise equal to it on the H100).
 
@@ -53,6 +56,7 @@ from .common import (
     gluon,
     maybe_constexpr,
     mbarrier,
+    tanh_approx,
     tma,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -205,12 +209,15 @@ class BwdArgs:
     # The reducer warps' semaphores (DQ_MODE 2, else None).
     SEM: MaybeConstexpr
     sem_stride: MaybeConstexpr
-    # Query row i sees keys [i + lo_shift, i + hi_shift] (LOCAL: the window's left edge;
-    # CAUSAL: its right edge, the causal diagonal for hi_shift = Nk - Nq).
+    # Softcap: scores tanh(s * cap_scale) (SOFTCAP). Query row i sees keys [i + lo_shift,
+    # i + hi_shift] (LOCAL: the window's left edge; CAUSAL: its right edge, the causal diagonal
+    # for hi_shift = Nk - Nq).
+    cap_scale: gl.tensor
     lo_shift: gl.tensor
     hi_shift: gl.tensor
     CAUSAL: gl.constexpr
     LOCAL: gl.constexpr
+    SOFTCAP: gl.constexpr
     HEAD_DIM: gl.constexpr
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
@@ -227,9 +234,9 @@ class BwdArgs:
                  dq_free, LSE2, DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh,
                  stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn, stride_kh, stride_vb,
                  stride_vn, stride_vh, vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads,
-                 qk_scale, sm_scale, SEM, sem_stride, lo_shift, hi_shift, CAUSAL, LOCAL, HEAD_DIM,
-                 BLOCK_M, BLOCK_N, BLOCK_D, STAGES, DQ_MODE, DQ_HALVES, KV_REGS,
-                 PERSISTENT):  # fmt: skip
+                 qk_scale, sm_scale, SEM, sem_stride, cap_scale, lo_shift, hi_shift, CAUSAL,
+                 LOCAL, SOFTCAP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, DQ_MODE, DQ_HALVES,
+                 KV_REGS, PERSISTENT):  # fmt: skip
         self.q_desc, self.do_desc, self.k_desc, self.v_desc = q_desc, do_desc, k_desc, v_desc
         self.dq_desc = dq_desc
         self.q_smem, self.do_smem, self.k_smem, self.v_smem = q_smem, do_smem, k_smem, v_smem
@@ -258,9 +265,9 @@ class BwdArgs:
         self.tile_heads = maybe_constexpr(tile_heads)
         self.qk_scale, self.sm_scale = qk_scale, sm_scale
         self.SEM, self.sem_stride = maybe_constexpr(SEM), maybe_constexpr(sem_stride)
-        self.lo_shift, self.hi_shift = lo_shift, hi_shift
+        self.cap_scale, self.lo_shift, self.hi_shift = cap_scale, lo_shift, hi_shift
         self.CAUSAL, self.LOCAL = gl.constexpr(CAUSAL), gl.constexpr(LOCAL)
-        self.HEAD_DIM = gl.constexpr(HEAD_DIM)
+        self.SOFTCAP, self.HEAD_DIM = gl.constexpr(SOFTCAP), gl.constexpr(HEAD_DIM)
         self.BLOCK_M, self.BLOCK_N = gl.constexpr(BLOCK_M), gl.constexpr(BLOCK_N)
         self.BLOCK_D, self.STAGES = gl.constexpr(BLOCK_D), gl.constexpr(STAGES)
         self.DQ_MODE, self.KV_REGS = gl.constexpr(DQ_MODE), gl.constexpr(KV_REGS)
@@ -421,6 +428,18 @@ def _bwd_producer(a):
 
 
 @gluon.jit
+def _bwd_keep(a, keys, queries):
+    """Which (key, query) pairs of a masked block are seen: keys before Nk, right of the window's
+    left edge (LOCAL), not right of the diagonal (CAUSAL)."""
+    keep = keys[:, None] < a.Nk
+    if a.CAUSAL:
+        keep = keep & (keys[:, None] <= queries[None, :] + a.hi_shift)
+    if a.LOCAL:
+        keep = keep & (keys[:, None] >= queries[None, :] + a.lo_shift)
+    return keep
+
+
+@gluon.jit
 def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
     """Keys [start_n + WG * 64, +64) of tile t: the step loop (the ring and dq buffers at the
     program's step i0; c: its tiles before this one), then dk (scaled) and dv to global memory.
@@ -502,19 +521,26 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
             masked = masked | (m0 + a.hi_shift < kw0 + BWD_WG_KEYS - 1)
         if a.LOCAL:  # some key lies left of some row's window
             masked = masked | (kw0 < m0 + BLOCK_M - 1 + a.lo_shift)
-        if masked:
-            keep = keys[:, None] < Nk
-            if a.CAUSAL:
-                keep = keep & (keys[:, None] <= queries[None, :] + a.hi_shift)
-            if a.LOCAL:
-                keep = keep & (keys[:, None] >= queries[None, :] + a.lo_shift)
-            p_t = gl.where(keep, gl.exp2(s_t * a.qk_scale - lse2[None, :]), 0.0)
+        if a.SOFTCAP:  # P and the cap's derivative 1 - tanh^2 held in 16 bits (registers)
+            cap = tanh_approx(s_t * a.cap_scale)
+            p_t = gl.exp2(cap * a.qk_scale - lse2[None, :]).to(dtype)
+            dcap = (1.0 - cap * cap).to(gl.float16)
+            if masked:
+                p_t = gl.where(_bwd_keep(a, keys, queries), p_t, 0.0)
+            p_op = gl.convert_layout(p_t, op_layout)
         else:
-            p_t = gl.exp2(s_t * a.qk_scale - lse2[None, :])
-        p_op = gl.convert_layout(p_t.to(dtype), op_layout)
+            if masked:
+                p_t = gl.where(_bwd_keep(a, keys, queries),
+                               gl.exp2(s_t * a.qk_scale - lse2[None, :]), 0.0)  # fmt: skip
+            else:
+                p_t = gl.exp2(s_t * a.qk_scale - lse2[None, :])
+            p_op = gl.convert_layout(p_t.to(dtype), op_layout)
         dv_tok = warpgroup_mma(p_op, do_s, dv, is_async=True)
         dp_t = warpgroup_mma_wait(1, deps=(dpt_tok,))  # dP^T done; dV may still run
-        ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
+        if a.SOFTCAP:
+            ds_t = (p_t.to(gl.float32) * dcap.to(gl.float32) * (dp_t - delta[None, :])).to(dtype)
+        else:
+            ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
         ds_op = gl.convert_layout(ds_t, op_layout)
         dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
         if a.DQ_MODE > 0:  # this warpgroup's half of dS^T to the dq product
@@ -658,6 +684,7 @@ def attn_bwd_gluon_kernel(
     Nk,
     qk_scale,
     sm_scale,
+    cap_scale,
     win_left,
     win_right,
     HEAD_DIM: gl.constexpr,
@@ -666,6 +693,7 @@ def attn_bwd_gluon_kernel(
     BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr,
     LOCAL: gl.constexpr,
+    SOFTCAP: gl.constexpr,
     STAGES: gl.constexpr,
     DQ_MODE: gl.constexpr,
     DQ_HALVES: gl.constexpr = False,
@@ -674,7 +702,8 @@ def attn_bwd_gluon_kernel(
 ):
     """dk, dv of the B * Hkv * cdiv(Nk, BLOCK_N) tiles of 128 keys of one kv head (bottom-right
     causal mask or none, a sliding window (win_left with LOCAL, win_right with CAUSAL: the
-    portable kernels' window), GQA, any Nq and Nk): tile program_id, or with PERSISTENT tiles
+    portable kernels' window), softcap through tanh.approx (SOFTCAP, cap_scale), GQA, any Nq
+    and Nk): tile program_id, or with PERSISTENT tiles
     program_id, + num_programs, ... (one program per SM; `BwdArgs.tile` orders them); launched
     with num_warps = 4 (the default partition), 9 warps in all (14 with DQ_MODE 1, 15 with 2,
     whose reducer warps take turns; with DQ_HALVES 10 and 11). LSE2 / DELTA: (B * H, vec_stride) padded row vectors
@@ -693,6 +722,7 @@ def attn_bwd_gluon_kernel(
     gl.static_assert(not DQ_HALVES or DQ_MODE > 0, "dq halves: dq summed in the kernel")
     qk_scale = qk_scale.to(gl.float32)
     sm_scale = sm_scale.to(gl.float32)
+    cap_scale = cap_scale.to(gl.float32)
     lo_shift = Nk - Nq - win_left
     hi_shift = Nk - Nq + win_right
     bhk_count = B * Hkv
@@ -759,8 +789,8 @@ def attn_bwd_gluon_kernel(
                 DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
                 stride_dvh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                 vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale, SEM,
-                sem_stride, lo_shift, hi_shift, CAUSAL, LOCAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
-                STAGES, DQ_MODE, DQ_HALVES, KV_REGS, PERSISTENT)  # fmt: skip
+                sem_stride, cap_scale, lo_shift, hi_shift, CAUSAL, LOCAL, SOFTCAP, HEAD_DIM, BLOCK_M,
+                BLOCK_N, BLOCK_D, STAGES, DQ_MODE, DQ_HALVES, KV_REGS, PERSISTENT)  # fmt: skip
     # Three partition lists (fixed-order dq: two reducer warps; any order: one; dk/dv only):
     # Gluon takes the (function, args) pairs as a literal list. (One list with a second reducer
     # warp idle in any order would do, but that variant was never timed.)
@@ -833,7 +863,7 @@ def attn_bwd_gluon_kernel(
 def can_implement(p: Problem, cfg: BwdConfig) -> str | None:
     """None if the Gluon backward can run `cfg` for problem `p`, else why not: an sm_90 GPU,
     half precision, BLOCK_D 64 or 128, v's head dim equal to q's, TMA-aligned q, k, v, do;
-    no packed batch, no softcap (it lost to the portable kernel: NOTES.md); 2 x 64 keys per
+    no packed batch, softcap only through tanh.approx; 2 x 64 keys per
     tile; dq summed here by a dq warpgroup only up to GLUON_FUSED_DQ_MAX_D (above it by the
     consumers, `dq_halves`), and K/V in registers only with the dq warpgroup (the dq-kernel
     variant computed wrong dk / dv with them on the H100: a miscompile not understood)."""
@@ -851,8 +881,8 @@ def can_implement(p: Problem, cfg: BwdConfig) -> str | None:
         return "q, k, v, do rows not 16-byte aligned for TMA"
     if p.packed:
         return "a packed batch"
-    if p.softcap:
-        return "softcap"
+    if p.softcap and not cfg.fast_tanh:
+        return "softcap only through tanh.approx"
     if cfg.dkdv.block_n != 2 * BWD_WG_KEYS.value:
         return f"tile {cfg.dkdv}: BLOCK_N must be {2 * BWD_WG_KEYS.value}"
     if cfg.dq_mode != DQ_KERNEL and p.block_d > GLUON_FUSED_DQ_MAX_D and not cfg.dq_halves:
@@ -889,8 +919,8 @@ def launch(ops, p: Problem, cfg: BwdConfig, s: Scores, q, k, v, do, lse2, delta,
         vec_stride=width, sem_stride=width // sem_rows, dq_rows=p.batch * p.heads * width,
         tile_heads=cfg.tile_heads, B=p.batch, H=p.heads, Hkv=p.kv_heads,
         GROUP=p.heads // p.kv_heads, Nq=p.nq, Nk=p.nk, qk_scale=s.qk_scale,
-        sm_scale=s.sm_scale, win_left=max(p.left, 0), win_right=p.right, HEAD_DIM=p.head_dim,
-        BLOCK_D=p.block_d, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CAUSAL=p.causal,
-        LOCAL=p.local, STAGES=t.stages, DQ_MODE=cfg.dq_mode, DQ_HALVES=cfg.dq_halves,
+        sm_scale=s.sm_scale, cap_scale=s.cap_scale, win_left=max(p.left, 0), win_right=p.right,
+        HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        CAUSAL=p.causal, LOCAL=p.local, SOFTCAP=s.softcap == 2, STAGES=t.stages, DQ_MODE=cfg.dq_mode, DQ_HALVES=cfg.dq_halves,
         KV_REGS=cfg.kv_regs, PERSISTENT=cfg.persistent, num_warps=t.warps,
     )  # fmt: skip
