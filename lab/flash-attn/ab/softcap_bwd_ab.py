@@ -4,6 +4,7 @@ same shape, d64 / d128 at 16k tokens (B = 16384 / N, H * d = 2048), causal or no
 a 4k window. On an sm_90 GPU:
 
     PYTHONPATH=shared/src:packages/flash-attn/src python lab/flash-attn/ab/softcap_bwd_ab.py
+    ... softcap_bwd_ab.py accuracy   # the accuracy part alone
 
 First the accuracy of each variant against a float32 reference at (2, 1024, 4, d) (max error,
 and the bf16 PyTorch reference's); then, per case, each variant's median ms and TFLOP/s
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import torch
 
@@ -92,6 +94,8 @@ def main() -> None:
                 rows["accuracy"].append(dict(d=d, causal=causal, dtype=str(dtype),
                                              err=accuracy(d, causal, dtype=dtype)))  # fmt: skip
     rows["accuracy"].append(dict(d=128, window=(256, 0), err=accuracy(128, True, (256, 0))))
+    if sys.argv[1:] == ["accuracy"]:
+        return
     cases = [
         (d, 16384 // n, n, 2048 // d, 2048 // d, causal, (-1, -1))
         for d in (128, 64)

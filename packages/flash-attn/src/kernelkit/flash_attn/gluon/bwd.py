@@ -13,9 +13,9 @@ share of the tiles. Three partitions:
   then dV += P^T do and dK += dS^T q with P^T / dS^T as register A operands (dV runs under
   dS^T). K and V stay in shared memory as wgmma operands; the portable dk/dv kernel holds
   them in registers, which made its d = 128 tiles spill. Softcap (SOFTCAP, tanh.approx): P
-  and the cap's derivative 1 - tanh^2 are held in 16 bits until dS (with P and the tanh in
-  float32 across the dP^T wait the consumers spilled, and that variant lost to the portable
-  backward: NOTES.md).
+  (the dV product's operand) and P (1 - tanh^2), the cap's derivative folded in, are held in
+  16 bits until dS (with P and the tanh in float32 across the dP^T wait the consumers spilled,
+  and that variant lost to the portable backward: NOTES.md).
 The same 4 block products per tile pair as the portable kernel, summed in the same order
 (dk, dv bitwise equal to it on the H100).
 
@@ -521,13 +521,16 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
             masked = masked | (m0 + a.hi_shift < kw0 + BWD_WG_KEYS - 1)
         if a.LOCAL:  # some key lies left of some row's window
             masked = masked | (kw0 < m0 + BLOCK_M - 1 + a.lo_shift)
-        if a.SOFTCAP:  # P and the cap's derivative 1 - tanh^2 held in 16 bits (registers)
+        if a.SOFTCAP:  # P and P (1 - tanh^2), the cap's derivative folded in, in 16 bits each
             cap = tanh_approx(s_t * a.cap_scale)
-            p_t = gl.exp2(cap * a.qk_scale - lse2[None, :]).to(dtype)
-            dcap = (1.0 - cap * cap).to(gl.float16)
-            if masked:
-                p_t = gl.where(_bwd_keep(a, keys, queries), p_t, 0.0)
-            p_op = gl.convert_layout(p_t, op_layout)
+            p_f = gl.exp2(cap * a.qk_scale - lse2[None, :])
+            p_t = (p_f * (1.0 - cap * cap)).to(gl.float16)
+            p16 = p_f.to(dtype)
+            if masked:  # (selects: a masked score's P may be inf, its product with 0 NaN)
+                keep = _bwd_keep(a, keys, queries)
+                p16 = gl.where(keep, p16, 0.0)
+                p_t = gl.where(keep, p_t, 0.0)
+            p_op = gl.convert_layout(p16, op_layout)
         else:
             if masked:
                 p_t = gl.where(_bwd_keep(a, keys, queries),
@@ -537,10 +540,7 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
             p_op = gl.convert_layout(p_t.to(dtype), op_layout)
         dv_tok = warpgroup_mma(p_op, do_s, dv, is_async=True)
         dp_t = warpgroup_mma_wait(1, deps=(dpt_tok,))  # dP^T done; dV may still run
-        if a.SOFTCAP:
-            ds_t = (p_t.to(gl.float32) * dcap.to(gl.float32) * (dp_t - delta[None, :])).to(dtype)
-        else:
-            ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
+        ds_t = (p_t.to(gl.float32) * (dp_t - delta[None, :])).to(dtype)
         ds_op = gl.convert_layout(ds_t, op_layout)
         dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
         if a.DQ_MODE > 0:  # this warpgroup's half of dS^T to the dq product
