@@ -137,7 +137,8 @@ def test_gluon_backward_launches_are_compile_checked():
     cases = [(64, True, 2, (300, 260), 0.0, (-1, -1)), (80, False, 3, (300, 300), 0.0, (-1, -1)),
              (128, True, 2, (260, 300), 0.0, (-1, -1)), (128, False, 3, (256, 256), 0.0, (-1, -1)),
              (128, True, 2, (300, 260), 0.0, (64, 0)), (64, False, 2, (300, 300), 0.0, (32, 16)),
-             (128, True, 2, (300, 260), 5.0, (-1, -1)), (128, False, 3, (300, 300), 5.0, (32, 16))]  # fmt: skip
+             (128, True, 2, (300, 260), 5.0, (-1, -1)),
+             (128, False, 3, (300, 300), 5.0, (32, 16))]  # fmt: skip
     for d, causal, stages, (nq, nk), softcap, window in cases:
         q, k, v = qkv(2, nq, nk, 4, 2, d, torch.bfloat16, "cpu")
         do = torch.randn_like(q)

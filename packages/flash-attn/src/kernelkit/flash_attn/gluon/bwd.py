@@ -703,8 +703,8 @@ def attn_bwd_gluon_kernel(
     """dk, dv of the B * Hkv * cdiv(Nk, BLOCK_N) tiles of 128 keys of one kv head (bottom-right
     causal mask or none, a sliding window (win_left with LOCAL, win_right with CAUSAL: the
     portable kernels' window), softcap through tanh.approx (SOFTCAP, cap_scale), GQA, any Nq
-    and Nk): tile program_id, or with PERSISTENT tiles
-    program_id, + num_programs, ... (one program per SM; `BwdArgs.tile` orders them); launched
+    and Nk): tile program_id, or with PERSISTENT tiles program_id, + num_programs, ... (one
+    program per SM; `BwdArgs.tile` orders them); launched
     with num_warps = 4 (the default partition), 9 warps in all (14 with DQ_MODE 1, 15 with 2,
     whose reducer warps take turns; with DQ_HALVES 10 and 11). LSE2 / DELTA: (B * H, vec_stride) padded row vectors
     (triton/bwd.py, attn_bwd_preprocess_kernel with ROWVEC). tile_heads: (batch, kv head)s per tile
@@ -789,8 +789,9 @@ def attn_bwd_gluon_kernel(
                 DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
                 stride_dvh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                 vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale, SEM,
-                sem_stride, cap_scale, lo_shift, hi_shift, CAUSAL, LOCAL, SOFTCAP, HEAD_DIM, BLOCK_M,
-                BLOCK_N, BLOCK_D, STAGES, DQ_MODE, DQ_HALVES, KV_REGS, PERSISTENT)  # fmt: skip
+                sem_stride, cap_scale, lo_shift, hi_shift, CAUSAL, LOCAL, SOFTCAP, HEAD_DIM,
+                BLOCK_M, BLOCK_N, BLOCK_D, STAGES, DQ_MODE, DQ_HALVES, KV_REGS,
+                PERSISTENT)  # fmt: skip
     # Three partition lists (fixed-order dq: two reducer warps; any order: one; dk/dv only):
     # Gluon takes the (function, args) pairs as a literal list. (One list with a second reducer
     # warp idle in any order would do, but that variant was never timed.)
@@ -921,6 +922,7 @@ def launch(ops, p: Problem, cfg: BwdConfig, s: Scores, q, k, v, do, lse2, delta,
         GROUP=p.heads // p.kv_heads, Nq=p.nq, Nk=p.nk, qk_scale=s.qk_scale,
         sm_scale=s.sm_scale, cap_scale=s.cap_scale, win_left=max(p.left, 0), win_right=p.right,
         HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        CAUSAL=p.causal, LOCAL=p.local, SOFTCAP=s.softcap == 2, STAGES=t.stages, DQ_MODE=cfg.dq_mode, DQ_HALVES=cfg.dq_halves,
-        KV_REGS=cfg.kv_regs, PERSISTENT=cfg.persistent, num_warps=t.warps,
+        CAUSAL=p.causal, LOCAL=p.local, SOFTCAP=s.softcap == 2, STAGES=t.stages,
+        DQ_MODE=cfg.dq_mode, DQ_HALVES=cfg.dq_halves, KV_REGS=cfg.kv_regs,
+        PERSISTENT=cfg.persistent, num_warps=t.warps,
     )  # fmt: skip
