@@ -313,7 +313,8 @@ def gluon_bwd_config(p: Problem, tile: Tile, dq_mode: int, dq: Tile | None = Non
     halves = fused and p.block_d > T.GLUON_FUSED_DQ_MAX_D
     dq = None if fused else dq or table_tiles(p)[2]
     persistent = bool(not fused and p.nq <= T.GLUON_BWD_PERSISTENT_MAX_N) or (
-        fused and _short_window(p, T.FUSED_PERSISTENT_MAX_WINDOW.get(p.block_d, 0)))
+        fused and _short_window(p, T.FUSED_PERSISTENT_MAX_WINDOW.get(p.block_d, 0))
+    )
     if fused and persistent:
         why += (f"; one program per SM (a window of at most"
                 f" {T.FUSED_PERSISTENT_MAX_WINDOW[p.block_d]} keys)")  # fmt: skip
