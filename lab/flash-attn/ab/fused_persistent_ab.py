@@ -5,7 +5,7 @@ rows), windows, causal and not, d64 / d128 at 16k tokens. On an sm_90 GPU:
     PYTHONPATH=shared/src:packages/flash-attn/src python lab/flash-attn/ab/fused_persistent_ab.py
     ... fused_persistent_ab.py d64-windows   # the d64 window sizes (the table's threshold)
 
-The persistent dq-halves variant (d128) is refused by `gluon.bwd.can_implement` (it lost: the
+The persistent fused-dq variants are refused by `gluon.bwd.can_implement` (not shipped: the
 first run's log, `lab/flash-attn/logs/session36-H200-fused-persistent-ab.log`), so this script
 lifts that one check for its own configs. Per case: whether the gradients are bitwise equal
 (the sums' order is fixed), each variant's median ms over 7 interleaved rounds and its spread.
@@ -30,7 +30,7 @@ _can_implement = G.can_implement
 
 def _lifted(p, cfg):
     reason = _can_implement(p, cfg)
-    return None if reason == "the dq-halves variants run one program per tile" else reason
+    return None if reason == "the fused-dq variants run one program per tile" else reason
 
 
 G.can_implement = _lifted

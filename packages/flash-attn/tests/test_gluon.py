@@ -182,19 +182,8 @@ def test_gluon_backward_launches_are_compile_checked():
     assert [kw["BLOCK_D"] for *_, kw in fused[1::3]] == [64] * 6 + [128] * 12
     assert [kw["LOCAL"] for *_, kw in fused[1::3]] == [False, False, True, True, True, False] * 3
     assert [kw["SOFTCAP"] for *_, kw in fused[1::3]] == ([False] * 4 + [True] * 2) * 3
-    # (d64 on these short windows: one program per SM, tables.FUSED_PERSISTENT_MAX_WINDOW)
-    assert [kw["PERSISTENT"] for *_, kw in fused[1::3]] == [False, False, True, True, True,
-                                                             False] + [False] * 12  # fmt: skip
     assert [kw["ZERO_DQ"] for *_, kw in fused[::3]] == [True] * 18
-    # d64 on a window too long for that walk: one program per tile
-    q, k, v = qkv(1, 2300, 2300, 2, 1, 64, torch.bfloat16, "cpu")
-    do = torch.randn_like(q)
-    window = (T.FUSED_PERSISTENT_MAX_WINDOW[64], 0)
-    p = fa_launch.backward_problem(do, q, k, v, True, 0.0, window, target=H100)
-    cfg = check_bwd(p, gluon_bwd_config(p, T.FUSED_DQ_DKDV, DQ_ORDERED))
-    long_window = _probe_backward_as_on_h100(cfg, do, q, k, v, True, True, 0.0, window).launches
-    assert [(kw["LOCAL"], kw["PERSISTENT"]) for *_, kw in long_window[1:2]] == [(True, False)]
-    for kernel, _, args, kwargs in gluon + fused + long_window:
+    for kernel, _, args, kwargs in gluon + fused:
         record_launch(kernel, args, kwargs)
 
 
@@ -257,7 +246,6 @@ def _check_error_cases():
     p64 = replace(p, head_dim=64, head_dim_v=64)
     fwd, bwd = choose_fwd(p), choose_bwd(p)
     fused = gluon_bwd_config(p64, T.FUSED_DQ_DKDV, DQ_ORDERED)
-    halves = gluon_bwd_config(p, T.FUSED_DQ_DKDV, DQ_ORDERED)
     portable = portable_bwd_config(p, *T.CAUSAL_TILES[128][1:])
     interp = meta_problem(1, 100, 100, 2, 1, 32, torch.float32, causal=True, softcap=5.0,
                           target=INTERPRETER)  # fmt: skip
@@ -293,7 +281,7 @@ def _check_error_cases():
         (check_bwd, p64, replace(fused, dq_halves=True), "dq_halves: dq summed in the kernel, K and V in"),
         (check_bwd, p, replace(bwd, kv_regs=True), "a dq tile and K/V in shared memory"),
         (check_bwd, p, replace(bwd, dq=None), "a dq tile and K/V in shared memory"),
-        (check_bwd, p, replace(halves, persistent=True), "dq-halves variants run one program per"),
+        (check_bwd, p64, replace(fused, persistent=True), "run one program per tile"),
         (check_bwd, p, replace(bwd, pad_rows=False), "reads the padded row vectors"),
         (check_bwd, replace(p, target=NO_GLUON), bwd, "not an sm_90 GPU"),
         # portable kernels
@@ -467,29 +455,6 @@ def test_gqa_causal_keeps_dq_kernel():
     # below FUSED_DQ_MIN_N rows: the dq kernel as for MHA, without the GQA note
     n = T.FUSED_DQ_MIN_N[128][1] - 1
     assert "GQA" not in choose_bwd(meta_problem(1, n, n, 4, 1, 128, causal=True)).why
-
-
-def test_fused_persistent_window_rule():
-    """The d64 fused-dq backward (a dq warpgroup) walks its tiles with one program per SM where
-    a window with both edges spans at most FUSED_PERSISTENT_MAX_WINDOW keys, in either order,
-    and says so; longer windows, a left edge alone, no window, and d128 (dq halves) run one
-    program per tile. As on an H100."""
-    most = T.FUSED_PERSISTENT_MAX_WINDOW[64]
-    n = T.FUSED_DQ_MIN_N[64][True]
-    for det in (True, False):
-        for left, right, causal, d, want in ((most - 1, -1, True, 64, True),
-                                             (most - 65, 64, False, 64, True),
-                                             (most, -1, True, 64, False),
-                                             (256, -1, False, 64, False),
-                                             (-1, -1, True, 64, False),
-                                             (255, -1, True, 128, False)):  # fmt: skip
-            p = meta_problem(1, n, n, 4, 2, d, causal=causal, window_size=(left, right),
-                             deterministic=det)  # fmt: skip
-            cfg = choose_bwd(p)
-            assert cfg.kernel == BWD_GLUON and cfg.dq_mode != DQ_KERNEL, (left, right, d, cfg)
-            assert cfg.persistent == want, (left, right, causal, d, det, cfg)
-            assert ("one program per SM" in cfg.why) == want
-            assert check_bwd(p, cfg) == cfg
 
 
 def test_deterministic_option_launches():

@@ -402,33 +402,6 @@ def test_gpu_gluon_backward_schedules_agree(causal, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("window_size, causal", [((300, -1), True), ((200, 40), False)],
-                         ids=["causal", "right-edge"])  # fmt: skip
-def test_gpu_fused_short_window_walks_agree(window_size, causal, device):
-    """The d64 fused-dq backward on a short window: walked with one program per SM (as the
-    chooser takes it, tables.FUSED_PERSISTENT_MAX_WINDOW) and with one program per tile, the
-    dq sums in the same fixed order: bitwise the same gradients, right against the reference.
-    GQA, a ragged last key block."""
-    need_sm90(device)
-    n = T.FUSED_DQ_MIN_N[64][True] + 40
-    q, k, v = qkv(1, n, n, 4, 2, 64, torch.bfloat16, device)
-    do = make(q.shape, q.dtype, device, seed=7)
-    scale = 1 / math.sqrt(64)
-    p = problems(q, k, v, causal, window_size=window_size, do=do)[1]
-    chosen = choose_bwd(p)
-    assert (chosen.kernel, chosen.dq_mode, chosen.persistent) == (BWD_GLUON, DQ_ORDERED, True)
-    heads = tile_heads(2, -(-n // chosen.dkdv.block_n), p.target.sms, True, False, True)
-    per_tile = replace(chosen, persistent=False, tile_heads=heads)
-    window = (p.left, p.right)  # as flash_attn passes it on (validation.window_for)
-    o, lse = fa_launch.forward(q, k, v, causal, scale, window=window)
-    grads = [fa_launch.backward(do, q, k, v, o, lse, None, causal, scale, window=window,
-                                config=cfg) for cfg in (per_tile, chosen)]  # fmt: skip
-    for a, b, name in zip(*grads, ("dq", "dk", "dv")):
-        assert torch.equal(a, b), name
-    check(q, k, v, causal=causal, window_size=window_size)  # the default (walked persistently)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(
     "d, mode",

@@ -98,13 +98,6 @@ ANY_ORDER_DQ_MIN_N = {64: (4096, 4096), 128: (2048, 2048)}
 # 318 / 310 and 280 / 301; 16 / 16 heads causal: fused 6-12% faster from 2k to 16k).
 ORDERED_GQA_CAUSAL_DQ_KERNEL_D = (128,)
 FUSED_DQ_DKDV = Tile(64, 128, 4, 2, tma=True)
-# Fused-dq backwards with a dq warpgroup (BLOCK_D <= GLUON_FUSED_DQ_MAX_D) whose window (both
-# edges: causal with a left edge) spans at most this many keys per row walk their tiles with one
-# program per SM: the tiles are short and of one length, and the per-program costs weigh
-# (H200, session 36, d64 causal 16k, ms one program per tile -> per SM: window 512 0.976 ->
-# 0.774, 1k 1.300 -> 1.118, 2k 1.956 -> 1.854, 3k 2.560 -> 2.557, 4k 3.108 -> 3.271, 8k 4.987
-# -> 5.453; NOTES.md). d128's consumers spill more in the tile loop and lost in every cell.
-FUSED_PERSISTENT_MAX_WINDOW = {64: 2048}
 
 # ---------------------------------------------------------------------------------------------
 # Split-KV forward (decoding)

@@ -2,10 +2,8 @@
 dq by the portable dq kernel beside it (triton/bwd.py) or summed here; and its launch.
 
 A tile = BLOCK_N = 2 x 64 keys of one kv head; one program per tile, or with PERSISTENT (the
-dk/dv-only kernel up to tables.GLUON_BWD_PERSISTENT_MAX_N rows, the dq-warpgroup variant on
-short windows: tables.FUSED_PERSISTENT_MAX_WINDOW) one per SM walking its share of the tiles
-(in increasing order: a tile waits on the dq sums of tiles before it only, so the first
-unfinished tile always runs). Three partitions:
+dk/dv-only kernel up to tables.GLUON_BWD_PERSISTENT_MAX_N rows) one per SM walking its
+share of the tiles. Three partitions:
 - a producer warp loads each tile's K and V block (once the consumers are done with the last
   tile's), then for each (query head of the GQA group, query block) step the BLOCK_M-row
   tiles of q and do into a STAGES-deep ring (4-D (B, N, H, D) descriptors: batch and heads
@@ -897,8 +895,8 @@ def can_implement(p: Problem, cfg: BwdConfig) -> str | None:
         return "dq_halves: dq summed in the kernel, K and V in shared memory"
     if cfg.dq_mode == DQ_KERNEL and (cfg.dq is None or cfg.kv_regs):
         return "the dq-kernel variant needs a dq tile and K/V in shared memory"
-    if cfg.dq_halves and cfg.persistent:
-        return "the dq-halves variants run one program per tile"
+    if cfg.dq_mode != DQ_KERNEL and cfg.persistent:
+        return "the fused-dq variants run one program per tile"
     if not cfg.pad_rows:
         return "the Gluon backward reads the padded row vectors"
     bhk = p.batch * p.kv_heads
