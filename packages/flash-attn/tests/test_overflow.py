@@ -8,9 +8,11 @@ the float16 dS is inf and inf * (k = 0) made dq NaN (dense and packed, non-causa
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from attn_cases import Call, check_call, fwd_bwd
+from attn_cases import RULE, Call, check_call, fwd_bwd
 
 from kernelkit.flash_attn import explain
 from kernelkit.flash_attn import tables as T
@@ -96,3 +98,53 @@ def test_gpu_few_keys_softcap(nq, nk, d, causal, dtype, device):
         e = explain(q, k, v, causal, softcap=call.softcap)
         assert (e.backward_config.kernel, e.backward_config.fast_tanh) == (kernel, True)
     _check(call, device)
+
+
+def _rare_key_inputs(n: int, d: int, softcap: float, rare: list[int], seed: int = 0):
+    """(q, k, v, do) in bfloat16, (1, n, 2, d) with one kv head: the keys in `rare` score
+    about ln(1e-8) + ln(n) below the others for every query (after the cap), so every P of
+    theirs is ~1e-8 (P (1 - tanh^2) below float16's smallest normal)."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.full((d,), d**-0.5, dtype=torch.float64)  # a unit vector every query leans on
+    q = torch.randn(1, n, 2, d, generator=g, dtype=torch.float64)
+    q += (3.0 - q @ u)[..., None] * u  # q . u = 3 for every query
+    k = torch.randn(1, n, 1, d, generator=g, dtype=torch.float64) * 0.3
+    logit = math.log(1e-8) + math.log(n)  # the rare keys' capped score
+    raw = softcap * math.atanh(logit / softcap)  # its score before the cap
+    k[0, rare, 0] = u * raw / (3.0 * d**-0.5)  # q . k_rare * d^-0.5 ~ raw
+    v = torch.randn(1, n, 1, d, generator=g, dtype=torch.float64)
+    do = torch.randn(1, n, 2, d, generator=g, dtype=torch.float64)
+    return [t.to(torch.bfloat16) for t in (q, k, v, do)]
+
+
+# (64, 64) on the portable kernels anywhere; the others on the Gluon backward (d64 from
+# tables.FUSED_DQ_MIN_N rows).
+RARE_KEY_SHAPES = [(64, 64), pytest.param(8192, 64, marks=pytest.mark.gpu),
+                   pytest.param(2048, 128, marks=pytest.mark.gpu)]  # fmt: skip
+
+
+@pytest.mark.parametrize("n, d", RARE_KEY_SHAPES, ids=lambda x: str(x))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_softcap_rarely_attended_keys(n, d, causal, device):
+    """Softcap, bfloat16: keys that every query attends with P ~1e-8 get dk rows of ~1e-8
+    that the rule over the whole tensor cannot see; each such row meets the rule on its own.
+    Regression: the Gluon backward held P (1 - tanh^2) in float16 unscaled, flushed it to 0
+    and returned those rows as 0 (bfloat16 dS reaches 1e-38)."""
+    softcap, rare = 30.0, [n // 2 + 3, n - 5, n - 1]  # (causal: seen by >= n / 2 keys' rows)
+    q, k, v, do = (t.to(device) for t in _rare_key_inputs(n, d, softcap, rare))
+    call = Call(b=1, nq=n, nk=n, h=2, hkv=1, d=d, causal=causal, softcap=softcap)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0) and n > 64:
+        e = explain(q, k, v, causal, softcap=softcap)
+        assert (e.backward_config.kernel, e.backward_config.fast_tanh) == ("gluon", True)
+    got = fwd_bwd(call, q, k, v, do)
+    check_call(call, got, q, k, v, do)
+    hi = fwd_bwd(call, q.double(), k.double(), v.double(), do.double(), reference=True)[2]
+    lowp = fwd_bwd(call, q, k, v, do, reference=True)[2]
+    for j in rare:
+        ref = hi[0, j].abs().max().item()
+        assert 0 < ref < 1e-4, f"key {j}: the case is not rare (|dk| {ref:.2e})"
+        err = (got[2][0, j].double() - hi[0, j]).abs().max().item()
+        base = (lowp[0, j].double() - hi[0, j]).abs().max().item()
+        assert err <= RULE[1] * base, (
+            f"dk of rarely attended key {j}: error {err:.2e} > {RULE[1]} x {base:.2e} (|dk| {ref:.2e})"
+        )

@@ -14,8 +14,8 @@ share of the tiles. Three partitions:
   dS^T). K and V stay in shared memory as wgmma operands; the portable dk/dv kernel holds
   them in registers, which made its d = 128 tiles spill. Softcap (SOFTCAP, tanh.approx): P
   (the dV product's operand) and P (1 - tanh^2), the cap's derivative folded in, are held in
-  16 bits until dS (with P and the tanh in float32 across the dP^T wait the consumers spilled,
-  and that variant lost to the portable backward: NOTES.md).
+  16 bits (scaled by 2^15: P_SCALE_LOG2) until dS (with P and the tanh in float32 across the
+  dP^T wait the consumers spilled, and that variant lost to the portable backward: NOTES.md).
 The same 4 block products per tile pair as the portable kernel, summed in the same order
 (dk, dv bitwise equal to it on the H100).
 
@@ -26,8 +26,9 @@ nothing else, waits for both halves, runs the product and hands the part, scaled
 reducer warp through a shared-memory buffer. With DQ_HALVES (d128, whose 64 x 128 float32 part
 a third warpgroup's registers cannot hold) there is no such warpgroup: each consumer waits for
 the other's half and computes half of the part's columns, dS K[:, WG * 64 : +64], under its
-dV / dK products, into its half of the buffer. The reducer warp adds the part into a float32
-dq buffer with TMA reduce-adds (cp.reduce.async.bulk.tensor). DQ_MODE 1 adds in any order; DQ_MODE 2 key block after key
+dV product and before its dK product, and stores it into its half of the buffer while dK runs.
+The reducer warp adds the part into a float32 dq buffer with TMA reduce-adds
+(cp.reduce.async.bulk.tensor). DQ_MODE 1 adds in any order; DQ_MODE 2 key block after key
 block (bitwise reproducible sums): a semaphore per query block counts the parts added, and
 only the reducer warps (two, taking turns) wait on it. (Parts added with atomics by the
 consumers themselves were slower; so were parts of 64 keys, and the consumers taking turns at
@@ -70,6 +71,15 @@ SEM_ROWS = gl.constexpr(64)  # query rows per dq semaphore (DQ_MODE 2; triton/bw
 FUSED_CONSUMER_REGS = gl.constexpr(208)
 DQ_WARPGROUP_REGS = gl.constexpr(72)
 REDUCER_WARP_REGS = gl.constexpr(24)
+# Softcap: P and P (1 - tanh^2) are computed 2^15 times too large (lse2 - 15 in the exponent)
+# and held in 16 bits so (P <= 1: at most 32768 < 65504). Unscaled, float16 P (1 - tanh^2)
+# lost bits below 2^-14 and flushed to 0 below 2^-24, which zeroed the dk rows of keys
+# attended only with P < ~1e-8 (bfloat16 dS reaches 1e-38); scaled, it is normal down to
+# 2^-29. The 2^-15 goes into dP - delta's fma and into dV's store, and lse2 - 15 and
+# delta 2^-15 into the preprocess's row vectors (`rows_scaled`): no instruction per score
+# (shifting the row vectors here cost 2% at d64, 16 values per thread per step).
+P_SCALE_LOG2 = gl.constexpr(15.0)
+P_UNSCALE = gl.constexpr(2.0**-15)
 # With DQ_HALVES (no dq warpgroup: each consumer computes half of dq's columns) three
 # warpgroups share 512: the consumers 240 each, the producer's and reducers' 24.
 HALVES_CONSUMER_REGS = gl.constexpr(240)
@@ -218,6 +228,7 @@ class BwdArgs:
     CAUSAL: gl.constexpr
     LOCAL: gl.constexpr
     SOFTCAP: gl.constexpr
+    ROWS_SCALED: gl.constexpr  # LSE2 / DELTA come with P's 2^15 folded in (`rows_scaled`)
     HEAD_DIM: gl.constexpr
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
@@ -235,8 +246,8 @@ class BwdArgs:
                  stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn, stride_kh, stride_vb,
                  stride_vn, stride_vh, vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads,
                  qk_scale, sm_scale, SEM, sem_stride, cap_scale, lo_shift, hi_shift, CAUSAL,
-                 LOCAL, SOFTCAP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, DQ_MODE, DQ_HALVES,
-                 KV_REGS, PERSISTENT):  # fmt: skip
+                 LOCAL, SOFTCAP, ROWS_SCALED, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, STAGES,
+                 DQ_MODE, DQ_HALVES, KV_REGS, PERSISTENT):  # fmt: skip
         self.q_desc, self.do_desc, self.k_desc, self.v_desc = q_desc, do_desc, k_desc, v_desc
         self.dq_desc = dq_desc
         self.q_smem, self.do_smem, self.k_smem, self.v_smem = q_smem, do_smem, k_smem, v_smem
@@ -268,6 +279,7 @@ class BwdArgs:
         self.cap_scale, self.lo_shift, self.hi_shift = cap_scale, lo_shift, hi_shift
         self.CAUSAL, self.LOCAL = gl.constexpr(CAUSAL), gl.constexpr(LOCAL)
         self.SOFTCAP, self.HEAD_DIM = gl.constexpr(SOFTCAP), gl.constexpr(HEAD_DIM)
+        self.ROWS_SCALED = gl.constexpr(ROWS_SCALED)
         self.BLOCK_M, self.BLOCK_N = gl.constexpr(BLOCK_M), gl.constexpr(BLOCK_N)
         self.BLOCK_D, self.STAGES = gl.constexpr(BLOCK_D), gl.constexpr(STAGES)
         self.DQ_MODE, self.KV_REGS = gl.constexpr(DQ_MODE), gl.constexpr(KV_REGS)
@@ -511,6 +523,9 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
         queries = m0 + gl.arange(0, BLOCK_M, layout=per_query)
         lse2 = gl.load(a.LSE2 + bhq.to(gl.int64) * a.vec_stride + queries)
         delta = gl.load(a.DELTA + bhq.to(gl.int64) * a.vec_stride + queries)
+        if a.SOFTCAP and not a.ROWS_SCALED:  # (the portable dq kernel reads them unscaled)
+            lse2 = lse2 - P_SCALE_LOG2
+            delta = delta * P_UNSCALE
         mbarrier.wait(a.ready.index(s), (i // STAGES) & 1)
         st_tok = warpgroup_mma(k_w, q_s.permute((1, 0)), zero_st, use_acc=False, is_async=True)
         dpt_tok = warpgroup_mma(v_w, do_s.permute((1, 0)), zero_st, use_acc=False,
@@ -521,7 +536,7 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
             masked = masked | (m0 + a.hi_shift < kw0 + BWD_WG_KEYS - 1)
         if a.LOCAL:  # some key lies left of some row's window
             masked = masked | (kw0 < m0 + BLOCK_M - 1 + a.lo_shift)
-        if a.SOFTCAP:  # P and P (1 - tanh^2), the cap's derivative folded in, in 16 bits each
+        if a.SOFTCAP:  # 2^15 P and 2^15 P (1 - tanh^2) (the cap's derivative), 16 bits each
             cap = tanh_approx(s_t * a.cap_scale)
             p_f = gl.exp2(cap * a.qk_scale - lse2[None, :])
             p_t = (p_f * (1.0 - cap * cap)).to(gl.float16)
@@ -540,9 +555,12 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
             p_op = gl.convert_layout(p_t.to(dtype), op_layout)
         dv_tok = warpgroup_mma(p_op, do_s, dv, is_async=True)
         dp_t = warpgroup_mma_wait(1, deps=(dpt_tok,))  # dP^T done; dV may still run
-        ds_t = (p_t.to(gl.float32) * (dp_t - delta[None, :])).to(dtype)
+        # dP - delta (softcap: times 2^-15 in one fma, delta scaled); dS = P' (dP - delta)
+        dd = gl.fma(dp_t, P_UNSCALE, -delta[None, :]) if a.SOFTCAP else dp_t - delta[None, :]
+        ds_t = (p_t.to(gl.float32) * dd).to(dtype)
         ds_op = gl.convert_layout(ds_t, op_layout)
-        dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+        if not a.DQ_HALVES:  # (DQ_HALVES: after the dq part's product, below)
+            dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
         if a.DQ_MODE > 0:  # this warpgroup's half of dS^T to the dq product
             par = i % 2
             mbarrier.wait(a.ds_free.index(par), ((i // 2) & 1) ^ 1)  # step i - 2's dq read it
@@ -555,17 +573,19 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
             mbarrier.wait(a.ds_ready.index(par), (i // 2) & 1)  # the other half is in too
             dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), a.k_smem.slice(WG * HALF, HALF, 1),
                                    zero_dq, use_acc=False, is_async=True)  # fmt: skip
-            dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(
-                0, deps=(dv_tok, dk_tok, dq_tok, p_op, ds_op)
-            )
+            # dK after the dq part's product: the part goes out to the reducer while dK runs
+            # (issued before it, the store waited for all three: 1-5% slower, NOTES.md).
+            dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+            dv, dq = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok))
             mbarrier.arrive(a.ds_free.index(par))
-            mbarrier.arrive(a.empty.index(s))
             buf = i % N_BUF  # free once the reducer's adds of its last parts have read it
             mbarrier.wait(a.dq_free.index(buf), ((i // N_BUF) & 1) ^ 1)
             a.dq_smem.index(buf * 2 + WG).store(dq * a.sm_scale)
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(a.dq_ready.index(buf))
+            dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dk_tok, p_op, ds_op))
+            mbarrier.arrive(a.empty.index(s))
         else:
             dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
             mbarrier.arrive(a.empty.index(s))
@@ -576,6 +596,8 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
     keep = (rows[:, None] < Nk) & (cols[None, :] < a.HEAD_DIM)
     gl.store(DK + rows[:, None].to(gl.int64) * a.stride_dkn + cols[None, :],
              (dk * a.sm_scale).to(dtype), mask=keep)  # fmt: skip
+    if a.SOFTCAP:  # dV summed 2^15 P^T dO
+        dv = dv * P_UNSCALE
     gl.store(DV + rows[:, None].to(gl.int64) * a.stride_dvn + cols[None, :], dv.to(dtype),
              mask=keep)  # fmt: skip
 
@@ -696,6 +718,7 @@ def attn_bwd_gluon_kernel(
     SOFTCAP: gl.constexpr,
     STAGES: gl.constexpr,
     DQ_MODE: gl.constexpr,
+    ROWS_SCALED: gl.constexpr = False,
     DQ_HALVES: gl.constexpr = False,
     KV_REGS: gl.constexpr = False,
     PERSISTENT: gl.constexpr = False,
@@ -707,7 +730,8 @@ def attn_bwd_gluon_kernel(
     program per SM; `BwdArgs.tile` orders them); launched
     with num_warps = 4 (the default partition), 9 warps in all (14 with DQ_MODE 1, 15 with 2,
     whose reducer warps take turns; with DQ_HALVES 10 and 11). LSE2 / DELTA: (B * H, vec_stride) padded row vectors
-    (triton/bwd.py, attn_bwd_preprocess_kernel with ROWVEC). tile_heads: (batch, kv head)s per tile
+    (triton/bwd.py, attn_bwd_preprocess_kernel with ROWVEC; with ROWS_SCALED less 15 and times
+    2^-15, `rows_scaled`). tile_heads: (batch, kv head)s per tile
     group, negative for descending key blocks (`BwdArgs.tile`). DQ_MODE > 0: also dq's float32
     sums, scaled, into DQACC ((dq_rows = B * H * vec_stride, BLOCK_D), zeroed before, as is
     SEM: (B * H, sem_stride)), one program per tile: a third warpgroup computes each step's dq
@@ -789,8 +813,8 @@ def attn_bwd_gluon_kernel(
                 DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
                 stride_dvh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                 vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale, SEM,
-                sem_stride, cap_scale, lo_shift, hi_shift, CAUSAL, LOCAL, SOFTCAP, HEAD_DIM,
-                BLOCK_M, BLOCK_N, BLOCK_D, STAGES, DQ_MODE, DQ_HALVES, KV_REGS,
+                sem_stride, cap_scale, lo_shift, hi_shift, CAUSAL, LOCAL, SOFTCAP, ROWS_SCALED,
+                HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, DQ_MODE, DQ_HALVES, KV_REGS,
                 PERSISTENT)  # fmt: skip
     # Three partition lists (fixed-order dq: two reducer warps; any order: one; dk/dv only):
     # Gluon takes the (function, args) pairs as a literal list. (One list with a second reducer
@@ -907,9 +931,17 @@ def can_implement(p: Problem, cfg: BwdConfig) -> str | None:
     return None
 
 
+def rows_scaled(cfg: BwdConfig, s: Scores) -> bool:
+    """Whether the preprocess folds softcap's 2^15 (P_SCALE_LOG2) into the row vectors this
+    kernel reads (lse2 - 15, delta 2^-15): with softcap where dq is summed here, so that nothing
+    else reads them (the portable dq kernel beside it, DQ_KERNEL, reads them as they are)."""
+    return s.softcap == 2 and cfg.dq_mode != DQ_KERNEL
+
+
 def launch(ops, p: Problem, cfg: BwdConfig, s: Scores, q, k, v, do, lse2, delta, dk, dv,
-           dq_acc, sem, width: int, sem_rows: int) -> None:  # fmt: skip
-    """Launch the Gluon dk/dv kernel (summing dq into dq_acc where cfg.dq_mode says so)."""
+           dq_acc, sem, width: int, sem_rows: int, rows_scaled: bool) -> None:  # fmt: skip
+    """Launch the Gluon dk/dv kernel (summing dq into dq_acc where cfg.dq_mode says so);
+    rows_scaled: the preprocess folded P's scale into lse2 and delta (`rows_scaled`)."""
     t = cfg.dkdv
     tiles = cdiv(p.nk, t.block_n) * p.batch * p.kv_heads
     ops.launch(
@@ -923,6 +955,6 @@ def launch(ops, p: Problem, cfg: BwdConfig, s: Scores, q, k, v, do, lse2, delta,
         sm_scale=s.sm_scale, cap_scale=s.cap_scale, win_left=max(p.left, 0), win_right=p.right,
         HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
         CAUSAL=p.causal, LOCAL=p.local, SOFTCAP=s.softcap == 2, STAGES=t.stages,
-        DQ_MODE=cfg.dq_mode, DQ_HALVES=cfg.dq_halves, KV_REGS=cfg.kv_regs,
+        DQ_MODE=cfg.dq_mode, ROWS_SCALED=rows_scaled, DQ_HALVES=cfg.dq_halves, KV_REGS=cfg.kv_regs,
         PERSISTENT=cfg.persistent, num_warps=t.warps,
     )  # fmt: skip

@@ -104,6 +104,8 @@ def attn_bwd_preprocess_kernel(
     ROW_PAD: tl.constexpr,
     VARLEN: tl.constexpr,
     ZERO_DQ: tl.constexpr,
+    LSE2_SHIFT: tl.constexpr = 0.0,
+    DELTA_SCALE: tl.constexpr = 1.0,
 ):
     """delta = rowsum(o * do) - dlse (dlse: the gradient flowing into the returned LSE; o and do
     HEAD_DIM_V wide, v's head dim), rows of LSE / DLSE read through (batch, head) strides and
@@ -113,7 +115,9 @@ def attn_bwd_preprocess_kernel(
     row up to Nq rounded up to ROW_PAD, +inf and 0 past Nq (so the kernels read them with no
     row check), each sequence of a packed batch (VARLEN) from a multiple of 16 (`_rowvec_start`;
     so they read them with 8-byte vectors; from cu_seqlens' own offsets they could not). The grid
-    then covers the padded rows. Else delta only, of the Nq rows.
+    then covers the padded rows. Else delta only, of the Nq rows. LSE2_SHIFT, DELTA_SCALE
+    (ROWVEC): stored are lse2 - LSE2_SHIFT and delta * DELTA_SCALE (the Gluon backward's
+    softcap, gluon/bwd.py `rows_scaled`).
 
     ZERO_DQ (ROWVEC, dense): also zero the Hopper backward's float32 dq sums (DQACC, (B * H,
     padded rows, BLOCK_D)) and its semaphores (SEM, one per 64 padded rows) of these rows."""
@@ -151,7 +155,11 @@ def attn_bwd_preprocess_kernel(
         delta -= tl.load(DLSE + vec, mask=rows < Nq, other=0.0)
     out = b * stride_vb + h * stride_vh + rows
     if ROWVEC:  # every padded row (BLOCK_M divides ROW_PAD)
-        tl.store(LSE2 + out, _lse_log2(tl.load(LSE + vec, mask=rows < Nq, other=float("inf"))))
+        lse2 = _lse_log2(tl.load(LSE + vec, mask=rows < Nq, other=float("inf")))
+        if LSE2_SHIFT != 0.0:
+            lse2 -= LSE2_SHIFT
+            delta *= DELTA_SCALE
+        tl.store(LSE2 + out, lse2)
         tl.store(DELTA + out, delta)
         if ZERO_DQ:
             tl.store(DQACC + out[:, None] * BLOCK_D + offs_d[None, :],
@@ -691,10 +699,12 @@ def can_implement(p: Problem, cfg: BwdConfig) -> str | None:
 
 
 def launch_preprocess(ops, p: Problem, cfg: BwdConfig, o, do, lse, dlse, lse2, delta, dq_acc,
-                      sem, varlen: Varlen | None, block_m: int) -> None:  # fmt: skip
+                      sem, varlen: Varlen | None, block_m: int, p_scale_log2: float = 0.0) -> None:  # fmt: skip
     """delta = rowsum(do * o) (minus dlse), with padded row vectors also the LSE in log2 units
     (lse2), and zeroed dq sums and semaphores (dq_acc, sem) where dq is fused. Padded: a program
-    per (padded block, sequence, head), packed batches included; else per block of rows."""
+    per (padded block, sequence, head), packed batches included; else per block of rows.
+    p_scale_log2 (padded only): for a kernel computing P 2^p_scale_log2 times too large, lse2
+    less it and delta times 2^-p_scale_log2."""
     packed, pad = varlen is not None, cfg.pad_rows
     rows = lse.shape[-1]  # the LSE's rows: Nq, or total_q packed
     lse_strides = (0, lse.stride(0)) if packed else (lse.stride(0), lse.stride(1))
@@ -709,7 +719,8 @@ def launch_preprocess(ops, p: Problem, cfg: BwdConfig, o, do, lse, dlse, lse2, d
         H=p.heads, Nq=p.nq if pad else rows, HAS_DLSE=dlse is not None,
         HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, HEAD_DIM_V=p.head_dim_v, BLOCK_DV=p.block_dv,
         BLOCK_M=block_m, ROWVEC=pad, ROW_PAD=ROW_PAD,
-        VARLEN=pad and packed, ZERO_DQ=dq_acc is not None, num_warps=4,
+        VARLEN=pad and packed, ZERO_DQ=dq_acc is not None, LSE2_SHIFT=p_scale_log2,
+        DELTA_SCALE=2.0**-p_scale_log2, num_warps=4,
     )  # fmt: skip
 
 
