@@ -39,17 +39,30 @@ def load(name: str, path: str):
 
 
 class Before37:
-    """A module from before 0.14.1 (no `rows_scaled`; its `launch` takes no such argument)."""
+    """A module from before 0.14.1 (no `scaled_rows`; its `launch` takes no such argument)."""
 
     def __init__(self, mod):
         self.mod = mod
 
-    def rows_scaled(self, cfg, s):
-        return False
+    def scaled_rows(self, cfg, s):
+        return None
 
     def launch(self, *args):
         assert args[-1] is False
         return self.mod.launch(*args[:-1])
+
+
+class Commit37:
+    """Commit d4af508's module: `rows_scaled` (a bool) with lse2 - 15 and +delta 2^-15."""
+
+    def __init__(self, mod):
+        self.mod = mod
+
+    def scaled_rows(self, cfg, s):
+        return (15.0, 2.0**-15) if self.mod.rows_scaled(cfg, s) else None
+
+    def launch(self, *args):
+        return self.mod.launch(*args)
 
 
 def modules(argv) -> dict:
@@ -58,7 +71,11 @@ def modules(argv) -> dict:
         if "=" in a and not a.startswith("cases="):
             name, path = a.split("=", 1)
             mod = load(name, path)
-            mods[name] = mod if hasattr(mod, "rows_scaled") else Before37(mod)
+            if hasattr(mod, "rows_scaled"):
+                mod = Commit37(mod)
+            elif not hasattr(mod, "scaled_rows"):
+                mod = Before37(mod)
+            mods[name] = mod
     return mods
 
 

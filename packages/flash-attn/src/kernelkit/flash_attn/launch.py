@@ -205,13 +205,12 @@ def _backward(ops, do, q, k, v, o, lse, dlse, causal, scale, softcap, window, va
         sem = ops.empty((p.batch * p.heads, width // sem_rows), torch.int32, q.device)
     pre_m = INTERPRETER_FWD.block_m if p.target.interpreter else PREPROCESS_BLOCK_M
     # Softcap on the Gluon kernel: P's 2^15 folded into its row vectors (gluon/bwd.py).
-    scaled = cfg.kernel == BWD_GLUON and gluon_bwd.rows_scaled(cfg, s)
+    scaled = gluon_bwd.scaled_rows(cfg, s) if cfg.kernel == BWD_GLUON else None
     triton_bwd.launch_preprocess(ops, p, cfg, o, do, lse, None if dlse is None else dlse.contiguous(),
-                                 lse2, delta, dq_acc, sem, varlen, pre_m,
-                                 gluon_bwd.P_SCALE_LOG2.value if scaled else 0.0)  # fmt: skip
+                                 lse2, delta, dq_acc, sem, varlen, pre_m, scaled)  # fmt: skip
     if cfg.kernel == BWD_GLUON:
         gluon_bwd.launch(ops, p, cfg, s, q, k, v, do, lse2, delta, dk, dv, dq_acc, sem, width,
-                         triton_bwd.SEM_ROWS.value, scaled)  # fmt: skip
+                         triton_bwd.SEM_ROWS.value, scaled is not None)  # fmt: skip
     else:
         triton_bwd.launch_dkdv(ops, p, cfg, s, q, k, v, do, lse2, delta, dk, dv, varlen)
     if cfg.dq_mode == DQ_KERNEL:

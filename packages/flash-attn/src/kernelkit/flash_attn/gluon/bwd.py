@@ -75,9 +75,10 @@ REDUCER_WARP_REGS = gl.constexpr(24)
 # and held in 16 bits so (P <= 1: at most 32768 < 65504). Unscaled, float16 P (1 - tanh^2)
 # lost bits below 2^-14 and flushed to 0 below 2^-24, which zeroed the dk rows of keys
 # attended only with P < ~1e-8 (bfloat16 dS reaches 1e-38); scaled, it is normal down to
-# 2^-29. The 2^-15 goes into dP - delta's fma and into dV's store, and lse2 - 15 and
-# delta 2^-15 into the preprocess's row vectors (`rows_scaled`): no instruction per score
-# (shifting the row vectors here cost 2% at d64, 16 values per thread per step).
+# 2^-29. The 2^-15 goes into dV's store and into dS's fma, dP 2^-15 + (-delta 2^-15), whose
+# row vector (and lse2 - 15) the preprocess writes (`scaled_rows`): no instruction per score
+# over the unscaled dP - delta (negating delta here, 16 values per thread per step, cost the
+# issue-bound d64 consumers 2%).
 P_SCALE_LOG2 = gl.constexpr(15.0)
 P_UNSCALE = gl.constexpr(2.0**-15)
 # With DQ_HALVES (no dq warpgroup: each consumer computes half of dq's columns) three
@@ -228,7 +229,7 @@ class BwdArgs:
     CAUSAL: gl.constexpr
     LOCAL: gl.constexpr
     SOFTCAP: gl.constexpr
-    ROWS_SCALED: gl.constexpr  # LSE2 / DELTA come with P's 2^15 folded in (`rows_scaled`)
+    ROWS_SCALED: gl.constexpr  # LSE2 / DELTA come as lse2 - 15, -delta 2^-15 (`scaled_rows`)
     HEAD_DIM: gl.constexpr
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
@@ -525,7 +526,7 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
         delta = gl.load(a.DELTA + bhq.to(gl.int64) * a.vec_stride + queries)
         if a.SOFTCAP and not a.ROWS_SCALED:  # (the portable dq kernel reads them unscaled)
             lse2 = lse2 - P_SCALE_LOG2
-            delta = delta * P_UNSCALE
+            delta = delta * -P_UNSCALE
         mbarrier.wait(a.ready.index(s), (i // STAGES) & 1)
         st_tok = warpgroup_mma(k_w, q_s.permute((1, 0)), zero_st, use_acc=False, is_async=True)
         dpt_tok = warpgroup_mma(v_w, do_s.permute((1, 0)), zero_st, use_acc=False,
@@ -555,8 +556,8 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
             p_op = gl.convert_layout(p_t.to(dtype), op_layout)
         dv_tok = warpgroup_mma(p_op, do_s, dv, is_async=True)
         dp_t = warpgroup_mma_wait(1, deps=(dpt_tok,))  # dP^T done; dV may still run
-        # dP - delta (softcap: times 2^-15 in one fma, delta scaled); dS = P' (dP - delta)
-        dd = gl.fma(dp_t, P_UNSCALE, -delta[None, :]) if a.SOFTCAP else dp_t - delta[None, :]
+        # dP - delta (softcap: times 2^-15, one fma with delta holding -delta 2^-15); dS = P' dd
+        dd = gl.fma(dp_t, P_UNSCALE, delta[None, :]) if a.SOFTCAP else dp_t - delta[None, :]
         ds_t = (p_t.to(gl.float32) * dd).to(dtype)
         ds_op = gl.convert_layout(ds_t, op_layout)
         if not a.DQ_HALVES:  # (DQ_HALVES: after the dq part's product, below)
@@ -730,8 +731,8 @@ def attn_bwd_gluon_kernel(
     program per SM; `BwdArgs.tile` orders them); launched
     with num_warps = 4 (the default partition), 9 warps in all (14 with DQ_MODE 1, 15 with 2,
     whose reducer warps take turns; with DQ_HALVES 10 and 11). LSE2 / DELTA: (B * H, vec_stride) padded row vectors
-    (triton/bwd.py, attn_bwd_preprocess_kernel with ROWVEC; with ROWS_SCALED less 15 and times
-    2^-15, `rows_scaled`). tile_heads: (batch, kv head)s per tile
+    (triton/bwd.py, attn_bwd_preprocess_kernel with ROWVEC; with ROWS_SCALED lse2 - 15 and
+    -delta 2^-15, `scaled_rows`). tile_heads: (batch, kv head)s per tile
     group, negative for descending key blocks (`BwdArgs.tile`). DQ_MODE > 0: also dq's float32
     sums, scaled, into DQACC ((dq_rows = B * H * vec_stride, BLOCK_D), zeroed before, as is
     SEM: (B * H, sem_stride)), one program per tile: a third warpgroup computes each step's dq
@@ -931,17 +932,20 @@ def can_implement(p: Problem, cfg: BwdConfig) -> str | None:
     return None
 
 
-def rows_scaled(cfg: BwdConfig, s: Scores) -> bool:
-    """Whether the preprocess folds softcap's 2^15 (P_SCALE_LOG2) into the row vectors this
-    kernel reads (lse2 - 15, delta 2^-15): with softcap where dq is summed here, so that nothing
-    else reads them (the portable dq kernel beside it, DQ_KERNEL, reads them as they are)."""
-    return s.softcap == 2 and cfg.dq_mode != DQ_KERNEL
+def scaled_rows(cfg: BwdConfig, s: Scores) -> tuple[float, float] | None:
+    """(shift of lse2, factor of delta) the preprocess applies to the row vectors for this
+    kernel, or None (it writes them as they are): with softcap, P's 2^15 (P_SCALE_LOG2) folded in
+    as lse2 - 15 and -delta 2^-15, where dq is summed here so that nothing else reads them (the
+    portable dq kernel beside it, DQ_KERNEL, reads them unscaled; the consumers scale them)."""
+    if s.softcap == 2 and cfg.dq_mode != DQ_KERNEL:
+        return P_SCALE_LOG2.value, -P_UNSCALE.value
+    return None
 
 
 def launch(ops, p: Problem, cfg: BwdConfig, s: Scores, q, k, v, do, lse2, delta, dk, dv,
            dq_acc, sem, width: int, sem_rows: int, rows_scaled: bool) -> None:  # fmt: skip
     """Launch the Gluon dk/dv kernel (summing dq into dq_acc where cfg.dq_mode says so);
-    rows_scaled: the preprocess folded P's scale into lse2 and delta (`rows_scaled`)."""
+    rows_scaled: the preprocess wrote lse2 and delta as `scaled_rows` says."""
     t = cfg.dkdv
     tiles = cdiv(p.nk, t.block_n) * p.batch * p.kv_heads
     ops.launch(

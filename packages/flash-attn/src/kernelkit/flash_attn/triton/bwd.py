@@ -117,7 +117,7 @@ def attn_bwd_preprocess_kernel(
     so they read them with 8-byte vectors; from cu_seqlens' own offsets they could not). The grid
     then covers the padded rows. Else delta only, of the Nq rows. LSE2_SHIFT, DELTA_SCALE
     (ROWVEC): stored are lse2 - LSE2_SHIFT and delta * DELTA_SCALE (the Gluon backward's
-    softcap, gluon/bwd.py `rows_scaled`).
+    softcap, gluon/bwd.py `scaled_rows`).
 
     ZERO_DQ (ROWVEC, dense): also zero the Hopper backward's float32 dq sums (DQACC, (B * H,
     padded rows, BLOCK_D)) and its semaphores (SEM, one per 64 padded rows) of these rows."""
@@ -156,7 +156,7 @@ def attn_bwd_preprocess_kernel(
     out = b * stride_vb + h * stride_vh + rows
     if ROWVEC:  # every padded row (BLOCK_M divides ROW_PAD)
         lse2 = _lse_log2(tl.load(LSE + vec, mask=rows < Nq, other=float("inf")))
-        if LSE2_SHIFT != 0.0:
+        if LSE2_SHIFT != 0.0 or DELTA_SCALE != 1.0:
             lse2 -= LSE2_SHIFT
             delta *= DELTA_SCALE
         tl.store(LSE2 + out, lse2)
@@ -699,12 +699,13 @@ def can_implement(p: Problem, cfg: BwdConfig) -> str | None:
 
 
 def launch_preprocess(ops, p: Problem, cfg: BwdConfig, o, do, lse, dlse, lse2, delta, dq_acc,
-                      sem, varlen: Varlen | None, block_m: int, p_scale_log2: float = 0.0) -> None:  # fmt: skip
+                      sem, varlen: Varlen | None, block_m: int,
+                      scaled: tuple[float, float] | None = None) -> None:  # fmt: skip
     """delta = rowsum(do * o) (minus dlse), with padded row vectors also the LSE in log2 units
     (lse2), and zeroed dq sums and semaphores (dq_acc, sem) where dq is fused. Padded: a program
     per (padded block, sequence, head), packed batches included; else per block of rows.
-    p_scale_log2 (padded only): for a kernel computing P 2^p_scale_log2 times too large, lse2
-    less it and delta times 2^-p_scale_log2."""
+    scaled (padded only): (shift, factor), lse2 - shift and delta * factor written instead
+    (the Gluon backward's softcap, gluon/bwd.py `scaled_rows`)."""
     packed, pad = varlen is not None, cfg.pad_rows
     rows = lse.shape[-1]  # the LSE's rows: Nq, or total_q packed
     lse_strides = (0, lse.stride(0)) if packed else (lse.stride(0), lse.stride(1))
@@ -719,8 +720,9 @@ def launch_preprocess(ops, p: Problem, cfg: BwdConfig, o, do, lse, dlse, lse2, d
         H=p.heads, Nq=p.nq if pad else rows, HAS_DLSE=dlse is not None,
         HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, HEAD_DIM_V=p.head_dim_v, BLOCK_DV=p.block_dv,
         BLOCK_M=block_m, ROWVEC=pad, ROW_PAD=ROW_PAD,
-        VARLEN=pad and packed, ZERO_DQ=dq_acc is not None, LSE2_SHIFT=p_scale_log2,
-        DELTA_SCALE=2.0**-p_scale_log2, num_warps=4,
+        VARLEN=pad and packed, ZERO_DQ=dq_acc is not None,
+        LSE2_SHIFT=scaled[0] if scaled else 0.0, DELTA_SCALE=scaled[1] if scaled else 1.0,
+        num_warps=4,
     )  # fmt: skip
 
 
