@@ -16,6 +16,7 @@ from attn_cases import RULE, Call, check_call, fwd_bwd
 
 from kernelkit.flash_attn import explain
 from kernelkit.flash_attn import tables as T
+from kernelkit.flash_attn.config import DQ_ANY_ORDER, DQ_KERNEL, DQ_ORDERED, H100
 
 # (Nq, Nk): one key, Nq >> Nk, a few keys, a ragged block
 FEW_KEYS = [(1, 1), (5, 1), (128, 3), (2, 5), (300, 17)]
@@ -100,42 +101,73 @@ def test_gpu_few_keys_softcap(nq, nk, d, causal, dtype, device):
     _check(call, device)
 
 
-def _rare_key_inputs(n: int, d: int, softcap: float, rare: list[int], seed: int = 0):
-    """(q, k, v, do) in bfloat16, (1, n, 2, d) with one kv head: the keys in `rare` score
+def _rare_key_inputs(n: int, d: int, hkv: int, softcap: float, rare: list[int], seed: int = 0):
+    """(q, k, v, do) in bfloat16, (1, n, 2, d) with hkv kv heads: the keys in `rare` score
     about ln(1e-8) + ln(n) below the others for every query (after the cap), so every P of
     theirs is ~1e-8 (P (1 - tanh^2) below float16's smallest normal)."""
     g = torch.Generator().manual_seed(seed)
     u = torch.full((d,), d**-0.5, dtype=torch.float64)  # a unit vector every query leans on
     q = torch.randn(1, n, 2, d, generator=g, dtype=torch.float64)
     q += (3.0 - q @ u)[..., None] * u  # q . u = 3 for every query
-    k = torch.randn(1, n, 1, d, generator=g, dtype=torch.float64) * 0.3
+    k = torch.randn(1, n, hkv, d, generator=g, dtype=torch.float64) * 0.3
     logit = math.log(1e-8) + math.log(n)  # the rare keys' capped score
     raw = softcap * math.atanh(logit / softcap)  # its score before the cap
-    k[0, rare, 0] = u * raw / (3.0 * d**-0.5)  # q . k_rare * d^-0.5 ~ raw
-    v = torch.randn(1, n, 1, d, generator=g, dtype=torch.float64)
+    k[0, rare] = u * raw / (3.0 * d**-0.5)  # q . k_rare * d^-0.5 ~ raw
+    v = torch.randn(1, n, hkv, d, generator=g, dtype=torch.float64)
     do = torch.randn(1, n, 2, d, generator=g, dtype=torch.float64)
     return [t.to(torch.bfloat16) for t in (q, k, v, do)]
 
 
-# (64, 64) on the portable kernels anywhere; the others on the Gluon backward (d64 from
-# tables.FUSED_DQ_MIN_N rows).
-RARE_KEY_SHAPES = [(64, 64), pytest.param(8192, 64, marks=pytest.mark.gpu),
-                   pytest.param(2048, 128, marks=pytest.mark.gpu)]  # fmt: skip
+# (n, d, kv heads, deterministic) -> {causal: the backward's (kernel, dq_mode, dq_halves) on
+# Hopper (tables as of 0.14.1; asserted through explain(target=H100) everywhere)}: the portable
+# kernels (run on CPU too), and on the GPU each softcap Gluon path: d64 fused dq; d128 halves in
+# a fixed order, GQA causal with the dq kernel beside (row vectors scaled in the kernel), MHA
+# causal halves, halves in any order.
+GLUON_ORDERED_HALVES = ("gluon", DQ_ORDERED, True)
+RARE_KEY_CASES = {
+    (64, 64, 1, True): {False: ("triton", DQ_KERNEL, False), True: ("triton", DQ_KERNEL, False)},
+    (8192, 64, 1, True): {c: ("gluon", DQ_ORDERED, False) for c in (False, True)},
+    (2048, 128, 1, True): {False: GLUON_ORDERED_HALVES, True: ("gluon", DQ_KERNEL, False)},
+    (2048, 128, 2, True): {True: GLUON_ORDERED_HALVES},
+    (2048, 128, 1, False): {c: ("gluon", DQ_ANY_ORDER, True) for c in (False, True)},
+}
+RARE_KEY_PARAMS = [
+    pytest.param(*case, causal, marks=() if case[0] == 64 else pytest.mark.gpu,
+                 id="-".join(map(str, case)) + ("-causal" if causal else "-full"))
+    for case, paths in RARE_KEY_CASES.items() for causal in paths
+]  # fmt: skip
 
 
-@pytest.mark.parametrize("n, d", RARE_KEY_SHAPES, ids=lambda x: str(x))
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_softcap_rarely_attended_keys(n, d, causal, device):
+def _rare_key_path(n, d, hkv, deterministic, causal, q, k, target):
+    bwd = explain(q, k, k, causal, softcap=30.0, deterministic=deterministic,
+                  target=target).backward_config  # fmt: skip
+    return bwd.kernel, bwd.dq_mode, bwd.dq_halves, bwd.fast_tanh
+
+
+def test_rare_key_cases_take_their_paths():
+    """Each GPU case of the test below takes the Hopper path it is there for (checked without
+    a GPU: a table change that moves a case off its path fails here, in CI)."""
+    for (n, d, hkv, det), paths in RARE_KEY_CASES.items():
+        q = torch.empty(1, n, 2, d, dtype=torch.bfloat16, device="meta")
+        k = torch.empty(1, n, hkv, d, dtype=torch.bfloat16, device="meta")
+        for causal, path in paths.items():
+            got = _rare_key_path(n, d, hkv, det, causal, q, k, H100)
+            assert got == (*path, True), (n, d, hkv, det, causal, got)
+
+
+@pytest.mark.parametrize("n, d, hkv, deterministic, causal", RARE_KEY_PARAMS)
+def test_softcap_rarely_attended_keys(n, d, hkv, deterministic, causal, device):
     """Softcap, bfloat16: keys that every query attends with P ~1e-8 get dk rows of ~1e-8
     that the rule over the whole tensor cannot see; each such row meets the rule on its own.
     Regression: the Gluon backward held P (1 - tanh^2) in float16 unscaled, flushed it to 0
     and returned those rows as 0 (bfloat16 dS reaches 1e-38)."""
-    softcap, rare = 30.0, [n // 2 + 3, n - 5, n - 1]  # (causal: seen by >= n / 2 keys' rows)
-    q, k, v, do = (t.to(device) for t in _rare_key_inputs(n, d, softcap, rare))
-    call = Call(b=1, nq=n, nk=n, h=2, hkv=1, d=d, causal=causal, softcap=softcap)
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0) and n > 64:
-        e = explain(q, k, v, causal, softcap=softcap)
-        assert (e.backward_config.kernel, e.backward_config.fast_tanh) == ("gluon", True)
+    softcap, rare = 30.0, [n // 2 + 3, n - 5, n - 1]  # causal: seen by rows of >= n / 2 keys
+    q, k, v, do = (t.to(device) for t in _rare_key_inputs(n, d, hkv, softcap, rare))
+    call = Call(b=1, nq=n, nk=n, h=2, hkv=hkv, d=d, causal=causal, softcap=softcap,
+                deterministic=deterministic)  # fmt: skip
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
+        path = RARE_KEY_CASES[n, d, hkv, deterministic][causal]  # the path this GPU takes
+        assert _rare_key_path(n, d, hkv, deterministic, causal, q, k, None) == (*path, True)
     got = fwd_bwd(call, q, k, v, do)
     check_call(call, got, q, k, v, do)
     hi = fwd_bwd(call, q.double(), k.double(), v.double(), do.double(), reference=True)[2]

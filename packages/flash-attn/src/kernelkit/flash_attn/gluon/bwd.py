@@ -17,7 +17,7 @@ share of the tiles. Three partitions:
   16 bits (scaled by 2^15: P_SCALE_LOG2) until dS (with P and the tanh in float32 across the
   dP^T wait the consumers spilled, and that variant lost to the portable backward: NOTES.md).
 The same 4 block products per tile pair as the portable kernel, summed in the same order
-(dk, dv bitwise equal to it on the H100).
+(dk, dv bitwise equal to it on the H100 without softcap).
 
 DQ_MODE > 0 (choose.choose_bwd; NOTES.md) sums dq here too: a fifth product per step,
 dq_part = dS K over all 128 keys. Both consumers write their half of dS^T into a shared

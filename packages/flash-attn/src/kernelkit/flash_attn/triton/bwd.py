@@ -707,6 +707,7 @@ def launch_preprocess(ops, p: Problem, cfg: BwdConfig, o, do, lse, dlse, lse2, d
     scaled (padded only): (shift, factor), lse2 - shift and delta * factor written instead
     (the Gluon backward's softcap, gluon/bwd.py `scaled_rows`)."""
     packed, pad = varlen is not None, cfg.pad_rows
+    assert pad or scaled is None, "scaled row vectors are padded ones"
     rows = lse.shape[-1]  # the LSE's rows: Nq, or total_q packed
     lse_strides = (0, lse.stride(0)) if packed else (lse.stride(0), lse.stride(1))
     blocks = cdiv(p.nq, ROW_PAD) * (ROW_PAD // block_m) if pad else cdiv(rows, block_m)
