@@ -125,6 +125,48 @@ def test_gluon_forward_launches_are_compile_checked():
         record_launch(kernel, args, kwargs)
 
 
+def test_softcap_row_vectors_scaled_where_only_the_gluon_kernel_reads_them(device):
+    """Softcap on the Gluon backward with dq summed in it: the preprocess writes lse2 - 15 and
+    -delta 2^-15 (gluon/bwd.py `scaled_rows`) and the Gluon launch reads them as such
+    (ROWS_SCALED); beside the portable dq kernel (which reads them too) and without softcap,
+    both stay unscaled. The scaled preprocess, run here under the interpreter: exactly the
+    unscaled row vectors shifted and scaled, +inf and -0 on the padded rows (on `device`)."""
+    from kernelkit.shared.runtime import launch as run_launch
+
+    torch.manual_seed(0)
+    cases = [  # (kv heads, causal, softcap, dq mode, scaled)
+        (2, True, 30.0, DQ_ORDERED, True),  # MHA causal: dq in column halves
+        (1, True, 30.0, DQ_KERNEL, False),  # GQA causal, fixed order: the dq kernel beside
+        (2, True, 0.0, DQ_ORDERED, False),
+    ]
+    for hkv, causal, softcap, dq_mode, scaled in cases:
+        q, do = (torch.randn(1, 2100, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+        k, v = (torch.randn(1, 2100, hkv, 128, dtype=torch.bfloat16) for _ in range(2))
+        p = fa_launch.backward_problem(do, q, k, v, causal, softcap, (-1, -1), None, True, H100)
+        cfg = choose_bwd(p)
+        assert (cfg.kernel, cfg.dq_mode, cfg.pad_rows) == (BWD_GLUON, dq_mode, True)
+        probe = _probe_backward_as_on_h100(cfg, do, q, k, v, causal, softcap=softcap)
+        (pre, grid, args, kw), (_, _, _, gluon) = probe.launches[:2]
+        expected = (15.0, -(2.0**-15)) if scaled else (0.0, 1.0)
+        assert (kw["LSE2_SHIFT"], kw["DELTA_SCALE"], gluon["ROWS_SCALED"]) == (*expected, scaled)
+        if not scaled:
+            continue
+        # run the recorded preprocess, scaled and not, on a real LSE
+        kw = {n: t.to(device) if isinstance(t, torch.Tensor) else t
+              for n, t in dict(kw, LSE=torch.randn(1, 2, 2100) * 3).items()}  # fmt: skip
+        rows = {}
+        for shift, factor in ((0.0, 1.0), expected):
+            lse2, delta = torch.full_like(kw["LSE2"], 7.0), torch.full_like(kw["DELTA"], 7.0)
+            run_launch(pre)[grid](*args, **dict(kw, LSE2=lse2, DELTA=delta, DLSE=delta,
+                                                 LSE2_SHIFT=shift, DELTA_SCALE=factor))  # fmt: skip
+            rows[shift] = lse2, delta
+        (lse2, delta), (lse2_s, delta_s) = rows[0.0], rows[15.0]
+        assert lse2.shape[-1] > 2100  # padded rows
+        assert torch.equal(lse2_s, lse2 - 15.0) and torch.equal(delta_s, delta * -(2.0**-15))
+        assert torch.isinf(lse2[..., 2100:]).all() and (delta_s[..., 2100:] == 0).all()
+        assert torch.isfinite(lse2[..., :2100]).all() and (delta[..., :2100] != 0).any()
+
+
 def test_gluon_backward_launches_are_compile_checked():
     """The Gluon dk/dv kernel (gluon/bwd.py, attn_bwd_gluon_kernel) runs only on an sm_90 GPU:
     its launches are probed as on an H100 and recorded for the compile check, as the forward's
