@@ -6,12 +6,12 @@ python lab/flash-attn/ab/bwd_host_profile.py` on a GPU; log: lab/flash-attn/logs
 import cProfile
 import io
 import pstats
-import time
 
 import torch
 import torch.nn.functional as F
 
 from kernelkit.flash_attn import flash_attn
+from kernelkit.shared.host_time import per_call_us
 
 torch.manual_seed(0)
 q, k, v = (
@@ -32,29 +32,14 @@ for name, f in cases.items():
         q.grad = k.grad = v.grad = None
         y.backward(dy, retain_graph=True)
 
-    for _ in range(50):
-        bwd()
-    torch.cuda.synchronize()
-    best = 1e9
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(200):
-            bwd()
-        best = min(best, (time.perf_counter() - t) / 200 * 1e6)
-        torch.cuda.synchronize()
+    best = per_call_us(bwd, calls=200, rounds=5, warmup=50)
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record()
     for _ in range(200):
         bwd()
     e1.record()
     torch.cuda.synchronize()
-    fwd_best = 1e9
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(200):
-            f()
-        fwd_best = min(fwd_best, (time.perf_counter() - t) / 200 * 1e6)
-        torch.cuda.synchronize()
+    fwd_best = per_call_us(f, calls=200, rounds=5)
     print(
         f"{name}: bwd host {best:.1f} us/call, bwd wall (GPU-bound if larger) {e0.elapsed_time(e1) / 200 * 1e3:.1f} us/call, fwd(requires grad) host {fwd_best:.1f}",
         flush=True,

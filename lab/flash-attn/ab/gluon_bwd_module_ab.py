@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -26,6 +26,9 @@ from kernelkit.flash_attn import choose as C
 from kernelkit.flash_attn import launch as L
 from kernelkit.flash_attn.reference import attention_reference
 from kernelkit.shared.bench import interleaved_ms
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "packages/flash-attn/tests"))
+from test_overflow import _rare_key_inputs
 
 CAP = 30.0
 
@@ -130,17 +133,9 @@ def accuracy(mods, d, causal, cap, dtype):
 def rare_keys(mods, d, causal):
     """Keys every query attends with P ~1e-8 (softcap, bf16): worst relative dk-row error."""
     n = 2048 if d == 128 else 8192
-    g = torch.Generator().manual_seed(0)
-    u = torch.full((d,), d**-0.5, dtype=torch.float64)
-    q = torch.randn(1, n, 2, d, generator=g, dtype=torch.float64)
-    q += (3.0 - q @ u)[..., None] * u
-    k = torch.randn(1, n, 1, d, generator=g, dtype=torch.float64) * 0.3
-    raw = CAP * math.atanh((math.log(1e-8) + math.log(n)) / CAP)
     rare = [n // 2 + 3, n - 5, n - 1]
-    k[0, rare, 0] = u * raw / (3.0 * d**-0.5)
-    v = torch.randn(1, n, 1, d, generator=g, dtype=torch.float64)
-    do = torch.randn(1, n, 2, d, generator=g, dtype=torch.float64)
-    q, k, v, do = (t.to(torch.bfloat16).cuda() for t in (q, k, v, do))
+    q, k, v, do = _rare_key_inputs(n, d, 1, CAP, rare)  # the test's inputs, one kv head
+    q, k, v, do = (t.cuda() for t in (q, k, v, do))
     hi = grads(q, k, v, do, causal, CAP, torch.float64)[1][0, rare]
     lo = grads(q, k, v, do, causal, CAP, torch.bfloat16)[1][0, rare]
 
