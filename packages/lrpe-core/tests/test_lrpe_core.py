@@ -18,11 +18,13 @@ import triton.language as tl
 from kernelkit.act import MAX_PACKED_SEQUENCES
 from kernelkit.lrpe_core.kernels import cos_sin, grid_positions, packed_starts, token_positions
 from kernelkit.lrpe_core.op import (
+    ONE_PASS_MAX_ELEMENTS,
     merge_chunk_stats,
     merge_chunk_sums,
     position_args,
     position_strides,
     reduce_dtheta,
+    sequence_softmax_stats,
     shortcut_key,
     validate_act,
     validate_positions,
@@ -38,7 +40,9 @@ from kernelkit.lrpe_core.reference import (
     slot_frequencies,
     wrap_frequencies,
 )
+from kernelkit.shared import replay
 from kernelkit.shared.packed import segment_ids
+from kernelkit.shared.replay import DIRECT
 from kernelkit.shared.runtime import launch
 
 
@@ -238,6 +242,44 @@ def test_merge_chunk_sums_is_the_nearest_float32(device):
         assert err <= abs(Fraction(before[r, 0, i].item()) - exact), (r, i)
     one = sums[:, :1].to(device)
     assert merge_chunk_sums(one) is one  # one chunk: nothing to merge, no launch
+
+
+class _Counted(replay.Probe):
+    """`ops` that launch as `DIRECT` does and record each kernel launched."""
+
+    def launch(self, kernel, grid, *args, vary=None, **kwargs):
+        super().launch(kernel, grid, *args, **kwargs)
+        DIRECT.launch(kernel, grid, *args, **kwargs)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["batched", "packed"])
+@pytest.mark.parametrize("d", [128, 40])
+@pytest.mark.parametrize("above", [False, True], ids=["at_bound", "above"])
+def test_sequence_stats_one_pass_up_to_the_bound(above, d, packed, device):
+    """Up to ONE_PASS_MAX_ELEMENTS elements per program (N x D rounded up to a power of 2) the
+    stats are read in one chunk: one launch, no merge. Above, in chunks and their merge. Both
+    are the softmax-over-N (max, sum) of x, as torch's."""
+    n = ONE_PASS_MAX_ELEMENTS // (128 if d == 128 else 64) + above
+    b, h = (1, 2) if packed else (2, 2)
+    x = torch.randn(b, n, h, d, generator=torch.Generator().manual_seed(n)).mul(4).to(device)
+    cu = torch.tensor([0, 3, n // 2, n], dtype=torch.int32, device=device) if packed else None
+    ops = _Counted()
+    stats = sequence_softmax_stats(x, cu, ops=ops).cpu()
+    names = [k.fn.__name__ for k in ops.kernels]
+    merged = ["softmax_chunk_stats_kernel", "merge_chunk_stats_kernel"]
+    assert names == (merged if above else ["softmax_chunk_stats_kernel"])
+    seqs = [(0, n)] if cu is None else list(itertools.pairwise(cu.tolist()))
+    xs = x.cpu().double().permute(0, 2, 1, 3)  # (B, H, N, D)
+    rows = [xs[r, :, s:e] for r in range(b) for s, e in seqs]  # (H, tokens, D) per stats row
+    top = [t.amax(1, keepdim=True) for t in rows]
+    want = torch.stack(
+        (
+            torch.cat([m[:, 0] for m in top]),
+            torch.cat([(t - m).exp().sum(1) for t, m in zip(rows, top)]),
+        )
+    )
+    assert stats.shape == (2, len(rows) * h, 1, d)
+    torch.testing.assert_close(stats[:, :, 0].double(), want, rtol=2e-6, atol=0)
 
 
 def test_reduce_dtheta_forms():

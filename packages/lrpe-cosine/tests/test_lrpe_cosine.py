@@ -514,20 +514,23 @@ def test_no_recompile_on_new_n_b_offset(case, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("case", "packed", "theta_grad"),
-    [(("silu", None), False, True), (("softmax", 1), False, True),
-     (("softmax", -1), False, True), (("softmax", 1), True, True),
-     (("softmax", 1), False, False), (("none", None), False, False)],
+    ("case", "layout", "theta_grad"),
+    [(("silu", None), "batched", True), (("softmax", 1), "batched", True),
+     (("softmax", 1), "long", True), (("softmax", -1), "batched", True),
+     (("softmax", 1), "packed", True), (("softmax", 1), "batched", False),
+     (("none", None), "batched", False)],
     ids=str,
 )  # fmt: skip
-def test_cuda_graph_replay(case, packed, theta_grad, device):
+def test_cuda_graph_replay(case, layout, theta_grad, device):
     """Forward and backward (x, and theta where learnable) captured into a CUDA graph replay new
     inputs bit-exactly: no host sync, allocation outside the pool or compile in the path (the
-    host path replays its recorded launch sequence, merges of chunk statistics included)."""
+    host path replays its recorded launch sequence, merges of chunk statistics included:
+    softmax over N reads N = 300 in one pass, N = 700 in chunks it merges)."""
     from kernelkit.shared.testing import assert_graph_replays
 
     a, dim = case
-    b, n, h, d = (1, 900, 4, 64) if packed else (3, 300, 4, 64)
+    packed = layout == "packed"
+    b, n, h, d = {"batched": (3, 300, 4, 64), "long": (2, 700, 4, 64)}.get(layout, (1, 900, 4, 64))
     offset, cu = (0, packing([300, 1, 0, 599], device)) if packed else (11, None)
 
     def fwd_bwd(x, theta, dy):

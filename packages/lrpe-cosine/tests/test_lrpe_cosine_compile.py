@@ -96,6 +96,9 @@ SEQ = {
 }
 # x frozen: the sums kernel alone (its sums are not merged: no main kernel reads them)
 SEQ_DTHETA_ONLY = SEQ - {"cosine_bwd_kernel", "merge_chunk_sums_kernel"}
+# N <= lrpe-core's ONE_PASS_MAX_N: the stats in one chunk, no merge (the backward's sums still
+# come in chunks and are merged)
+SEQ_ONE_PASS = SEQ - {"merge_chunk_stats_kernel"}
 
 # id -> (act, dim, positions, shape, x requires grad, kernels launched)
 GPU_CASES = {
@@ -107,6 +110,7 @@ GPU_CASES = {
     "small-tile-packed": ("silu", None, "packed", (1, 4096, 8, 64), True, MAIN),
     "seq": ("softmax", 1, "int", (2, 4096, 8, 64), True, SEQ),
     "seq-dtheta-only": ("softmax", 1, "int", (2, 4096, 8, 64), False, SEQ_DTHETA_ONLY),
+    "seq-one-pass": ("softmax", 1, "int", (1, 256, 32, 128), True, SEQ_ONE_PASS),
     "seq-packed": ("softmax", 1, "packed", (1, 8192, 8, 64), True, SEQ),
 }
 

@@ -10,6 +10,7 @@ import torch
 
 from kernelkit.lrpe_core.reference import packed_positions
 from kernelkit.lrpe_rotate import lrpe_rotate
+from kernelkit.lrpe_rotate.kernels import PLAN
 from kernelkit.lrpe_rotate.op import bwd, fwd, fwd_seq
 from kernelkit.lrpe_rotate.reference import lrpe_rotate_reference
 from kernelkit.shared.testing import assert_close, compilations
@@ -204,9 +205,11 @@ def test_odd_sequence_lengths(case, n, device):
 
 @pytest.mark.parametrize("case", [("silu", None), ("softmax", 1)], ids=case_id)
 def test_long_sequence_many_chunks(case, device):
-    """N = 1000: softmax over N combines many chunks (stats, sums) in both directions."""
-    x = make((1, 1000, 2, 8), torch.float32, device)
-    check(x, make_theta("full", 2, 8, device), 11, *case)
+    """N = 1100: softmax over N combines many chunks (stats, sums) in both directions (above
+    the stats' one-pass bound: chunks and their merge)."""
+    x = make((1, 1100, 2, 32), torch.float32, device)
+    assert PLAN.stats_one_pass < 1100 * 32
+    check(x, make_theta("full", 2, 32, device), 11, *case)
 
 
 @pytest.mark.parametrize("d", [2, 80])
@@ -533,6 +536,7 @@ def test_benchmark_shape(case, device):
     [
         ("silu", None, "int"),
         ("softmax", 1, "int"),
+        ("softmax", 1, "int-long"),
         ("none", None, "starts"),
         ("none", None, "table"),
         ("softmax", 1, "packed"),
@@ -542,11 +546,16 @@ def test_benchmark_shape(case, device):
 def test_cuda_graph_replay(act, dim, where, theta_grad, device):
     """Forward and backward (x, and theta where learnable) captured into a CUDA graph replay new
     inputs bit-exactly: no host sync, allocation outside the pool or compile in the path (the
-    host path replays its recorded launch sequence, the chunk-stats merge included)."""
+    host path replays its recorded launch sequence, the chunk-stats merge included: softmax
+    over N reads N = 300 in one pass, N = 700 ("int-long") in chunks it merges)."""
     from kernelkit.shared.testing import assert_graph_replays
 
-    b, n, h, d = (1, 900, 4, 64) if where == "packed" else (3, 300, 4, 64)
-    offset = {"starts": torch.tensor([0, 5, 99], device=device), "int": 7}.get(where, 0)
+    b, n, h, d = {"packed": (1, 900, 4, 64), "int-long": (2, 700, 4, 64)}.get(
+        where, (3, 300, 4, 64)
+    )
+    offset = {"starts": torch.tensor([0, 5, 99], device=device), "int": 7, "int-long": 7}.get(
+        where, 0
+    )
     positions = torch.randint(0, 10**5, (b, n), device=device) if where == "table" else None
     cu = packing([300, 1, 0, 599], device) if where == "packed" else None
 

@@ -98,6 +98,8 @@ SEQ = {
     "seq_softmax_bwd_sums_kernel",
     "seq_softmax_bwd_apply_kernel",
 }
+# N <= lrpe-core's ONE_PASS_MAX_N: the stats in one chunk, no merge
+SEQ_ONE_PASS = SEQ - {"merge_chunk_stats_kernel"}
 
 # id -> (act, dim, positions, shape, theta requires grad, kernels launched)
 GPU_CASES = {
@@ -109,6 +111,7 @@ GPU_CASES = {
     "tokens-packed": ("silu", None, "packed", (1, 4096, 8, 128), True, TOKENS),
     "seq": ("softmax", 1, "int", (2, 4096, 8, 128), True, SEQ),
     "seq-table": ("softmax", 1, "table", (2, 2000, 4, 64), True, SEQ),
+    "seq-one-pass": ("softmax", 1, "int", (1, 256, 32, 128), True, SEQ_ONE_PASS),
     "seq-packed": ("softmax", 1, "packed", (1, 8192, 8, 128), True, SEQ),
 }
 

@@ -89,6 +89,9 @@ SEQ = {
 }
 # x frozen: the sums kernel alone (its sums are not merged: no main kernel reads them)
 SEQ_DTHETA_ONLY = SEQ - {"cosine_bwd_kernel", "merge_chunk_sums_kernel"}
+# N <= lrpe-core's ONE_PASS_MAX_N: the stats in one chunk, no merge (the backward's sums still
+# come in chunks and are merged)
+SEQ_ONE_PASS = SEQ - {"merge_chunk_stats_kernel"}
 
 # id -> (act, dim, grid, l, (B, H, D), angle cache, x requires grad, kernels launched)
 GPU_CASES = {
@@ -98,6 +101,7 @@ GPU_CASES = {
     "grid4-softmax-d": ("softmax", -1, (4, 8, 16, 16), 0, (2, 8, 64), False, True, MAIN),
     "grid2-seq": ("softmax", 1, (64, 64), 1, (2, 8, 64), False, True, SEQ),
     "grid2-seq-cache": ("softmax", 1, (48, 64), 0, (2, 8, 64), True, True, SEQ),
+    "grid2-seq-one-pass": ("softmax", 1, (16, 16), 0, (2, 8, 64), False, True, SEQ_ONE_PASS),
     "grid2-dtheta-only": ("softmax", 1, (64, 64), 1, (2, 8, 64), False, False, SEQ_DTHETA_ONLY),
 }
 

@@ -126,16 +126,19 @@ class SoftmaxView:
         ]
 
 
-def _split_plan(view: SoftmaxView, device: torch.device, seqs: int | None = None, tile=None):
+def _split_plan(
+    view: SoftmaxView, device: torch.device, seqs: int | None = None, tile=None, max_chunks=None
+):
     """(BLOCK_L, BLOCK_I, chunk, num_chunks) for the split-L softmax kernels. With `seqs` packed
     sequences along L, each is split into num_chunks chunks (their size is set per sequence
-    on the device, from its length; `chunk` is unused)."""
+    on the device, from its length; `chunk` is unused). `max_chunks`: at most that many."""
     block_i = min(next_power_of_2(view.I), 128)
     block_l = max(1, (tile or SPLIT_TILE) // block_i)
     programs = view.O0 * view.O1 * cdiv(view.I, block_i) * (seqs or 1)
     target = PROGRAMS_PER_SM * num_sms(device)
+    cap = max_chunks or cdiv(view.L, block_l)
     if seqs is None:
-        chunks = max(1, min(cdiv(target, programs), cdiv(view.L, block_l)))
+        chunks = max(1, min(cdiv(target, programs), cdiv(view.L, block_l), cap))
         chunk = cdiv(cdiv(view.L, chunks), block_l) * block_l
         return block_l, block_i, chunk, cdiv(view.L, chunk)
     # Packed: a sequence's chunks are 1/num_chunks of it, so a long one among short ones makes
@@ -143,7 +146,7 @@ def _split_plan(view: SoftmaxView, device: torch.device, seqs: int | None = None
     # apply program merges all chunks of its row, so the extra chunks stop at PACKED_CHUNK_CAP.
     base = cdiv(target, programs)
     chunks = min(base * PACKED_WAVES, max(base, PACKED_CHUNK_CAP))
-    chunks = max(1, min(chunks, cdiv(view.L, block_l), MAX_PACKED_SEQUENCES // seqs))
+    chunks = max(1, min(chunks, cdiv(view.L, block_l), cap, MAX_PACKED_SEQUENCES // seqs))
     return block_l, block_i, block_l, chunks
 
 
@@ -177,9 +180,11 @@ class _SplitLaunches:
     the same for every outer index) the launches take it as their last tensor and the
     stats have a row per (sequence, outer index)."""
 
-    def __init__(self, t, view: SoftmaxView, plan=None, cu_seqlens=None, tile=None):
+    def __init__(
+        self, t, view: SoftmaxView, plan=None, cu_seqlens=None, tile=None, max_chunks=None
+    ):
         seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        self.plan = plan or _split_plan(view, t.device, seqs, tile)
+        self.plan = plan or _split_plan(view, t.device, seqs, tile, max_chunks)
         block_l, block_i, chunk, num_chunks = self.plan
         self.cu_seqlens = cu_seqlens
         self.shape = (2, (seqs or 1) * view.O0 * view.O1, num_chunks, view.I)
@@ -203,8 +208,10 @@ class _StatsPlan(_SplitLaunches):
     """softmax_chunk_stats of one layout: a function of (x, cu_seqlens) returning the
     (2, S * O, C, I) stats."""
 
-    def __init__(self, x: torch.Tensor, view: SoftmaxView, plan=None, cu_seqlens=None):
-        super().__init__(x, view, plan, cu_seqlens)
+    def __init__(
+        self, x: torch.Tensor, view: SoftmaxView, plan=None, cu_seqlens=None, max_chunks=None
+    ):
+        super().__init__(x, view, plan, cu_seqlens, max_chunks=max_chunks)
         stats = self.new.new_empty(self.shape)
         self.launch = self.prepare(K.softmax_chunk_stats_kernel, x, stats, strides=view.strides[0])
 
@@ -222,6 +229,7 @@ def softmax_chunk_stats(
     cu_seqlens: torch.Tensor | None = None,
     ops=None,
     view: tuple | None = None,
+    max_chunks: int | None = None,
 ) -> torch.Tensor:
     """Per-chunk float32 (max, sum) of a softmax over `dim` of x: shape (2, O, C, I), where O
     is the product of the dims before `dim`, I of those after it, and C the number of chunks
@@ -240,10 +248,14 @@ def softmax_chunk_stats(
     without making it. `ops` (kernelkit.shared.replay's interface): allocate the stats and
     launch through it, for a caller whose launch sequence is recorded and replayed (a replay
     takes only the tensors it was given, hence `view` rather than a view of x).
+
+    `max_chunks`: split the axis into at most that many chunks (None: as many as fill the
+    device). One chunk returns stats a caller can use without a merge (a launch fewer for
+    short axes, where the host path costs more than the GPU work).
     """
     if ops is not None:
         shape, strides = view if view is not None else (x.shape, x.stride())
-        lay = _stats_plan(x, dim, cu_seqlens, shape, strides, prepare=False)
+        lay = _stats_plan(x, dim, cu_seqlens, shape, strides, prepare=False, max_chunks=max_chunks)
         stats = ops.empty(lay.shape, torch.float32, x.device)
         ops.launch(
             K.softmax_chunk_stats_kernel,
@@ -260,22 +272,26 @@ def softmax_chunk_stats(
         x = x.as_strided(*view)
     if x.__class__ in PLAIN_TENSORS:
         seqs = None if cu_seqlens is None else cu_seqlens.shape[0]
-        key = ("stats", dim, seqs, x.get_device(), x.shape, x.stride())
-        return _PLANS.get(key, _stats_plan, x, dim, cu_seqlens)(x, cu_seqlens)[0]
-    return _stats_plan(x, dim, cu_seqlens)(x, cu_seqlens)[0]
+        key = ("stats", dim, seqs, max_chunks, x.get_device(), x.shape, x.stride())
+        plan = _PLANS.get(key, _stats_plan, x, dim, cu_seqlens, None, None, True, max_chunks)
+        return plan(x, cu_seqlens)[0]
+    return _stats_plan(x, dim, cu_seqlens, max_chunks=max_chunks)(x, cu_seqlens)[0]
 
 
-def _stats_plan(x: torch.Tensor, dim: int, cu_seqlens, shape=None, strides=None, prepare=True):
+def _stats_plan(
+    x: torch.Tensor, dim: int, cu_seqlens, shape=None, strides=None, prepare=True, max_chunks=None
+):
     """The `_StatsPlan` of x (or of x read as `shape` / `strides`); `prepare=False`: only its
-    layout (`_SplitLaunches`, plus the view's strides as `strides`)."""
+    layout (`_SplitLaunches`, plus the view's strides as `strides`); `max_chunks` as in
+    `softmax_chunk_stats`."""
     view = SoftmaxView(
         x.shape if shape is None else shape, dim, [x.stride() if strides is None else strides]
     )
     if not view.ok:
         raise ValueError("x: layout not supported by the split softmax (collapse failed)")
     if prepare:
-        return _StatsPlan(x, view, cu_seqlens=cu_seqlens)
-    lay = _SplitLaunches(x, view, cu_seqlens=cu_seqlens)
+        return _StatsPlan(x, view, cu_seqlens=cu_seqlens, max_chunks=max_chunks)
+    lay = _SplitLaunches(x, view, cu_seqlens=cu_seqlens, max_chunks=max_chunks)
     lay.strides = view.strides[0]
     return lay
 

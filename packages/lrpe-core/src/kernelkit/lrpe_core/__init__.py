@@ -4,5 +4,5 @@
 `reference` (positions, frequencies, angles). No op of its own.
 """
 
-__version__ = "0.2.1"
+__version__ = "0.2.2"
 __all__ = ["__version__"]

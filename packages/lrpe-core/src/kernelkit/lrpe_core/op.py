@@ -28,6 +28,7 @@ from .kernels import merge_chunk_stats_kernel, merge_chunk_sums_kernel
 
 __all__ = [
     "KINDS",
+    "ONE_PASS_MAX_ELEMENTS",
     "PACKED_CHUNK_CAP",
     "PACKED_WAVES",
     "SEQ",
@@ -58,6 +59,12 @@ SEQ = "softmax_seq"
 # for this many times their usual number of programs to keep the launch's tail short.
 PACKED_WAVES = 4
 PACKED_CHUNK_CAP = 32  # ... up to this many chunks: programs merge every chunk of their row
+# Softmax over a sequence: read in one pass (one chunk, no merge launch) while a program's
+# share, N x min(D rounded up to a power of 2, 128) elements, is at most this many. H200, at
+# (1, N, 32, 128) bf16, GPU µs per lrpe_cosine forward, chunks + merge -> one pass: N = 256
+# 11.7 -> 12.0, N = 512 15.3 -> 20.1 (each program's loop is latency-bound); at (2, 512, 16, 64)
+# 10.1 -> 10.3. Below the bound the merge's launch costs the host more than it saves the GPU.
+ONE_PASS_MAX_ELEMENTS = 32768
 # An int offset's bound (positions are int64, with room for N)
 _MAX_OFFSET = 2**62
 
@@ -314,13 +321,18 @@ def _merge_launch(rows: int, cols: int) -> tuple[tuple[int, int], dict]:
 
 
 def sequence_softmax_stats(
-    x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *, ops=None
+    x: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    *,
+    ops=None,
+    one_pass_elements: int = ONE_PASS_MAX_ELEMENTS,
 ) -> torch.Tensor:
     """Float32 (max, sum) of the softmax over the sequence of x (B, N, H, D), shape
     (2, B * H, 1, D), or with `cu_seqlens` (B = 1, sequences packed along N) one row per
     (sequence, head): (2, S * H, 1, D), row s * H + h. kernelkit-act's chunk-stats kernel reads
     x once for per-chunk stats, which `kernels.merge_chunk_stats_kernel` merges (one launch,
-    float64 sums) when there is more than one chunk. (The LRPE kernels read them through
+    float64 sums) when there is more than one chunk; x whose N x min(D rounded up to a power of
+    2, 128) is at most `one_pass_elements` is read in one chunk (no merge: one launch in all). (The LRPE kernels read them through
     `kernelkit.act.kernels.combine_chunk_stats` with one chunk: merging C chunks inside every
     program instead cost lrpe-cosine, whose programs are 8 tokens long, more loads than its
     data in the backward: 3.1 -> 6.7 ms at the seed shape on an H100.) `ops`: allocations and
@@ -330,7 +342,10 @@ def sequence_softmax_stats(
     b, n, h, d = x.shape
     sb, sn, sh, sd = x.stride()
     view = ((b, h, n, d), (sb, sh, sn, sd))
-    stats = softmax_chunk_stats(x, 2, cu_seqlens=cu_seqlens, ops=ops, view=view)
+    max_chunks = 1 if n * min(next_power_of_2(d), 128) <= one_pass_elements else None
+    stats = softmax_chunk_stats(
+        x, 2, cu_seqlens=cu_seqlens, ops=ops, view=view, max_chunks=max_chunks
+    )
     return merge_chunk_stats(stats, ops=DIRECT if ops is None else ops)
 
 

@@ -8,5 +8,5 @@ from kernelkit.act import ACTS
 
 from .op import lrpe_cosine
 
-__version__ = "0.2.8"
+__version__ = "0.2.9"
 __all__ = ["ACTS", "__version__", "lrpe_cosine"]

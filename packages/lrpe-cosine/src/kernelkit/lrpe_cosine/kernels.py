@@ -50,7 +50,12 @@ from kernelkit.lrpe_core.kernels import (
     token_positions,
     wrapped_frequencies,
 )
-from kernelkit.lrpe_core.op import packed_chunks, programs_target, theta_args
+from kernelkit.lrpe_core.op import (
+    ONE_PASS_MAX_ELEMENTS,
+    packed_chunks,
+    programs_target,
+    theta_args,
+)
 from kernelkit.shared.runtime import cdiv, next_power_of_2
 
 # Sizes, offsets, grid sizes and batch-group sizes change with every call: never specialise.
@@ -81,13 +86,16 @@ class Plan:
     registers as the x tile) and the softmax_seq sums kernel keeps [BLOCK_N, ROWS, D] sums per
     thread: both use `small_tile` to avoid spills. Batch rows are grouped only while
     `programs_per_sm` programs remain; the sums kernel's long programs (a chunk of tokens x
-    ROWS rows) are split until `sums_programs_per_sm`."""
+    ROWS rows) are split until `sums_programs_per_sm`. Softmax over N reads its stats in one
+    pass (no merge launch) up to `stats_one_pass` elements per program (lrpe-core's
+    `sequence_softmax_stats`)."""
 
     tile: int = 4096
     small_tile: int = 2048
     warps: int = 4
     programs_per_sm: int = 4
     sums_programs_per_sm: int = 16
+    stats_one_pass: int = ONE_PASS_MAX_ELEMENTS
 
 
 PLAN = Plan()

@@ -110,7 +110,9 @@ def _forward(ops, x, theta, start, starts, table, cu_seqlens, kind, grid, cache,
     device = x.device
     stats = None
     if kind == SEQ:
-        stats = sequence_softmax_stats(x, cu_seqlens, ops=ops)
+        stats = sequence_softmax_stats(
+            x, cu_seqlens, ops=ops, one_pass_elements=plan.stats_one_pass
+        )
     elif cache is not None:
         stats = ops.empty((0,), torch.float32, device)
     angles = (

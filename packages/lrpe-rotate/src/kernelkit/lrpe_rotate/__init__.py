@@ -4,5 +4,5 @@ from kernelkit.act import ACTS
 
 from .op import lrpe_rotate
 
-__version__ = "0.2.9"
+__version__ = "0.2.10"
 __all__ = ["ACTS", "__version__", "lrpe_rotate"]

@@ -38,7 +38,13 @@ from kernelkit.lrpe_core.kernels import (
     store_dtheta_partial,
     token_positions,
 )
-from kernelkit.lrpe_core.op import SEQ, packed_chunks, programs_target, theta_args
+from kernelkit.lrpe_core.op import (
+    ONE_PASS_MAX_ELEMENTS,
+    SEQ,
+    packed_chunks,
+    programs_target,
+    theta_args,
+)
 from kernelkit.shared.runtime import cdiv, interpreting, next_power_of_2
 
 # Never specialised (Triton would otherwise make values of 1 constants and key on divisibility
@@ -54,7 +60,9 @@ class Plan:
     32 tokens at D = 128: two bf16 halves = 8 KB per batch row); cos/sin of the tile stay live
     across the batch loop, so tiles are kept moderate. Batch rows are split into groups until
     about `programs_per_sm` programs per SM. Softmax over N: a program walks a chunk of the
-    sequence of one (b, h); chunks until about `seq_programs_per_sm` programs per SM."""
+    sequence of one (b, h); chunks until about `seq_programs_per_sm` programs per SM. Its
+    stats are read in one pass (no merge launch) up to `stats_one_pass` elements per program
+    (lrpe-core's `sequence_softmax_stats`)."""
 
     tile: int = 2048
     warps: int = 8  # H200 sweep: 8 warps x tile 2048 = 92% of copy bandwidth fwd (4: 86%)
@@ -69,6 +77,7 @@ class Plan:
     # Register cap of the per-token kernels: 64 keeps 4 programs of 8 warps per SM on sm_90
     # (they compile to 64 without spills). 0: no cap.
     tokens_maxnreg: int = 64
+    stats_one_pass: int = ONE_PASS_MAX_ELEMENTS
 
 
 PLAN = Plan()

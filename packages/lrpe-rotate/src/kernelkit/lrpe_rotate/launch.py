@@ -59,7 +59,9 @@ def _forward(ops, x, theta, start, starts, table, cu_seqlens, kind, plan, tiling
     rotate_fwd_tokens_kernel), or act's chunk stats, their merge and seq_softmax_fwd_kernel."""
     y = ops.empty_like(x)
     if kind == SEQ:
-        stats = sequence_softmax_stats(x, cu_seqlens, ops=ops)
+        stats = sequence_softmax_stats(
+            x, cu_seqlens, ops=ops, one_pass_elements=plan.stats_one_pass
+        )
         grid, kwargs = _seq_layout(x, theta, stats, cu_seqlens, plan)
         pos_kwargs, vary = launch_positions(start, starts, table, _FWD_START)
         ops.launch(

@@ -5,5 +5,5 @@ from kernelkit.act import ACTS
 
 from .op import md_lrpe_cosine
 
-__version__ = "0.1.4"
+__version__ = "0.1.5"
 __all__ = ["ACTS", "__version__", "md_lrpe_cosine"]
