@@ -62,8 +62,8 @@ PACKED_CHUNK_CAP = 32  # ... up to this many chunks: programs merge every chunk 
 # Softmax over a sequence: read in one pass (one chunk, no merge launch) while a program's
 # share, N x min(D rounded up to a power of 2, 128) elements, is at most this many. H200, at
 # (1, N, 32, 128) bf16, GPU µs per lrpe_cosine forward, chunks + merge -> one pass: N = 256
-# 11.7 -> 12.0, N = 512 15.3 -> 20.1 (each program's loop is latency-bound); at (2, 512, 16, 64)
-# 10.1 -> 10.3. Below the bound the merge's launch costs the host more than it saves the GPU.
+# 11.7 -> 12.1, N = 512 15.3 -> 20.1 (each program's loop is latency-bound); at (2, 512, 16, 64)
+# 10.1 -> 10.2. Below the bound the merge's launch costs the host more than it saves the GPU.
 ONE_PASS_MAX_ELEMENTS = 32768
 # An int offset's bound (positions are int64, with room for N)
 _MAX_OFFSET = 2**62
@@ -332,11 +332,12 @@ def sequence_softmax_stats(
     (sequence, head): (2, S * H, 1, D), row s * H + h. kernelkit-act's chunk-stats kernel reads
     x once for per-chunk stats, which `kernels.merge_chunk_stats_kernel` merges (one launch,
     float64 sums) when there is more than one chunk; x whose N x min(D rounded up to a power of
-    2, 128) is at most `one_pass_elements` is read in one chunk (no merge: one launch in all). (The LRPE kernels read them through
-    `kernelkit.act.kernels.combine_chunk_stats` with one chunk: merging C chunks inside every
-    program instead cost lrpe-cosine, whose programs are 8 tokens long, more loads than its
-    data in the backward: 3.1 -> 6.7 ms at the seed shape on an H100.) `ops`: allocations and
-    launches through kernelkit.shared.replay's interface (None: run them, act's plan cached)."""
+    2, 128) is at most `one_pass_elements` is read in one chunk (no merge: one launch in all).
+    (The LRPE kernels read them through `kernelkit.act.kernels.combine_chunk_stats` with one
+    chunk: merging C chunks inside every program instead cost lrpe-cosine, whose programs are 8
+    tokens long, more loads than its data in the backward: 3.1 -> 6.7 ms at the seed shape on
+    an H100.) `ops`: allocations and launches through kernelkit.shared.replay's interface
+    (None: run them, act's plan cached)."""
     # x read as (B, H, N, D): outer dims B and H, inner D, whatever x's layout (a view given
     # as shape and strides: a replay takes only the tensors it was given).
     b, n, h, d = x.shape
