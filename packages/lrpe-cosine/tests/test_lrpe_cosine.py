@@ -553,3 +553,19 @@ def test_repeated_calls_take_the_shortcut(device):
     from kernelkit.shared.testing import assert_shortcuts_replay, lrpe_shortcut_pairs
 
     assert_shortcuts_replay(lrpe_cosine, lrpe_shortcut_pairs(32, device), op._CALLS)
+
+
+def test_repeated_calls_with_gradients_take_the_shortcut(device):
+    """With x, theta or both requiring grad, a call like an earlier checked one replays its
+    sequence through the op's autograd node (`lrpe_core.op.register_lrpe_autograd`'s
+    `LrpeReplayedForward`): output and gradients bitwise the checked call's. Pairs of another
+    layout (an offset of another width, theta float64, x of other strides) stay checked."""
+    from kernelkit.lrpe_cosine import op
+    from kernelkit.shared.testing import assert_shortcut_gradients, lrpe_shortcut_pairs
+
+    pairs = lrpe_shortcut_pairs(32, device)
+    (x, theta, _), (x2, _, _) = pairs[0]
+    pairs.append(((x, theta, 5, "silu"), (x2, theta, 9, "silu")))  # an act's gradient too
+    taken = assert_shortcut_gradients(lrpe_cosine, pairs, op._CALLS, "LrpeReplayedForward")
+    expected = [True, False, True, True, True, False, False, True]  # per pair
+    assert taken == [t for t in expected for _ in range(3)]

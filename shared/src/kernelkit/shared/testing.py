@@ -22,6 +22,7 @@ __all__ = [
     "assert_compiled_matches",
     "assert_graph_replays",
     "assert_launch_paths_agree",
+    "assert_shortcut_gradients",
     "assert_shortcuts_replay",
     "compilations",
     "entry_kernels",
@@ -119,6 +120,44 @@ def assert_shortcuts_replay(fn, pairs, shortcuts) -> None:
         assert len(got) == len(want)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def assert_shortcut_gradients(fn, pairs, shortcuts, node: str) -> list[bool]:
+    """`assert_shortcuts_replay` with gradients, for a public function `fn` whose shortcuts
+    replay a call that autograd records through an autograd node named `node` (the output's
+    grad_fn class name starts with it). For each (record, call) pair and each choice of
+    leaves requiring grad (argument 0, argument 1, both: x and theta for the LRPE ops),
+    `fn(*record)` through the checked path keeps one shortcut; then `fn(*call)` and its
+    gradients for a fixed dy equal, bitwise, those of the checked path (the shortcuts
+    cleared). Returns, per pair and choice in that order, whether the call took the node."""
+    taken = []
+    for record, call in pairs:
+        for leaves in ((0,), (1,), (0, 1)):
+
+            def fresh(args, leaves=leaves):
+                args = list(args)
+                for i in leaves:
+                    args[i] = args[i].detach().clone().requires_grad_()
+                return args
+
+            shortcuts.clear()
+            fn(*fresh(record))
+            assert len(shortcuts._plans) == 1, "the checked call kept no shortcut"
+            results = []
+            for clear in (False, True):
+                if clear:
+                    shortcuts.clear()
+                args = fresh(call)
+                y = fn(*args)
+                if not clear:
+                    taken.append(type(y.grad_fn).__name__.startswith(node))
+                g = torch.Generator().manual_seed(3)
+                dy = torch.randn(y.shape, generator=g).to(device=y.device, dtype=y.dtype)
+                results.append((y, *torch.autograd.grad(y, [args[i] for i in leaves], dy)))
+            got, want = results
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    return taken
 
 
 def assert_graph_replays(fn, inputs, new_inputs, *, warmup: int = 2, name: str = "output"):

@@ -9,6 +9,8 @@ and folds the per-program d(theta) partials the same way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kernelkit.act import (
@@ -22,7 +24,14 @@ from kernelkit.act import act as apply_act
 from kernelkit.shared import replay, runtime
 from kernelkit.shared.packed import check_cu_seqlens
 from kernelkit.shared.replay import DIRECT
-from kernelkit.shared.runtime import cdiv, interpreting, next_power_of_2, num_sms, plain_call
+from kernelkit.shared.runtime import (
+    cdiv,
+    function_apply,
+    interpreting,
+    next_power_of_2,
+    num_sms,
+    plain_call,
+)
 
 from .kernels import merge_chunk_stats_kernel, merge_chunk_sums_kernel
 
@@ -213,12 +222,14 @@ _grad_enabled = torch.is_grad_enabled
 def shortcut_key(x, theta, offset, act, dim, positions=None, cu_seqlens=None) -> tuple | None:
     """The key of an LRPE op's common call in its `replay.Shortcuts` (a call like an earlier
     one that passed the checks replays its recorded sequence at once): plain tensors x and
-    theta with nothing requiring grad, an int offset inside validate_positions' bound (its
-    width: its value is the replay's per-call value), no positions table, no packed sequences,
-    act a str and dim None or an int. The key holds everything the checks and the replay key
-    read: the layouts of x and theta (shapes, strides, dtypes, devices, alignment, whether
-    they are one tensor), act, dim, the launch function and whether the interpreter runs. None
-    (the checked path) for every other call."""
+    theta, an int offset inside validate_positions' bound (its width: its value is the
+    replay's per-call value), no positions table, no packed sequences, act a str and dim None
+    or an int, no torch.compile tracing or functorch transform. The key holds everything the
+    checks and the replay key read: the layouts of x and theta (shapes, strides, dtypes,
+    devices, alignment, whether they are one tensor), act, dim, the launch function and
+    whether the interpreter runs; and, last, whether autograd records the call (x or theta
+    requiring grad, grad mode on: the op then replays through `register_lrpe_autograd`'s
+    node). None (the checked path) for every other call."""
     if (
         x.__class__ is _T
         and theta.__class__ is _T
@@ -228,13 +239,13 @@ def shortcut_key(x, theta, offset, act, dim, positions=None, cu_seqlens=None) ->
         and cu_seqlens is None
         and act.__class__ is str
         and (dim is None or dim.__class__ is int)
-        and not (_grad_enabled() and (x.requires_grad or theta.requires_grad))
         and plain_call()
     ):
         return (
             x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
             theta.shape, theta.stride(), theta.dtype, theta.device, theta.data_ptr() & 15,
             theta is x, act, dim, replay.int_width(offset), interpreting(), runtime.launch,
+            (x.requires_grad or theta.requires_grad) and _grad_enabled(),
         )  # fmt: skip
     return None
 
@@ -399,14 +410,19 @@ def reduce_dtheta(partials: torch.Tensor, theta_shape, *, wrap: bool = False) ->
     return g.contiguous()
 
 
-def register_lrpe_autograd(fwd, fwd_seq, grads) -> None:
+def register_lrpe_autograd(fwd, fwd_seq, grads) -> Callable:
     """The autograd of an LRPE package's ops. `fwd(x, theta, start, starts, positions,
     cu_seqlens, kind) -> y` and `fwd_seq(x, theta, start, starts, positions, cu_seqlens) ->
     (y, stats)` (softmax over the sequence: stats the backward reuses); `grads(ctx, dy) ->
     (dx, dtheta)` (None where not needed) reads `ctx.saved_tensors` (x or None, theta, starts,
     positions, cu_seqlens, stats), `ctx.kind` and `ctx.start`. x is kept only for an act or
     d(theta) (act none's dx needs only dy and the angles); the stats output gets no
-    gradient, and autograd makes no zeros for it (a launch per call)."""
+    gradient, and autograd makes no zeros for it (a launch per call).
+
+    Returns `replayed(x, theta, offset, entry) -> y`, the same node around a shortcut's
+    recorded forward (`entry` = (the sequence, its kernel kind); an int offset, no positions
+    table or packed sequences): the same saved tensors and backward as the op's own, for calls
+    whose `shortcut_key` says autograd records them (plain calls only: no functorch)."""
 
     def save(ctx, kind, inputs, stats=None):
         x, theta, start, starts, positions, cu_seqlens = inputs[:6]
@@ -431,3 +447,20 @@ def register_lrpe_autograd(fwd, fwd_seq, grads) -> None:
 
     fwd.register_autograd(backward, setup_context=setup)
     fwd_seq.register_autograd(backward_seq, setup_context=setup_seq)
+
+    def forward_replayed(ctx, x, theta, offset, entry):
+        seq, kind = entry
+        inputs = (x, theta, offset, None, None, None)
+        outputs = seq(inputs)
+        save(ctx, kind, inputs, outputs[1] if kind == SEQ else None)
+        return outputs[0]
+
+    def backward_replayed(ctx, dy):
+        return *grads(ctx, dy), None, None
+
+    node = type(
+        "LrpeReplayedForward",
+        (torch.autograd.Function,),
+        {"forward": staticmethod(forward_replayed), "backward": staticmethod(backward_replayed)},
+    )
+    return function_apply(node)

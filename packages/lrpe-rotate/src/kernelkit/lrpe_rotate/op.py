@@ -112,10 +112,12 @@ def _grads(ctx, dy):
     return dx, (dtheta if need_dtheta else None)
 
 
-register_lrpe_autograd(fwd, fwd_seq, _grads)
+# the autograd node of a shortcut call that autograd records (`shortcut_key`'s last entry)
+_replayed_forward = register_lrpe_autograd(fwd, fwd_seq, _grads)
 
 
-# lrpe_rotate's common calls that passed its checks, by `shortcut_key`: the recorded sequence
+# lrpe_rotate's common calls that passed its checks, by `shortcut_key`: (the recorded sequence,
+# its kernel kind)
 _CALLS = replay.Shortcuts()
 
 
@@ -141,12 +143,14 @@ def lrpe_rotate(
     Differentiable in x and, when it requires grad, theta.
     """
     # A call like an earlier one that passed the checks replays its sequence at once
-    # (`shortcut_key`: the common call, without gradients)
+    # (`shortcut_key`: the common call; through the op's autograd node where autograd records it)
     key = shortcut_key(x, theta, offset, act, dim, positions, cu_seqlens)
     if key is not None:
-        seq = _CALLS._plans.get(key)
-        if seq is not None:
-            return seq((x, theta, offset, None, None, None))[0]
+        entry = _CALLS._plans.get(key)
+        if entry is not None:
+            if key[-1]:
+                return _replayed_forward(x, theta, offset, entry)
+            return entry[0]((x, theta, offset, None, None, None))[0]
     kind, pos = validate(x, theta, offset, act, dim, positions, cu_seqlens)
     start, starts, table = pos
     if not use_triton(x):
@@ -164,7 +168,7 @@ def lrpe_rotate(
     if key is not None and x4 is x and theta32 is theta:  # the call the sequence replays
         seq = launch.forward_recorded(x, theta, start, kind)
         if seq is not None:
-            _CALLS.remember(key, seq)
+            _CALLS.remember(key, (seq, kind))
     return y if x.dim() == 4 else y.squeeze(2)
 
 
