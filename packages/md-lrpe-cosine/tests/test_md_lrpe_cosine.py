@@ -302,3 +302,107 @@ def test_prepared_launches_match_tritons_path():
     from kernelkit.shared.testing import assert_launch_paths_agree
 
     assert_launch_paths_agree(Path(__file__).with_name("launch_calls.py"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The shortcut for repeated calls (`op._call_key`, `op._CALLS`)
+# ---------------------------------------------------------------------------------------------
+
+
+def _checked(x, theta, shape, l, act, dim, cache):
+    """What `validate` makes of a call: (kernel kind, grid), or the error."""
+    from kernelkit.md_lrpe_cosine.op import validate
+
+    try:
+        return validate(x, theta, shape, l, act, dim, cache)
+    except ValueError as err:
+        return ("error", str(err))
+
+
+def test_shortcut_key_holds_what_the_checks_read(device):
+    """`op._call_key` (a call like an earlier checked one replays its recorded sequence without
+    the checks) is sound: calls with one key get one outcome from `validate`. A valid call,
+    then every change of one argument: other valid and invalid values, values of other types
+    that compare equal (a list for a tuple, 8.0 or True for an int, 1 for True), tensors of
+    other layouts, dtypes or classes, gradients."""
+    from kernelkit.md_lrpe_cosine.op import _call_key
+
+    x = torch.zeros(2, 65, 4, 32, dtype=torch.bfloat16, device=device)
+    theta = torch.zeros(4, 16, device=device)
+    base = (x, theta, (8, 8), 1, "softmax", -1, False)
+    changes = [
+        (2, [8, 8]), (2, (4, 16)), (2, (8, 8.0)), (2, (True, 64)), (2, (64,)), (2, (2, 4, 8)),
+        (2, (2, 2, 2, 2, 4)), (2, (0, 8)), (2, (-8, -8)), (2, 64), (3, 0), (3, True), (3, 1.0),
+        (3, -1), (3, 2), (4, "relu"), (4, "none"), (4, "bogus"), (5, None), (5, 1), (5, 2),
+        (5, True), (5, 1.0), (6, True), (6, 1), (6, 0), (6, "yes"), (1, theta.double()),
+        (1, theta[:1]), (1, torch.zeros(4, 15, device=device)),
+        (1, torch.zeros(4, 8, device=device)), (1, theta.clone().requires_grad_()),
+        (0, x.float()), (0, x[..., :16]), (0, x.clone().requires_grad_()),
+        (0, torch.nn.Parameter(x)), (0, x[:, :64]), (0, x.transpose(1, 2).contiguous().transpose(1, 2)),
+    ]  # fmt: skip
+    calls = [base]
+    for i, value in changes:
+        call = list(base)
+        call[i] = value
+        calls.append(tuple(call))
+    outcomes: dict = {}
+    for call in calls:
+        key = _call_key(*call)
+        if key is not None:
+            outcomes.setdefault(key, set()).add(_checked(*call))
+    assert _call_key(*base) is not None  # the valid call has a key
+    for seen in outcomes.values():
+        assert len(seen) == 1, seen  # one key, one outcome
+
+
+def _shortcut_pairs(device):
+    """(record, call) pairs: calls like the recorded one (every kind, the angle cache) with
+    other x and theta values, then calls of another grid and of a float64 theta."""
+    shape, l = (4, 5), 2
+    x, x2 = (x_for(2, shape, l, 3, 16, torch.bfloat16, device, seed=s) for s in (0, 5))
+    theta, theta2 = make_theta(3, 8, device), make_theta(3, 8, device, seed=7)
+    return [
+        ((x, theta, shape, l), (x2, theta, shape, l)),
+        ((x, theta, shape, l, "silu"), (x2, theta2, shape, l, "silu")),
+        ((x, theta, shape, l, "softmax", -1), (x2, theta, shape, l, "softmax", -1)),
+        ((x, theta, shape, l, "softmax", 1), (x2, theta2, shape, l, "softmax", 1)),
+        ((x, theta, shape, l, "none", None, True), (x2, theta, shape, l, "none", None, True)),
+        ((x, theta, shape, l), (x2, theta, (5, 4), l)),
+        ((x, theta, shape, l), (x2, theta.double(), shape, l)),
+    ]
+
+
+def test_repeated_calls_take_the_shortcut(device, monkeypatch):
+    """A call like an earlier checked one replays its recorded sequence (`op._CALLS`), bitwise
+    the checked call, without the checks (a failing `validate` is not reached); calls of another
+    grid or theta dtype take the checked path."""
+    from kernelkit.md_lrpe_cosine import op
+    from kernelkit.shared.testing import assert_shortcuts_replay
+
+    pairs = _shortcut_pairs(device)
+    assert_shortcuts_replay(md_lrpe_cosine, pairs, op._CALLS)
+    checks = op.validate
+
+    def refuse(*args):
+        raise AssertionError("the checks ran")
+
+    for record, call in pairs[:5]:
+        op._CALLS.clear()
+        md_lrpe_cosine(*record)
+        monkeypatch.setattr(op, "validate", refuse)
+        md_lrpe_cosine(*call)
+        monkeypatch.setattr(op, "validate", checks)
+
+
+def test_repeated_calls_with_gradients_take_the_shortcut(device):
+    """With x, theta or both requiring grad, a call like an earlier checked one replays its
+    sequence through `op._ReplayedForward` (the ops' saved tensors and backward): output and
+    gradients bitwise the checked call's, the angle cache and softmax over N included."""
+    from kernelkit.md_lrpe_cosine import op
+    from kernelkit.shared.testing import assert_shortcut_gradients
+
+    taken = assert_shortcut_gradients(
+        md_lrpe_cosine, _shortcut_pairs(device), op._CALLS, "_ReplayedForward"
+    )
+    expected = [True, True, True, True, True, False, False]  # per pair
+    assert taken == [t for t in expected for _ in range(3)]

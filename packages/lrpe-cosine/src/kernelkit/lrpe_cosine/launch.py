@@ -94,12 +94,12 @@ def forward(
     return replay.replayed(_forward, inputs, options, *args)
 
 
-def forward_recorded(x, theta, start: int, kind: str):
-    """The sequence `forward(x, theta, start, None, None, None, kind)` replays for this call
-    (positions `start + t`, no grid, no cache, the default plan): run it as
+def forward_recorded(x, theta, start: int, kind: str, *, grid: Grid | None = None, cache=None):
+    """The sequence `forward(x, theta, start, None, None, None, kind, grid=grid, cache=cache)`
+    replays for this call (positions `start + t`, or the `grid`'s; the default plan): run it as
     `seq((x, theta, start, None, None, None))`, whose first output is y; None where there is
     none (not called yet, or not replayable)."""
-    options = (kind, None, None, _key(PLAN))
+    options = (kind, grid, cache, _key(PLAN))
     return replay.recorded(_forward, (x, theta, start, None, None, None), options)
 
 

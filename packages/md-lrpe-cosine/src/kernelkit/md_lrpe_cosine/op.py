@@ -16,13 +16,15 @@ from kernelkit.lrpe_core.op import (
     SEQ,
     as_float32,
     reduce_dtheta,
+    shortcut_key,
     validate_act,
     validate_theta,
     validate_x,
 )
 from kernelkit.lrpe_cosine import kernels as K
 from kernelkit.lrpe_cosine import launch
-from kernelkit.shared.runtime import define_op, traced, use_triton
+from kernelkit.shared import replay
+from kernelkit.shared.runtime import define_op, function_apply, traced, use_triton
 
 from .reference import md_lrpe_cosine_reference
 
@@ -181,6 +183,45 @@ fwd.register_autograd(_backward, setup_context=_setup_context)
 fwd_plain.register_autograd(_backward_plain, setup_context=_setup_plain)
 
 
+class _ReplayedForward(torch.autograd.Function):
+    """The autograd node of a shortcut call that autograd records: the kept sequence of `fwd`
+    or `fwd_plain` (`entry` = (sequence, kind, shape as a list, l, whether it is `fwd`'s)), the
+    same saved tensors and backward as their own nodes."""
+
+    @staticmethod
+    def forward(ctx, x, theta, entry):
+        seq, kind, shape, extra, full = entry
+        outputs = seq((x, theta, 0, None, None, None))
+        _save(ctx, x, theta, shape, extra, kind, *(outputs[1:] if full else ()))
+        return outputs[0]
+
+    @staticmethod
+    def backward(ctx, dy):
+        return *_grads(ctx, dy, *ctx.saved_tensors), None
+
+
+# (functorch transforms take the checked path: `shortcut_key`)
+_replayed_forward = function_apply(_ReplayedForward)
+# md_lrpe_cosine's common calls that passed its checks, by `_call_key`: the entry above
+_CALLS = replay.Shortcuts()
+
+
+def _call_key(x, theta, shape, l, act, dim, cache) -> tuple | None:
+    """The key of an `md_lrpe_cosine` call in `_CALLS`: lrpe-core's `shortcut_key` of (x, theta,
+    act, dim) (layouts, act, dim, the launch function, the interpreter, no tracing or functorch;
+    last, whether autograd records the call) behind the grid as a tuple of ints, l an int and
+    cache a bool, whose values the key holds: everything `validate` and the replay key read.
+    None (the checked path) for other types of shape, l or cache, whose values could compare
+    equal to a valid one's (1.0 == 1, True == 1) without passing the checks."""
+    if shape.__class__ is not tuple or l.__class__ is not int or cache.__class__ is not bool:
+        return None
+    for s in shape:
+        if s.__class__ is not int:
+            return None
+    base = shortcut_key(x, theta, 0, act, dim)
+    return None if base is None else (shape, l, cache, *base)
+
+
 def md_lrpe_cosine(
     x: torch.Tensor,
     theta: torch.Tensor,
@@ -201,15 +242,32 @@ def md_lrpe_cosine(
     backward (more memory, identical results). Output (B, N, H, 2D) or (B, N, 2D) in x's dtype;
     gradients flow to x and to theta (when it requires grad).
     """
-    kind, shape = validate(x, theta, shape, l, act, dim, cache)
+    # A call like an earlier one that passed the checks replays its sequence at once, through
+    # the ops' autograd node where autograd records it (`_call_key`'s last entry)
+    key = _call_key(x, theta, shape, l, act, dim, cache)
+    if key is not None:
+        entry = _CALLS._plans.get(key)
+        if entry is not None:
+            if key[-1]:
+                return _replayed_forward(x, theta, entry)
+            return entry[0]((x, theta, 0, None, None, None))[0]
+    kind, grid = validate(x, theta, shape, l, act, dim, cache)
     if not use_triton(x):
-        return md_lrpe_cosine_reference(x, theta, shape, l, act, dim)
+        return md_lrpe_cosine_reference(x, theta, grid, l, act, dim)
     three_d = x.dim() == 3
     x4 = x.unsqueeze(2) if three_d else x
-    if kind == SEQ or cache:
-        y, _, _ = fwd(x4, as_float32(theta), list(shape), l, kind, cache)
+    theta32 = as_float32(theta)
+    full = kind == SEQ or cache
+    if full:
+        y, _, _ = fwd(x4, theta32, list(grid), l, kind, cache)
     else:
-        y = fwd_plain(x4, as_float32(theta), list(shape), l, kind)
+        y = fwd_plain(x4, theta32, list(grid), l, kind)
+    if key is not None and x4 is x and theta32 is theta:  # the call the sequence replays
+        seq = launch.forward_recorded(
+            x, theta, 0, kind, grid=_grid(theta, grid, l), cache=cache if full else None
+        )
+        if seq is not None:
+            _CALLS.remember(key, (seq, kind, list(grid), l, full))
     return y.squeeze(2) if three_d else y
 
 
