@@ -44,6 +44,7 @@ from kernelkit.shared import replay
 from kernelkit.shared.packed import segment_ids
 from kernelkit.shared.replay import DIRECT
 from kernelkit.shared.runtime import launch
+from kernelkit.shared.testing import assert_key_holds_the_checks
 
 
 @triton.jit
@@ -404,18 +405,8 @@ def test_shortcut_key_holds_what_the_checks_read(device):
     ]  # fmt: skip
     if device.type == "cuda":
         changes += [(1, theta.cpu()), (0, x.cpu())]
-    calls = [base]
-    for i, value in changes:
-        call = list(base)
-        call[i] = value
-        calls.append(tuple(call))
-    calls.append((x, theta, 3, "softmax", -1, torch.zeros(1, 8, dtype=torch.int64), None))
-    calls.append((x, theta, 0, "softmax", 1, None, torch.tensor([0, 8], dtype=torch.int32)))
-    outcomes: dict = {}
-    for call in calls:
-        key = shortcut_key(*call)
-        if key is not None:
-            outcomes.setdefault(key, set()).add(_checked(*call))
-    assert shortcut_key(*base) is not None  # the valid call has a key
-    for seen in outcomes.values():
-        assert len(seen) == 1, seen  # one key, one outcome
+    extra = [
+        (x, theta, 3, "softmax", -1, torch.zeros(1, 8, dtype=torch.int64), None),
+        (x, theta, 0, "softmax", 1, None, torch.tensor([0, 8], dtype=torch.int32)),
+    ]
+    assert_key_holds_the_checks(shortcut_key, _checked, base, changes, extra)

@@ -326,6 +326,7 @@ def test_shortcut_key_holds_what_the_checks_read(device):
     that compare equal (a list for a tuple, 8.0 or True for an int, 1 for True), tensors of
     other layouts, dtypes or classes, gradients."""
     from kernelkit.md_lrpe_cosine.op import _call_key
+    from kernelkit.shared.testing import assert_key_holds_the_checks
 
     x = torch.zeros(2, 65, 4, 32, dtype=torch.bfloat16, device=device)
     theta = torch.zeros(4, 16, device=device)
@@ -340,19 +341,7 @@ def test_shortcut_key_holds_what_the_checks_read(device):
         (0, x.float()), (0, x[..., :16]), (0, x.clone().requires_grad_()),
         (0, torch.nn.Parameter(x)), (0, x[:, :64]), (0, x.transpose(1, 2).contiguous().transpose(1, 2)),
     ]  # fmt: skip
-    calls = [base]
-    for i, value in changes:
-        call = list(base)
-        call[i] = value
-        calls.append(tuple(call))
-    outcomes: dict = {}
-    for call in calls:
-        key = _call_key(*call)
-        if key is not None:
-            outcomes.setdefault(key, set()).add(_checked(*call))
-    assert _call_key(*base) is not None  # the valid call has a key
-    for seen in outcomes.values():
-        assert len(seen) == 1, seen  # one key, one outcome
+    assert_key_holds_the_checks(_call_key, _checked, base, changes)
 
 
 def _shortcut_pairs(device):

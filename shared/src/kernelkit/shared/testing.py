@@ -17,10 +17,12 @@ import torch
 
 __all__ = [
     "DTYPE_BOUND",
+    "LRPE_SHORTCUT_TAKEN",
     "assert_cases_cover",
     "assert_close",
     "assert_compiled_matches",
     "assert_graph_replays",
+    "assert_key_holds_the_checks",
     "assert_launch_paths_agree",
     "assert_shortcut_gradients",
     "assert_shortcuts_replay",
@@ -120,6 +122,25 @@ def assert_shortcuts_replay(fn, pairs, shortcuts) -> None:
         assert len(got) == len(want)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def assert_key_holds_the_checks(key, outcome, base, changes, extra=()) -> None:
+    """A shortcut key is sound: `base` (a valid call's argument tuple) has a key, and the calls
+    made from it by each (index, value) change of one argument, plus the `extra` calls, get one
+    `outcome` (what the checks make of a call: a hashable result or the error) per key."""
+    calls = [base, *extra]
+    for i, value in changes:
+        call = list(base)
+        call[i] = value
+        calls.append(tuple(call))
+    outcomes: dict = {}
+    for call in calls:
+        k = key(*call)
+        if k is not None:
+            outcomes.setdefault(k, set()).add(outcome(*call))
+    assert key(*base) is not None  # the valid call has a key
+    for seen in outcomes.values():
+        assert len(seen) == 1, seen  # one key, one outcome
 
 
 def assert_shortcut_gradients(fn, pairs, shortcuts, node: str) -> list[bool]:
@@ -442,12 +463,18 @@ def lrpe_position_args(where: str, b: int, n: int, device):
     return 0, None, packing([hi - lo for lo, hi in pairwise(cuts)] + [0], device)
 
 
+# Per pair of `lrpe_shortcut_pairs`: whether the call is like the recorded one (its shortcut).
+LRPE_SHORTCUT_TAKEN = (True, False, True, True, True, False, False, True)
+
+
 def lrpe_shortcut_pairs(e: int, device) -> list:
     """(record, call) argument pairs of an LRPE op (x (2, 40, 4, 32) bf16, theta (4, e)
     float32) for `assert_shortcuts_replay`: calls like the recorded one for every kind
     (element-wise, softmax over D and over N) and a decode shape, with another offset (the
     replay's per-call value) and a wider one, other x and theta values; and calls of another
-    layout than the kept one (theta float64, x with other strides)."""
+    layout than the kept one (theta float64, x with other strides); last, an element-wise act
+    like the recorded one (its gradient reads x). `LRPE_SHORTCUT_TAKEN` says which calls are
+    like their recorded one."""
     g = torch.Generator().manual_seed(0)
 
     def r(*shape, dtype=torch.bfloat16):
@@ -462,4 +489,5 @@ def lrpe_shortcut_pairs(e: int, device) -> list:
         ((xd, theta[:1], 100), (r(8, 1, 4, 32), theta[:1], 101)),
         ((x, theta, 5), (x, theta.double(), 5)),
         ((x, theta, 5), (x.transpose(1, 2).contiguous().transpose(1, 2), theta, 5)),
+        ((x, theta, 5, "silu"), (r(2, 40, 4, 32), theta, 9, "silu")),
     ]
