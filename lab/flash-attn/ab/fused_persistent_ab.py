@@ -4,8 +4,9 @@ rows), windows, causal and not, d64 / d128 at 16k tokens. On an sm_90 GPU:
 
     PYTHONPATH=shared/src:packages/flash-attn/src python lab/flash-attn/ab/fused_persistent_ab.py
     ... fused_persistent_ab.py d64-windows   # the d64 window sizes (the table's threshold)
+    ... fused_persistent_ab.py hold          # static / dynamic walk on 4 SMs (`hold`)
 
-The persistent fused-dq variants are refused by `gluon.bwd.can_implement` (not shipped: the
+The persistent dq-halves variant (d128) is refused by `gluon.bwd.can_implement` (it lost: the
 first run's log, `lab/flash-attn/logs/session36-H200-fused-persistent-ab.log`), so this script
 lifts that one check for its own configs. Per case: whether the gradients are bitwise equal
 (the sums' order is fixed), each variant's median ms over 7 interleaved rounds and its spread.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from pathlib import Path
 
 import torch
 
@@ -25,12 +27,20 @@ from kernelkit.flash_attn import launch as L
 from kernelkit.flash_attn.gluon import bwd as G
 from kernelkit.shared.bench import interleaved_ms
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "packages/flash-attn/tests"))
+
 _can_implement = G.can_implement
+
+
+_LIFTED = (
+    "the dq-halves variants run one program per tile",
+    "persistent fused-dq programs take their tiles from a counter (dynamic)",
+)
 
 
 def _lifted(p, cfg):
     reason = _can_implement(p, cfg)
-    return None if reason == "the fused-dq variants run one program per tile" else reason
+    return None if reason in _LIFTED else reason
 
 
 G.can_implement = _lifted
@@ -65,32 +75,92 @@ def variants(q, k, v, do, causal, window, det, cap):
     p = L.backward_problem(do, q, k, v, causal, cap, window, deterministic=det)
     chosen = C.choose_bwd(p)
 
-    def walk(persistent):
+    def walk(persistent, dynamic=False):
         heads = C.tile_heads(b * h, -(-n // chosen.dkdv.block_n), p.target.sms, p.causal,
                              persistent, det)  # fmt: skip
-        return dataclasses.replace(chosen, persistent=persistent, tile_heads=heads)
+        return dataclasses.replace(chosen, persistent=persistent, tile_heads=heads,
+                                   dynamic=dynamic)  # fmt: skip
 
     def run(cfg):
         return lambda: L.backward(do, q, k, v, o, lse, None, causal, scale, softcap=cap,
                                   window=window, deterministic=det, config=cfg)  # fmt: skip
 
-    return chosen, {"per-tile": run(walk(False)), "persistent": run(walk(True))}
+    return chosen, {"per-tile": run(walk(False)), "persistent": run(walk(True)),
+                    "dynamic": run(walk(True, True))}  # fmt: skip
+
+
+def hold() -> None:
+    """Static and dynamic walks of the d64 short-window backward (fixed order) on 4 SMs while
+    `sm_hold` programs on another stream hold the others until the walk has taken every tile
+    from its counter, or 3 s: the static walk, which takes no tile from the counter, waits on
+    programs that cannot start until the holders give up (the hang risk that kept it out in
+    session 36); the dynamic one finishes on its 4 SMs. Prints whether the holders timed out,
+    the wall time, and whether the gradients equal one program per tile's."""
+    import time
+
+    from sm_hold import HOLD_SMEM, hold_kernel
+    from test_gpu_sizes import _CounterOps
+
+    from kernelkit.flash_attn import tables as T
+
+    n, h, hkv, d = T.FUSED_DQ_MIN_N[64][True], 8, 4, 64
+    q, k, v, do = (torch.randn(1, n, hh, d, device="cuda", dtype=torch.bfloat16)
+                   for hh in (h, hkv, hkv, h))  # fmt: skip
+    window, scale = (1023, 0), d**-0.5
+    o, lse = L.forward(q, k, v, True, scale, window=window)
+    p = L.backward_problem(do, q, k, v, True, 0.0, window)
+    chosen = C.choose_bwd(p)
+    heads = C.tile_heads(hkv, -(-n // 128), p.target.sms, True, False, True)
+    want = L.backward(do, q, k, v, o, lse, None, True, scale, window=window,
+                      config=dataclasses.replace(chosen, persistent=False, dynamic=False,
+                                                 tile_heads=heads))  # fmt: skip
+    tiles = -(-n // 128) * hkv
+    held = p.target.sms - 4
+    for name, cfg in (("dynamic", chosen), ("static", dataclasses.replace(chosen, dynamic=False))):
+        ctr = torch.zeros(1, dtype=torch.int32, device="cuda")
+        timed_out = torch.zeros(held, dtype=torch.int32, device="cuda")
+        ops = _CounterOps(ctr)
+
+        def bwd(ops=ops, cfg=cfg):
+            return L._backward(ops, do, q, k, v, o, lse, None, True, scale, 0.0, window, None,
+                               True, cfg)  # fmt: skip
+
+        bwd()
+        ctr.zero_()
+        torch.cuda.synchronize()
+        holders, walk = torch.cuda.Stream(), torch.cuda.Stream()
+        t0 = time.perf_counter()
+        with torch.cuda.stream(holders):
+            hold_kernel[(held,)](ctr, tiles, timed_out, 3 * 10**9, SMEM=HOLD_SMEM, num_warps=4)
+        time.sleep(0.2)
+        with torch.cuda.stream(walk):
+            got = bwd()
+        torch.cuda.synchronize()
+        same = all(torch.equal(x, y) for x, y in zip(want, got))
+        print(f"hold {name}: holders timed out {int(timed_out.sum())} of {held}, "
+              f"{time.perf_counter() - t0:.2f} s, bitwise {same}", flush=True)  # fmt: skip
 
 
 def main() -> None:
     torch.manual_seed(0)
+    if sys.argv[1:] == ["hold"]:
+        hold()
+        return
     for d, b, n, h, causal, window, det, cap in (
         D64_WINDOWS if sys.argv[1:] == ["d64-windows"] else CASES
     ):
         q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
                        for _ in range(4))  # fmt: skip
         chosen, fns = variants(q, k, v, do, causal, window, det, cap)
-        same = all(torch.equal(x, y) for x, y in zip(fns["per-tile"](), fns["persistent"]()))
+        ref = fns["per-tile"]()
+        same = all(torch.equal(x, y) for x, y in zip(ref, fns["persistent"]()))
+        same_dyn = all(torch.equal(x, y) for x, y in zip(ref, fns["dynamic"]()))
         res = interleaved_ms(fns, rounds=7)
         cells = "  ".join(f"{k} {ms:.3f}ms (±{sp * 100:.0f}%)" for k, (ms, sp) in res.items())
         print(
             f"d{d} b{b} n{n} h{h} causal={causal} window={window} det={det} softcap={cap} "
-            f"chosen persistent={chosen.persistent}: bitwise {same}  {cells}",
+            f"chosen persistent={chosen.persistent} dynamic={chosen.dynamic}: bitwise {same}"
+            f" / dynamic {same_dyn}  {cells}",
             flush=True,
         )
 

@@ -6,6 +6,7 @@ helpers in fa_testing.py.
 """
 
 import math
+import time
 from dataclasses import replace
 
 import pytest
@@ -28,6 +29,7 @@ from fa_testing import (
     run_fwd_bwd,
     table_fwd,
 )
+from sm_hold import HOLD_SMEM, hold_kernel
 
 from kernelkit.flash_attn import families, flash_attn, flash_attn_varlen
 from kernelkit.flash_attn import launch as fa_launch
@@ -55,6 +57,7 @@ from kernelkit.flash_attn.config import (
     block_d_for,
 )
 from kernelkit.flash_attn.reference import attention_reference
+from kernelkit.shared import replay
 from kernelkit.shared.testing import assert_close, assert_graph_replays
 
 # ------------------------------------------------------------------------------------------
@@ -399,6 +402,97 @@ def test_gpu_gluon_backward_schedules_agree(causal, device):
     for a, b, name in zip(*grads, ("dq", "dk", "dv")):
         assert torch.equal(a, b), name
     check(q[:1], k[:1], v[:1], causal=causal)  # the default (persistent at this length)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window_size, causal", [((300, -1), True), ((200, 40), False)],
+                         ids=["causal", "right-edge"])  # fmt: skip
+def test_gpu_fused_short_window_walks_agree(window_size, causal, device):
+    """The d64 fused-dq backward on a short window: walked with one program per SM (as the
+    chooser takes it, tables.FUSED_PERSISTENT_MAX_WINDOW) and with one program per tile, the
+    dq sums in the same fixed order: bitwise the same gradients, right against the reference.
+    GQA, a ragged last key block."""
+    need_sm90(device)
+    n = T.FUSED_DQ_MIN_N[64][True] + 40
+    q, k, v = qkv(1, n, n, 4, 2, 64, torch.bfloat16, device)
+    do = make(q.shape, q.dtype, device, seed=7)
+    scale = 1 / math.sqrt(64)
+    p = problems(q, k, v, causal, window_size=window_size, do=do)[1]
+    chosen = choose_bwd(p)
+    assert (chosen.kernel, chosen.dq_mode, chosen.persistent, chosen.dynamic) == (
+        BWD_GLUON, DQ_ORDERED, True, True)  # fmt: skip
+    heads = tile_heads(2, -(-n // chosen.dkdv.block_n), p.target.sms, True, False, True)
+    per_tile = replace(chosen, persistent=False, dynamic=False, tile_heads=heads)
+    window = (p.left, p.right)  # as flash_attn passes it on (validation.window_for)
+    o, lse = fa_launch.forward(q, k, v, causal, scale, window=window)
+    grads = [fa_launch.backward(do, q, k, v, o, lse, None, causal, scale, window=window,
+                                config=cfg) for cfg in (per_tile, chosen)]  # fmt: skip
+    for a, b, name in zip(*grads, ("dq", "dk", "dv")):
+        assert torch.equal(a, b), name
+    check(q, k, v, causal=causal, window_size=window_size)  # the default (walked persistently)
+
+
+class _CounterOps:
+    """`replay.DIRECT` whose one-int32 allocation (a dynamic walk's tile counter) is `ctr`."""
+
+    def __init__(self, ctr):
+        self.ctr = ctr
+
+    def empty(self, shape, dtype, device):
+        if tuple(shape) == (1,) and dtype == torch.int32:
+            return self.ctr
+        return replay.DIRECT.empty(shape, dtype, device)
+
+    def __getattr__(self, name):
+        return getattr(replay.DIRECT, name)
+
+
+@pytest.mark.gpu
+def test_gpu_dynamic_walk_runs_on_part_of_the_gpu(device):
+    """The d64 fused-dq backward on a short window (persistent programs taking their tiles from
+    a counter, dq summed in a fixed order) goes through every tile on 4 SMs while a kernel on
+    another stream holds all the others (`sm_hold`): most of its programs cannot start, and no
+    tile waits on them. A static walk would wait there on the dq sums of tiles owned by programs
+    that cannot start (until the holders' time limit: NOTES.md). Gradients bitwise those of one
+    program per tile."""
+    need_sm90(device)
+    n = T.FUSED_DQ_MIN_N[64][True]
+    q, k, v = qkv(1, n, n, 8, 4, 64, torch.bfloat16, device)
+    do = make(q.shape, q.dtype, device, seed=3)
+    scale = 1 / math.sqrt(64)
+    p = problems(q, k, v, True, window_size=(1023, -1), do=do)[1]
+    chosen = choose_bwd(p)
+    assert (chosen.dq_mode, chosen.persistent, chosen.dynamic) == (DQ_ORDERED, True, True)
+    window = (p.left, p.right)
+    heads = tile_heads(4, -(-n // chosen.dkdv.block_n), p.target.sms, True, False, True)
+    per_tile = replace(chosen, persistent=False, dynamic=False, tile_heads=heads)
+    o, lse = fa_launch.forward(q, k, v, True, scale, window=window)
+    want = fa_launch.backward(do, q, k, v, o, lse, None, True, scale, window=window,
+                              config=per_tile)  # fmt: skip
+    tiles = -(-n // chosen.dkdv.block_n) * 4
+    ctr = torch.zeros(1, dtype=torch.int32, device=device)
+    held = p.target.sms - 4
+    timed_out = torch.ones(held, dtype=torch.int32, device=device)
+    ops = _CounterOps(ctr)
+
+    def backward():
+        return fa_launch._backward(ops, do, q, k, v, o, lse, None, True, scale, 0.0, window, None,
+                                   True, chosen)  # fmt: skip
+
+    backward()  # compiled before the holders hold the SMs, and so is the holder
+    hold_kernel[(1,)](ctr, 0, timed_out, 0, SMEM=HOLD_SMEM, num_warps=4)
+    ctr.zero_()
+    torch.cuda.synchronize()
+    holders, walk = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    with torch.cuda.stream(holders):
+        hold_kernel[(held,)](ctr, tiles, timed_out, 10**10, SMEM=HOLD_SMEM, num_warps=4)
+    time.sleep(0.2)  # the holders resident before the walk starts
+    with torch.cuda.stream(walk):
+        got = backward()
+    torch.cuda.synchronize()
+    assert timed_out.sum().item() == 0  # every tile was taken while they held their SMs
+    for a, b, name in zip(want, got, ("dq", "dk", "dv")):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.gpu

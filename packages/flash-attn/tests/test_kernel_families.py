@@ -20,6 +20,7 @@ from attn_cases import Call, check_call, fwd_bwd
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from kernelkit.flash_attn import FlashAttentionFunction, explain, families
+from kernelkit.flash_attn import tables as T
 from kernelkit.flash_attn.config import H100, Target, Varlen
 from kernelkit.flash_attn.validation import window_for
 
@@ -28,6 +29,8 @@ assert H100.sms == SM90_SMS and H100.gluon
 LENGTHS = ((300, 280), (1, 3), (0, 5), (200, 200))  # (Nq, Nk) per sequence: 1 key, no query
 USED = (150, 0, 5, 137)  # seqused_k of LENGTHS: fewer keys than Nq, none, all, fewer
 WIN = (64, -1)
+# a causal window too long for the d64 fused-dq backward's persistent walk
+LONG_WIN = (T.FUSED_PERSISTENT_MAX_WINDOW[64], -1)
 DEC = dict(b=2, nq=1, nk=4096, h=8, hkv=2, d=64)  # decoding: split-KV
 DEC1 = dict(DEC, nk=200)  # one split (direct): a short cache
 WIN1 = (256, -1)  # one split of a long cache: the window's keys
@@ -173,11 +176,18 @@ FAMILY_CASES = [
     ("fwd-gluon(d64,causal,pairs)", "bwd-gluon(d64,causal,dq-ordered)",
      Call(**N64, window=(-1, 64))),
     ("fwd-gluon(d64,causal,local,dynamic)", "bwd-gluon(d64,causal,local,dq-ordered)",
+     Call(**N64, causal=True, window=LONG_WIN)),
+    # short causal windows: the d64 fused-dq backward walks its tiles persistently, taking
+    # them from a counter
+    ("fwd-gluon(d64,causal,local,dynamic)",
+     "bwd-gluon(d64,causal,local,dq-ordered,persistent,dynamic)",
      Call(**N64, causal=True, window=WIN)),
     ("fwd", "bwd-gluon(d64,dq-any-order)", Call(**ANY64)),
     ("fwd(local)", "bwd-gluon(d64,local,dq-any-order)", Call(**ANY64, window=WIN)),
     ("fwd(causal)", "bwd-gluon(d64,causal,dq-any-order)", Call(**ANY64, window=(-1, 64))),
     ("fwd(causal,local)", "bwd-gluon(d64,causal,local,dq-any-order)",
+     Call(**ANY64, causal=True, window=LONG_WIN)),
+    ("fwd(causal,local)", "bwd-gluon(d64,causal,local,dq-any-order,persistent,dynamic)",
      Call(**ANY64, causal=True, window=WIN)),
     ("fwd-gluon(d64,causal,pairs)", "bwd-gluon(d64,causal,dq-ordered)",
      Call(nq=8192, nk=8192, h=4, hkv=2, causal=True, dtype=torch.float16)),
@@ -194,14 +204,20 @@ FAMILY_CASES = [
      Call(**N64, window=(-1, 64), softcap=5.0)),
     ("fwd-gluon(d64,causal,local,softcap,dynamic)",
      "bwd-gluon(d64,causal,local,softcap,dq-ordered)",
-     Call(**N64, causal=True, window=WIN, softcap=5.0, dtype=torch.float16)),
+     Call(**N64, causal=True, window=LONG_WIN, softcap=5.0, dtype=torch.float16)),
+    ("fwd-gluon(d64,causal,local,softcap,dynamic)",
+     "bwd-gluon(d64,causal,local,softcap,dq-ordered,persistent,dynamic)",
+     Call(**N64, causal=True, window=WIN, softcap=5.0)),
     ("fwd(softcap)", "bwd-gluon(d64,softcap,dq-any-order)", Call(**ANY64, softcap=5.0)),
     ("fwd(local,softcap)", "bwd-gluon(d64,local,softcap,dq-any-order)",
      Call(**ANY64, window=WIN, softcap=5.0)),
     ("fwd(causal,softcap)", "bwd-gluon(d64,causal,softcap,dq-any-order)",
      Call(**ANY64, window=(-1, 64), softcap=5.0)),
     ("fwd(causal,local,softcap)", "bwd-gluon(d64,causal,local,softcap,dq-any-order)",
-     Call(**ANY64, causal=True, window=WIN, softcap=5.0)),
+     Call(**ANY64, causal=True, window=LONG_WIN, softcap=5.0)),
+    ("fwd(causal,local,softcap)",
+     "bwd-gluon(d64,causal,local,softcap,dq-any-order,persistent,dynamic)",
+     Call(**ANY64, causal=True, window=WIN, softcap=5.0, dtype=torch.float16)),
     # v's head dim other than q's (the portable kernels' BLOCK_DV): d128 would take the Gluon
     # kernels, which cannot run it; MLA's 192 / 128, causal; decoding; packed.
     ("fwd", "bwd", Call(**P128, dv=64)),
@@ -235,14 +251,15 @@ def probe_families(call: Call, target: Target | None = H100) -> tuple[str, str]:
 def _sweep():
     """Every call of the chooser's grid: head dims (two sizes of the Gluon kernels and a padded
     one), half and full precision, causal, a window's left (short or long: one split of a long
-    cache or several) or right edge / softcap / packing
+    cache or several; past the d64 fused-dq backward's persistent walk) or right edge / softcap
+    / packing
     (with seqused_k too) in every combination, decoding (a long and a short cache) to long rows
     (block counts odd and even), deterministic or not, GQA or not."""
     lengths = {1: (1, 4096), 0: (1, 200), 128: (128, 128), 2176: (2176, 2176), 4096: (4096, 4096),
                8192: (8192, 8192)}  # fmt: skip
     for d, dtype, causal, window, softcap, packed, n, det, (b, h, hkv) in itertools.product(
         (64, 80, 128), (torch.bfloat16, torch.float32), (False, True),
-        ((-1, -1), (256, -1), (1000, -1), (-1, 64)),
+        ((-1, -1), (256, -1), (1000, -1), LONG_WIN, (-1, 64)),
         (0.0, 30.0), (False, True), lengths, (True, False), ((2, 4, 2), (1, 2, 2)),
     ):  # fmt: skip
         if causal and window[1] >= 0:

@@ -306,18 +306,30 @@ def gluon_bwd_config(p: Problem, tile: Tile, dq_mode: int, dq: Tile | None = Non
     tile `dq` (DQ_KERNEL; default the tables') or summed in the kernel (DQ_ANY_ORDER,
     DQ_ORDERED): by a dq warpgroup with K/V in registers up to GLUON_FUSED_DQ_MAX_D, above it
     by the consumers in column halves (`dq_halves`); one program per SM for the
-    dq-kernel variant up to GLUON_BWD_PERSISTENT_MAX_N query rows; the tile order
-    (`tile_heads`)."""
+    dq-kernel variant up to GLUON_BWD_PERSISTENT_MAX_N query rows and for the dq-warpgroup
+    variant on windows of up to FUSED_PERSISTENT_MAX_WINDOW keys, which takes its tiles from a
+    counter (`dynamic`: its sums wait on tiles before them); the tile order (`tile_heads`)."""
     fused = dq_mode != DQ_KERNEL
     halves = fused and p.block_d > T.GLUON_FUSED_DQ_MAX_D
     dq = None if fused else dq or table_tiles(p)[2]
-    persistent = bool(not fused and p.nq <= T.GLUON_BWD_PERSISTENT_MAX_N)
+    persistent = bool(not fused and p.nq <= T.GLUON_BWD_PERSISTENT_MAX_N) or (
+        fused and _short_window(p, T.FUSED_PERSISTENT_MAX_WINDOW.get(p.block_d, 0))
+    )
+    if fused and persistent:
+        why += (f"; one program per SM taking tiles from a counter (a window of at most"
+                f" {T.FUSED_PERSISTENT_MAX_WINDOW[p.block_d]} keys)")  # fmt: skip
     heads = tile_heads(p.batch * p.kv_heads, cdiv(p.nk, tile.block_n), p.target.sms, p.causal,
                        persistent, dq_mode == DQ_ORDERED)  # fmt: skip
     return BwdConfig(BWD_GLUON, tile, True, dq_mode, dq, dq is not None and dq.tma and p.tma_kv,
                      True, True, _fast_tanh(p), kv_regs=fused and not halves,
                      persistent=persistent, tile_heads=heads, dq_halves=halves,
-                     why=why)  # fmt: skip
+                     dynamic=fused and persistent, why=why)  # fmt: skip
+
+
+def _short_window(p: Problem, max_keys: int) -> bool:
+    """Whether every row of `p` sees at most `max_keys` keys through a window with both edges
+    (a left edge, causal or a right edge): its backward tiles are short and of one length."""
+    return bool(p.local and p.causal and p.left + p.right + 1 <= max_keys)
 
 
 def tile_heads(bhk: int, key_blocks: int, sms: int, causal: bool, persistent: bool,

@@ -364,7 +364,8 @@ class BwdConfig:
     DQ_ANY_ORDER or DQ_ORDERED (summed in the Gluon kernel; `dq` None); pad_rows: the row
     vectors padded to ROW_PAD (no row checks); peel_tail: a ragged loop's last block checked
     on its own; fast_tanh as in FwdConfig. Gluon schedule: kv_regs (K and V in registers),
-    persistent (one program per SM), tile_heads ((batch, kv head)s per tile group; negative:
+    persistent (one program per SM), dynamic (persistent programs take their next tile from an
+    atomic counter instead of by program id), tile_heads ((batch, kv head)s per tile group; negative:
     each group from its last key block down), dq_halves (dq summed in the kernel by the two
     consumer warpgroups, each computing half of its columns from both halves of dS, instead of
     by a dq warpgroup)."""
@@ -382,13 +383,14 @@ class BwdConfig:
     persistent: bool = False
     tile_heads: int = 0
     dq_halves: bool = False
+    dynamic: bool = False
     why: str = field(default="", compare=False)
 
     def __str__(self) -> str:
         dq = {DQ_KERNEL: f"dq {self.dq}" + (" tma" if self.dq_tma else ""),
               DQ_ANY_ORDER: "dq summed in any order", DQ_ORDERED: "dq summed in order"}  # fmt: skip
         flags = [n for n in ("pad_rows", "peel_tail", "fast_tanh", "kv_regs", "persistent",
-                             "dq_halves") if getattr(self, n)]  # fmt: skip
+                             "dynamic", "dq_halves") if getattr(self, n)]  # fmt: skip
         if self.kernel == BWD_GLUON:
             flags.append(f"tile_heads={self.tile_heads}")
         tma = " tma" if self.dkdv_tma else ""

@@ -43,6 +43,7 @@ FAMILY_SWITCHES = {
         "DQ_MODE",
         "DQ_HALVES",
         "PERSISTENT",
+        "DYNAMIC",
     ),
 }
 _SHORT = {

@@ -98,6 +98,16 @@ ANY_ORDER_DQ_MIN_N = {64: (4096, 4096), 128: (2048, 2048)}
 # 318 / 310 and 280 / 301; 16 / 16 heads causal: fused 6-12% faster from 2k to 16k).
 ORDERED_GQA_CAUSAL_DQ_KERNEL_D = (128,)
 FUSED_DQ_DKDV = Tile(64, 128, 4, 2, tma=True)
+# Fused-dq backwards with a dq warpgroup (BLOCK_D <= GLUON_FUSED_DQ_MAX_D) whose window (both
+# edges: causal with a left edge) spans at most this many keys per row walk their tiles with one
+# program per SM, taking them from a counter (BwdConfig.dynamic): the tiles are short and of
+# one length, and the per-program costs weigh. H200, session 39, d64 causal 16k, interleaved ms,
+# one program per tile / per SM by program id / per SM from the counter: window 512 0.972 /
+# 0.772 / 0.775, 1k 1.305 / 1.124 / 1.118, 2k 1.951 / 1.837 / 1.800, 3k 2.562 / 2.547 / 2.407,
+# 4k 3.162 / 3.280 / 3.065 (spread 3-5%), 8k 5.022 / 5.498 / 4.928 (2-4%): kept where the gain
+# is beyond the spread (NOTES.md). d128's consumers spill more in the tile loop and lost in
+# every cell (session 36).
+FUSED_PERSISTENT_MAX_WINDOW = {64: 3072}
 
 # ---------------------------------------------------------------------------------------------
 # Split-KV forward (decoding)

@@ -44,6 +44,14 @@ def tanh_approx(x):
                                      is_pure=True, pack=1)  # fmt: skip
 
 
+@gluon.jit
+def zero_counter_kernel(CTR):
+    """A dynamic walk's tile counter set to 0 (one int32): launched before the Gluon forward and
+    backward that take their tiles from it."""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    gl.store(CTR + gl.arange(0, 1, layout=one), gl.zeros([1], gl.int32, one))
+
+
 __all__ = ["LN2", "LOG2E", "MaybeConstexpr", "aggregate", "fence_async_shared", "gl", "gluon",
            "maybe_constexpr", "mbarrier", "tanh_approx", "tma", "warpgroup_mma",
-           "warpgroup_mma_wait"]  # fmt: skip
+           "warpgroup_mma_wait", "zero_counter_kernel"]  # fmt: skip

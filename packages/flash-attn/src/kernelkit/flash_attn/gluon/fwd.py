@@ -46,6 +46,7 @@ from .common import (
     tma,
     warpgroup_mma,
     warpgroup_mma_wait,
+    zero_counter_kernel,
 )
 
 WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one m64 wgmma row block)
@@ -552,13 +553,6 @@ def can_implement(p: Problem, cfg: FwdConfig) -> str | None:
     if cfg.pairs and not (p.causal and cdiv(p.nq, cfg.tile.block_m) % 2 == 0):
         return "pairs need a causal problem with an even number of query blocks"
     return None
-
-
-@gluon.jit
-def zero_counter_kernel(CTR):
-    """The dynamic walk's unit counter set to 0 (one int32)."""
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    gl.store(CTR + gl.arange(0, 1, layout=one), gl.zeros([1], gl.int32, one))
 
 
 def launch(ops, p: Problem, cfg: FwdConfig, s: Scores, q, k, v, o, lse) -> None:
