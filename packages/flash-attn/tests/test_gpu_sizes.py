@@ -447,6 +447,16 @@ class _CounterOps:
         return getattr(replay.DIRECT, name)
 
 
+def test_hold_kernel_is_compile_checked():
+    """`sm_hold.hold_kernel` (Gluon) runs only in the GPU test below: its launch is recorded for
+    the end-of-session sm_90 compile check on CPU, as the Gluon kernels' launches are."""
+    from kernelkit.shared.compile_check import record_launch
+
+    ctr, out = torch.zeros(1, dtype=torch.int32), torch.zeros(128, dtype=torch.int32)
+    record_launch(hold_kernel, (), dict(WATCH=ctr, until=256, TIMED_OUT=out, limit_ns=10**10,
+                                        SMEM=HOLD_SMEM, num_warps=4))  # fmt: skip
+
+
 @pytest.mark.gpu
 def test_gpu_dynamic_walk_runs_on_part_of_the_gpu(device):
     """The d64 fused-dq backward on a short window (persistent programs taking their tiles from
