@@ -241,8 +241,9 @@ def test_gluon_backward_launches_are_compile_checked():
     assert [kw["PERSISTENT"] for kw in kernels] == walked
     assert [kw["DYNAMIC"] for kw in kernels] == walked
     assert [kw["ZERO_DQ"] for *_, kw in fused if "ZERO_DQ" in kw] == [True] * 18
-    # d64 on a window too long for that walk: one program per tile
-    q, k, v = qkv(1, 2300, 2300, 2, 1, 64, torch.bfloat16, "cpu")
+    # d64 on a window too long for that walk (on a longer sequence): one program per tile
+    n = T.FUSED_PERSISTENT_MAX_WINDOW[64] + 300
+    q, k, v = qkv(1, n, n, 2, 1, 64, torch.bfloat16, "cpu")
     do = torch.randn_like(q)
     window = (T.FUSED_PERSISTENT_MAX_WINDOW[64], 0)
     p = fa_launch.backward_problem(do, q, k, v, True, 0.0, window, target=H100)
