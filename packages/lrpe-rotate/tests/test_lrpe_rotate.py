@@ -714,12 +714,6 @@ def test_repeated_calls_with_gradients_take_the_shortcut(device):
     `LrpeReplayedForward`): output and gradients bitwise the checked call's. Pairs of another
     layout (an offset of another width, theta float64, x of other strides) stay checked."""
     from kernelkit.lrpe_rotate import op
-    from kernelkit.shared.testing import (
-        LRPE_SHORTCUT_TAKEN,
-        assert_shortcut_gradients,
-        lrpe_shortcut_pairs,
-    )
+    from kernelkit.shared.testing import assert_lrpe_shortcut_gradients
 
-    pairs = lrpe_shortcut_pairs(16, device)
-    taken = assert_shortcut_gradients(lrpe_rotate, pairs, op._CALLS, "LrpeReplayedForward")
-    assert taken == [t for t in LRPE_SHORTCUT_TAKEN for _ in range(3)]  # (x, theta, both)
+    assert_lrpe_shortcut_gradients(lrpe_rotate, op._CALLS, 16, device)

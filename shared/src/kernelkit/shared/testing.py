@@ -24,6 +24,7 @@ __all__ = [
     "assert_graph_replays",
     "assert_key_holds_the_checks",
     "assert_launch_paths_agree",
+    "assert_lrpe_shortcut_gradients",
     "assert_shortcut_gradients",
     "assert_shortcuts_replay",
     "compilations",
@@ -465,6 +466,16 @@ def lrpe_position_args(where: str, b: int, n: int, device):
 
 # Per pair of `lrpe_shortcut_pairs`: whether the call is like the recorded one (its shortcut).
 LRPE_SHORTCUT_TAKEN = (True, False, True, True, True, False, False, True)
+
+
+def assert_lrpe_shortcut_gradients(fn, shortcuts, e: int, device) -> None:
+    """`assert_shortcut_gradients` of an LRPE op `fn` (its shortcuts `shortcuts`, theta of width
+    `e`) over `lrpe_shortcut_pairs`: with x, theta or both requiring grad, output and gradients
+    bitwise the checked call's, and exactly the calls like their recorded one
+    (`LRPE_SHORTCUT_TAKEN`) replay through lrpe-core's node (`LrpeReplayedForward`)."""
+    pairs = lrpe_shortcut_pairs(e, device)
+    taken = assert_shortcut_gradients(fn, pairs, shortcuts, "LrpeReplayedForward")
+    assert taken == [t for t in LRPE_SHORTCUT_TAKEN for _ in range(3)]  # (x, theta, both)
 
 
 def lrpe_shortcut_pairs(e: int, device) -> list:
