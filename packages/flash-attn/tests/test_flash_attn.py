@@ -44,6 +44,7 @@ from kernelkit.flash_attn import tables as T
 from kernelkit.flash_attn import validation as fa_validation
 from kernelkit.flash_attn.choose import (
     check_bwd,
+    check_fwd,
     choose_bwd,
     choose_fwd,
     gluon_bwd_config,
@@ -315,6 +316,45 @@ def test_softcap_changes_the_scores(device):
     ref = attention_reference(q.double(), k.double(), v.double(), causal=True)
     assert (o_cap.double() - ref).norm() > 0.1 * ref.norm()
     assert torch.equal(flash_attn(q, k, v, causal=True, softcap=0.0), flash_attn(q, k, v, True))
+
+
+@pytest.mark.parametrize("softcap", [5.0, 50.0], ids=["cap5", "cap50"])
+def test_softcap_saturated_rows(softcap, device):
+    """Rows whose capped scores all sit at the cap's two ends: +cap (weights 1 under the fixed
+    shift) and -cap (the smallest weights it makes, 2^-100 at softcap 50: `config.fixed_row_shift`
+    lowers the shift there), each a uniform average of v, with v small (|v| ~ 1e-3, products
+    near 2^-110). bf16 takes the fixed shift (`FwdConfig.fixed_shift`), at d = 128 the Gluon
+    forward on an sm_90 GPU; every output finite and within FlashAttention's rule."""
+    q, k, v = qkv(1, 130, 150, 2, 1, 128, torch.bfloat16, device)
+    u = torch.nn.functional.normalize(torch.randn(128, device=device), dim=0)
+    k = (k.float() * 0.01 + u * 4).to(k.dtype)  # every key near u
+    q = q.float()
+    q[:, :40] = u * 400  # scores ~ +1600 * scale: tanh = +1
+    q[:, 40:80] = -u * 400  # ~ -1600 * scale: tanh = -1
+    q = q.to(torch.bfloat16)
+    v = (v.float() * 1e-3).to(v.dtype)
+    p = fa_launch.forward_problem(q, k, v, True, softcap)
+    assert choose_fwd(p).fixed_shift
+    o, _, _ = check(q, k, v, causal=True, softcap=softcap)
+    assert torch.isfinite(o).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("softcap", [0.0, 5.0, 55.0, 56.0])
+def test_softcap_fixed_shift_where_it_fits(dtype, softcap):
+    """The forward shifts capped scores by a fixed value (no row maxima) only where the weights
+    stay in float32's range (`config.fixed_shift_unfit`): bf16 and float32 up to a cap of 55.4,
+    never float16 (P in float16 spans too few powers of two); a config asking for it elsewhere
+    is refused, naming fixed_shift. The Gluon forward (as on an H100) and the portable one."""
+    q, k, v = qkv(1, 300, 300, 2, 2, 128, dtype, "cpu")
+    for target in (H100, Target.of(q.device)):
+        p = fa_launch.forward_problem(q, k, v, True, softcap, target=target)
+        cfg = choose_fwd(p)
+        fits = softcap > 0 and dtype != torch.float16 and softcap <= 55.4
+        assert cfg.fixed_shift == fits
+        if not fits:
+            with pytest.raises(ValueError, match="cannot run this call: fixed_shift"):
+                check_fwd(p, replace(cfg, fixed_shift=True))
 
 
 # ------------------------------------------------------------------------------------------

@@ -86,7 +86,8 @@ def test_gluon_forward_launches_are_compile_checked():
     on Hopper, softcap through tanh.approx as for half precision on a GPU) and recorded for the
     end-of-session compile check, which lowers them to TTGIR for sm_90. GQA, Nq != Nk, ragged
     ends, a padded head dim, causal (single tiles, and pairs of a long and a short query block),
-    softcap, sliding windows (causal; both edges off the diagonal)."""
+    softcap (scores shifted by a fixed value, and above its bound by the running maximum),
+    sliding windows (causal; both edges off the diagonal)."""
     from kernelkit.shared.compile_check import record_launch
 
     launches = []
@@ -96,12 +97,14 @@ def test_gluon_forward_launches_are_compile_checked():
              (64, True, (128, 128, 2), 0.0, 256, (-1, -1)),
              (128, True, (128, 128, 2), 30.0, 256, (64, 0)),
              (64, False, (128, 128, 2), 0.0, 300, (32, 16)),
-             (128, True, (128, 128, 2), 0.0, 256, (100, 0))]  # fmt: skip
+             (128, True, (128, 128, 2), 0.0, 256, (100, 0)),
+             (128, True, (128, 128, 2), 60.0, 300, (-1, -1))]  # fmt: skip
     for d, causal, tile, softcap, nq, window in cases:
         q, k, v = qkv(2, nq, 260, 4, 2, d, torch.bfloat16, "cpu")
         p = fa_launch.forward_problem(q, k, v, causal, softcap, window, target=H100)
         cfg = gluon_fwd_config(p, Tile(*tile[:2], 4, tile[2], tma=True))
         assert cfg.fast_tanh == (softcap > 0)
+        assert cfg.fixed_shift == (0 < softcap <= 55)  # bf16: the running maximum above 55.4
         assert cfg.pairs == (causal and nq == 256 and window == (-1, -1))
         assert cfg.dynamic == (window[0] >= 0)  # a window's tiles from the atomic counter
         if window == (100, 0):  # a window in pairs: the chooser never pairs it; a config may
@@ -115,14 +118,18 @@ def test_gluon_forward_launches_are_compile_checked():
     names = [kernel_name(kernel) for kernel, *_ in launches]
     assert names.count("zero_counter_kernel") == 2  # before each dynamic walk
     launches = [x for x in launches if kernel_name(x[0]) != "zero_counter_kernel"]
-    assert [kernel_name(kernel) for kernel, *_ in launches] == ["attn_fwd_gluon_kernel"] * 7
-    assert [kw["DYNAMIC"] for *_, kw in launches] == [False] * 5 + [True, True]
-    assert [kw["SOFTCAP"] for *_, kw in launches] == [False, False, True, False, True, False, False]
-    assert [kw["PAIRS"] for *_, kw in launches] == [False, False, False, True, False, False, True]
-    assert [kw["LOCAL"] for *_, kw in launches] == [False] * 4 + [True] * 3
-    assert [kw["CAUSAL"] for *_, kw in launches] == [False, False] + [True] * 5
-    assert [(kw["win_left"], kw["win_right"]) for *_, kw in launches[4:]] == [(64, 0), (32, 16),
-                                                                              (100, 0)]  # fmt: skip
+    assert [kernel_name(kernel) for kernel, *_ in launches] == ["attn_fwd_gluon_kernel"] * 8
+    assert [kw["DYNAMIC"] for *_, kw in launches] == [False] * 5 + [True, True, False]
+    assert [kw["SOFTCAP"] for *_, kw in launches] == [False, False, True, False, True, False,
+                                                      False, True]  # fmt: skip
+    assert [kw["FIXED_SHIFT"] for *_, kw in launches] == [False, False, True, False, True, False,
+                                                          False, False]  # fmt: skip
+    assert [kw["PAIRS"] for *_, kw in launches] == [False, False, False, True, False, False, True,
+                                                    False]  # fmt: skip
+    assert [kw["LOCAL"] for *_, kw in launches] == [False] * 4 + [True] * 3 + [False]
+    assert [kw["CAUSAL"] for *_, kw in launches] == [False, False] + [True] * 6
+    assert [(kw["win_left"], kw["win_right"]) for *_, kw in launches[4:7]] == [(64, 0), (32, 16),
+                                                                               (100, 0)]  # fmt: skip
     for kernel, _, args, kwargs in launches:
         record_launch(kernel, args, kwargs)
 

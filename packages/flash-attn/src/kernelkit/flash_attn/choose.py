@@ -33,6 +33,7 @@ from .config import (
     Problem,
     Split,
     Tile,
+    fixed_shift_unfit,
 )
 from .gluon import bwd as gluon_bwd
 from .gluon import fwd as gluon_fwd
@@ -59,7 +60,13 @@ __all__ = [
 def _fast_tanh(p: Problem) -> bool:
     """Softcap through tanh.approx.f32 (one MUFU op, as FlashAttention does) for half precision
     on a GPU; float32 and the interpreter take an exact float32 formula."""
-    return p.softcap and p.half and not p.target.interpreter
+    return bool(p.softcap) and p.half and not p.target.interpreter
+
+
+def _fixed_shift(p: Problem) -> bool:
+    """Capped scores shifted by one fixed value instead of each row's running maximum wherever
+    that fits (`config.fixed_shift_unfit`): fewer instructions per score, the same weights."""
+    return fixed_shift_unfit(p) is None
 
 
 def table_tiles(p: Problem) -> tuple[Tile, Tile, Tile]:
@@ -115,7 +122,8 @@ def dense_fwd_config(p: Problem) -> FwdConfig:
 
 def portable_fwd_config(p: Problem, tile: Tile, why: str = "a given tile") -> FwdConfig:
     """The portable forward with `tile`, TMA loads where the tile asks for them and K/V allow."""
-    return FwdConfig(FWD_TRITON, tile, tile.tma and p.tma_kv, _fast_tanh(p), why=why)
+    return FwdConfig(FWD_TRITON, tile, tile.tma and p.tma_kv, _fast_tanh(p),
+                     fixed_shift=_fixed_shift(p), why=why)  # fmt: skip
 
 
 def gluon_fwd_config(p: Problem, tile: Tile = T.GLUON_FWD_TILE, why: str = "") -> FwdConfig:
@@ -129,7 +137,7 @@ def gluon_fwd_config(p: Problem, tile: Tile = T.GLUON_FWD_TILE, why: str = "") -
     pairs = bool(p.causal and not p.local and cdiv(p.nq, tile.block_m) % 2 == 0)
     return FwdConfig(FWD_GLUON, tile, True, _fast_tanh(p), persistent=True, pairs=pairs,
                      q_regs=p.block_d <= T.GLUON_FWD_Q_REGS_MAX_D, dynamic=p.local,
-                     why=why)  # fmt: skip
+                     fixed_shift=_fixed_shift(p), why=why)  # fmt: skip
 
 
 def _gluon_fwd_wanted(p: Problem) -> str | None:

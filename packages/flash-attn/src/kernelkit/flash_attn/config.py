@@ -99,7 +99,8 @@ def use_tma(target: Target, *tensors: torch.Tensor) -> bool:
 class Problem:
     """One call as the chooser sees it. batch: sequences (of a packed batch too); nq, nk: query
     and key rows per sequence (the longest, packed); causal: a right edge (the causal diagonal
-    or a window's right edge, `right`); left >= 0: a window's left edge; softcap: scores capped;
+    or a window's right edge, `right`); left >= 0: a window's left edge; softcap: the cap of the
+    scores (0.0: none);
     packed: `flash_attn_varlen`; empty: nothing to compute (no sequence, or no rows);
     head_dim: q's and k's head dim; head_dim_v: v's (and o's, do's), which may differ;
     tma_q / tma_kv / tma_do: TMA can read q, k and v, do (the backward's); deterministic: the
@@ -118,7 +119,7 @@ class Problem:
     causal: bool
     left: int
     right: int
-    softcap: bool
+    softcap: float
     packed: bool
     empty: bool
     tma_q: bool
@@ -178,7 +179,7 @@ class Problem:
             batch=batch, nq=nq, nk=nk, heads=heads, kv_heads=kv_heads,
             head_dim=int(q.shape[-1]), head_dim_v=int(v.shape[-1]), dtype=q.dtype,
             causal=causal or right >= 0, left=left, right=0 if causal else max(right, 0),
-            softcap=softcap > 0, packed=varlen is not None, empty=bool(empty),
+            softcap=max(float(softcap), 0.0), packed=varlen is not None, empty=bool(empty),
             tma_q=use_tma(target, q), tma_kv=use_tma(target, k, v),
             tma_do=do is not None and use_tma(target, do), deterministic=deterministic,
             target=target,
@@ -204,7 +205,7 @@ class Problem:
             heads=heads, kv_heads=k_cache.shape[2], head_dim=int(q.shape[-1]),
             head_dim_v=int(v_cache.shape[-1]), dtype=q.dtype,
             causal=causal or right >= 0, left=left, right=0 if causal else max(right, 0),
-            softcap=softcap > 0, packed=False, empty=batch == 0, tma_q=use_tma(target, q),
+            softcap=max(float(softcap), 0.0), packed=False, empty=batch == 0, tma_q=use_tma(target, q),
             tma_kv=tma_kv, tma_do=False, deterministic=True, target=target, cache=True,
             var_k=cache.seqlens is not None, page_size=cache.page_size,
         )  # fmt: skip
@@ -258,18 +259,54 @@ class Varlen:
 class Scores:
     """How the kernels form scores in log2 units: q.k * qk_scale, or with a cap
     tanh(q.k * cap_scale) * qk_scale; softcap (the SOFTCAP constexpr): 0 off, 1 exact tanh,
-    2 tanh.approx; sm_scale: the softmax scale itself (the backward's dq and dk)."""
+    2 tanh.approx; sm_scale: the softmax scale itself (the backward's dq and dk); row_shift:
+    with a cap, the value a forward with `FwdConfig.fixed_shift` subtracts from every score
+    (`fixed_row_shift`)."""
 
     qk_scale: float
     cap_scale: float
     softcap: int
     sm_scale: float
+    row_shift: float = 0.0
 
     @staticmethod
     def of(scale: float, softcap: float, fast_tanh: bool) -> Scores:
         if not softcap:
             return Scores(scale * LOG2E, 0.0, 0, scale)
-        return Scores(softcap * LOG2E, scale / softcap, 2 if fast_tanh else 1, scale)
+        qk_scale = softcap * LOG2E
+        return Scores(qk_scale, scale / softcap, 2 if fast_tanh else 1, scale,
+                      fixed_row_shift(qk_scale))  # fmt: skip
+
+
+# A capped score lies in [-qk_scale, qk_scale] (log2 units), so a forward may subtract one fixed
+# value from every score instead of each row's running maximum (`FwdConfig.fixed_shift`): no
+# row maxima, no rescaling of the accumulator. Its weights p = exp2(score - shift) then stay in
+# [2^SHIFT_P_MIN_LOG2, 2^SHIFT_P_MAX_LOG2]: far from float32's (and bfloat16's) underflow, so
+# that p and the products p * v stay normal numbers for |v| >= 2^-26, and far from overflow,
+# so that the row sums and the accumulator stay finite for keys * |v| < 2^68. float16 holds p
+# in the P.V product and spans too few powers of two for that: it keeps the running maximum.
+SHIFT_P_MIN_LOG2 = -100.0
+SHIFT_P_MAX_LOG2 = 60.0
+# The largest cap (log2 units) whose scores fit that range: 80, a softcap of 55.4.
+SHIFT_MAX_QK_SCALE = (SHIFT_P_MAX_LOG2 - SHIFT_P_MIN_LOG2) / 2
+
+
+def fixed_shift_unfit(p: Problem) -> str | None:
+    """Why a forward of `p` cannot shift its scores by `fixed_row_shift`, or None."""
+    if not p.softcap:
+        return "fixed_shift needs capped scores (softcap)"
+    if p.dtype == torch.float16:
+        return "fixed_shift: float16 weights span too few powers of two"
+    if p.softcap * LOG2E > SHIFT_MAX_QK_SCALE:
+        return f"fixed_shift: softcap {p.softcap} above {SHIFT_MAX_QK_SCALE / LOG2E:.1f}"
+    return None
+
+
+def fixed_row_shift(qk_scale: float) -> float:
+    """The fixed shift for scores in [-qk_scale, qk_scale] (qk_scale <= SHIFT_MAX_QK_SCALE):
+    the largest score itself (its weight 1), lowered where the smallest weight would fall
+    below 2^SHIFT_P_MIN_LOG2."""
+    return min(qk_scale, -SHIFT_P_MIN_LOG2 - qk_scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,11 +363,13 @@ DQ_ORDERED = 2  # summed in the Gluon dk/dv kernel, key block after key block
 class FwdConfig:
     """Every decision of a forward. kernel: FWD_TRITON, FWD_SPLIT or FWD_GLUON; tile; tma: K/V
     (and, Gluon, q) through TMA descriptors; fast_tanh: softcap through tanh.approx.f32 (else
-    an exact float32 tanh); split: the split-KV runs (FWD_SPLIT). Gluon schedule: persistent
-    (one program per SM walking its share of the tiles), pairs (causal tiles in pairs of a
-    long and a short query block), q_regs (the q tile in registers as the wgmma's A operand),
-    dynamic (persistent programs take their next unit from an atomic counter instead of a
-    fixed stride). why: one line on why this was chosen (not compared)."""
+    an exact float32 tanh); fixed_shift: capped scores shifted by `Scores.row_shift` instead of
+    each row's running maximum (FWD_TRITON, FWD_GLUON); split: the split-KV runs (FWD_SPLIT).
+    Gluon schedule: persistent (one program per SM walking its share of the tiles), pairs
+    (causal tiles in pairs of a long and a short query block), q_regs (the q tile in registers
+    as the wgmma's A operand), dynamic (persistent programs take their next unit from an
+    atomic counter instead of a fixed stride). why: one line on why this was chosen (not
+    compared)."""
 
     kernel: str
     tile: Tile
@@ -341,12 +380,13 @@ class FwdConfig:
     pairs: bool = False
     q_regs: bool = False
     dynamic: bool = False
+    fixed_shift: bool = False
     why: str = field(default="", compare=False)
 
     def __str__(self) -> str:
         flags = [
             n
-            for n in ("tma", "fast_tanh", "persistent", "pairs", "q_regs", "dynamic")
+            for n in ("tma", "fast_tanh", "fixed_shift", "persistent", "pairs", "q_regs", "dynamic")
             if getattr(self, n)
         ]
         if self.split is not None:

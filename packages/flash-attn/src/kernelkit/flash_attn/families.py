@@ -31,9 +31,17 @@ from .strides import unit_d
 # that are, and the portable dq kernel with the dk/dv kernel beside it. Sizes are not switches:
 # the portable kernels' BLOCK_D and BLOCK_DV (a value head dim of its own) run the same code.
 FAMILY_SWITCHES = {
-    "attn_fwd_kernel": ("CAUSAL", "LOCAL", "VARLEN", "SEQUSED", "SOFTCAP"),
+    "attn_fwd_kernel": ("CAUSAL", "LOCAL", "VARLEN", "SEQUSED", "SOFTCAP", "FIXED_SHIFT"),
     "attn_fwd_split_kernel": ("CAUSAL", "LOCAL", "SOFTCAP", "VAR_K", "PAGED", "DIRECT"),
-    "attn_fwd_gluon_kernel": ("BLOCK_D", "CAUSAL", "LOCAL", "PAIRS", "SOFTCAP", "DYNAMIC"),
+    "attn_fwd_gluon_kernel": (
+        "BLOCK_D",
+        "CAUSAL",
+        "LOCAL",
+        "PAIRS",
+        "SOFTCAP",
+        "FIXED_SHIFT",
+        "DYNAMIC",
+    ),
     "attn_bwd_dkdv_kernel": ("CAUSAL", "LOCAL", "VARLEN", "SEQUSED", "SOFTCAP"),
     "attn_bwd_gluon_kernel": (
         "BLOCK_D",
@@ -71,8 +79,8 @@ def _tag(name: str, value) -> str | None:
         return _DQ_MODES[value]
     if name == "PAGED":
         return _PAGED[value]
-    if name == "DQ_HALVES":
-        return "dq-halves" if value else None
+    if name in ("DQ_HALVES", "FIXED_SHIFT"):
+        return name.lower().replace("_", "-") if value else None
     return name.lower() if value else None
 
 

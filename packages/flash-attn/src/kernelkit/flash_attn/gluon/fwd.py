@@ -25,14 +25,16 @@ the programs stay in step on the same heads: `FwdArgs.tile`), in three partition
 A tile walks only the key blocks some row of it sees (a sliding window's: from its first row's
 first key). Key blocks no mask can touch are walked without one; a block on the causal diagonal,
 past Nk or across the window's left edge applies it (a run-time branch: Gluon has no automatic
-pass to trip over).
+pass to trip over). With softcap the scores are capped by tanh.approx; with FIXED_SHIFT they are
+shifted by one fixed value (`Scores.row_shift`) instead of each row's running maximum, so the
+loop keeps no maxima and never rescales o.
 """
 
 import torch
 
 from kernelkit.shared.runtime import cdiv
 
-from ..config import FwdConfig, Problem, Scores
+from ..config import FwdConfig, Problem, Scores, fixed_shift_unfit
 from ..strides import strides, tma_strides
 from .common import (
     LN2,
@@ -111,13 +113,16 @@ class FwdArgs:
     Q_REGS: gl.constexpr
     PAIRS: gl.constexpr
     DYNAMIC: gl.constexpr
+    # FIXED_SHIFT (SOFTCAP): every score shifted by row_shift, not by its row's running maximum.
+    row_shift: gl.tensor
+    FIXED_SHIFT: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                  v_ready, k_empty, v_empty, CTR, ids, O, LSE, stride_ob, stride_on, stride_oh, num_m,
                  n_tiles, H, GROUP, Nq, Nk, qk_scale, cap_scale, lo_shift, hi_shift, CAUSAL,
                  LOCAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, SOFTCAP, Q_REGS, PAIRS,
-                 DYNAMIC):  # fmt: skip
+                 DYNAMIC, row_shift, FIXED_SHIFT):  # fmt: skip
         self.q_desc, self.k_desc, self.v_desc = q_desc, k_desc, v_desc
         self.q_smem, self.k_smem, self.v_smem = q_smem, k_smem, v_smem
         self.q_bar, self.q_empty = q_bar, q_empty
@@ -137,6 +142,7 @@ class FwdArgs:
         self.BLOCK_D, self.STAGES = gl.constexpr(BLOCK_D), gl.constexpr(STAGES)
         self.SOFTCAP, self.Q_REGS = gl.constexpr(SOFTCAP), gl.constexpr(Q_REGS)
         self.PAIRS, self.DYNAMIC = gl.constexpr(PAIRS), gl.constexpr(DYNAMIC)
+        self.row_shift, self.FIXED_SHIFT = row_shift, gl.constexpr(FIXED_SHIFT)
 
     @gluon.jit
     def tile(self, u, w):
@@ -289,6 +295,40 @@ def _softmax_step(a, s, m_i, l_i, start_n, first, last, full_lo, full_hi,
 
 
 @gluon.jit
+def _shifted_step(a, s, m_i, l_i, start_n, first, last, full_lo, full_hi,
+                  s_layout: gl.constexpr):  # fmt: skip
+    """FIXED_SHIFT's `_softmax_step`: the capped scores of block s shifted by m_i, which holds
+    row_shift for every row (`Scores.row_shift`), so no row maxima and no rescaling:
+    (p, l_new)."""
+    s = tanh_approx(s * a.cap_scale)
+    masked = start_n >= full_hi
+    if a.LOCAL:
+        masked = masked | (start_n < full_lo)
+    if masked:
+        cols = start_n + gl.arange(0, a.BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = cols[None, :] <= last[:, None]
+        if a.LOCAL:
+            keep = keep & (cols[None, :] >= first[:, None])
+        p = gl.exp2(gl.where(keep, s * a.qk_scale, -float("inf")) - m_i[:, None])
+    else:
+        p = gl.exp2(s * a.qk_scale - m_i[:, None])
+    return p, l_i + gl.sum(p, axis=1)
+
+
+@gluon.jit
+def _step(a, s, m_i, l_i, start_n, first, last, full_lo, full_hi, s_layout: gl.constexpr):
+    """One key block's softmax: `_softmax_step`, or with FIXED_SHIFT `_shifted_step` (m_i
+    stays; the caller does not rescale, and the alpha returned is not read)."""
+    if a.FIXED_SHIFT:
+        p, l_i = _shifted_step(a, s, m_i, l_i, start_n, first, last, full_lo, full_hi, s_layout)
+        alpha = m_i  # not read: nothing to rescale
+    else:
+        p, m_i, l_i, alpha = _softmax_step(a, s, m_i, l_i, start_n, first, last, full_lo,
+                                           full_hi, s_layout)  # fmt: skip
+    return p, m_i, l_i, alpha
+
+
+@gluon.jit
 def _attend_tile(a, q_buf, q_bar, q_empty, q_phase, i, j0, n_blocks, row0, O, LSE):
     """One warpgroup's 64 query rows from row0 of one tile (its q rows in q_buf, with the q
     buffer's barriers and phase; the K/V ring at position i): the pipelined loop over the
@@ -322,7 +362,10 @@ def _attend_tile(a, q_buf, q_bar, q_empty, q_phase, i, j0, n_blocks, row0, O, LS
     first = rows + a.lo_shift  # (LOCAL) the first key each row sees
     full_lo = row0 + WG_ROWS - 1 + a.lo_shift  # blocks from here on pass every row's first key
     s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)
-    m_i = gl.full([WG_ROWS], -float("inf"), gl.float32, layout=row_s)
+    if a.FIXED_SHIFT:
+        m_i = gl.full([WG_ROWS], 0.0, gl.float32, layout=row_s) + a.row_shift
+    else:
+        m_i = gl.full([WG_ROWS], -float("inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_s)
     p = s_zero
     o = gl.zeros([WG_ROWS, BLOCK_D], gl.float32, o_layout)
@@ -338,8 +381,8 @@ def _attend_tile(a, q_buf, q_bar, q_empty, q_phase, i, j0, n_blocks, row0, O, LS
                               is_async=True)  # fmt: skip
         s = warpgroup_mma_wait(0, deps=(s_tok,))
         mbarrier.arrive(k_empty.index(slot))
-        p, m_i, l_i, alpha = _softmax_step(a, s, m_i, l_i, j0 * BLOCK_N, first, last, full_lo,
-                                           full_hi, s_layout)  # fmt: skip
+        p, m_i, l_i, alpha = _step(a, s, m_i, l_i, j0 * BLOCK_N, first, last, full_lo, full_hi,
+                                   s_layout)  # fmt: skip
     for j in range(1, n_blocks):
         slot = (i + j) % STAGES
         prev = (i + j - 1) % STAGES
@@ -351,11 +394,12 @@ def _attend_tile(a, q_buf, q_bar, q_empty, q_phase, i, j0, n_blocks, row0, O, LS
         o_tok = warpgroup_mma(p_op, v_smem.index(prev), o, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok,))  # S_j done; P_{j-1} V_{j-1} may still run
         mbarrier.arrive(k_empty.index(slot))
-        p, m_i, l_i, alpha = _softmax_step(a, s, m_i, l_i, (j0 + j) * BLOCK_N, first, last,
-                                           full_lo, full_hi, s_layout)  # fmt: skip
+        p, m_i, l_i, alpha = _step(a, s, m_i, l_i, (j0 + j) * BLOCK_N, first, last, full_lo,
+                                   full_hi, s_layout)  # fmt: skip
         o, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
         mbarrier.arrive(v_empty.index(prev))
-        o = o * gl.convert_layout(alpha, row_o)[:, None]
+        if not a.FIXED_SHIFT:
+            o = o * gl.convert_layout(alpha, row_o)[:, None]
     if not a.Q_REGS:  # every S product of the tile has read q
         mbarrier.arrive(q_empty)
     if n_blocks > 0:  # the last block's P.V product
@@ -436,6 +480,7 @@ def attn_fwd_gluon_kernel(
     Nk,
     qk_scale,
     cap_scale,
+    row_shift,
     win_left,
     win_right,
     HEAD_DIM: gl.constexpr,
@@ -454,18 +499,20 @@ def attn_fwd_gluon_kernel(
     PAIRS: gl.constexpr = False,
     TILE_CTR=None,
     DYNAMIC: gl.constexpr = False,
+    FIXED_SHIFT: gl.constexpr = False,
 ):
     """The B * H * cdiv(Nq, BLOCK_M) tiles of BLOCK_M (= 128) query rows of one head, tile
     t = program_id, + num_programs, ... (persistent when launched with fewer programs than
     tiles); launched with num_warps = 4 (the default partition), 12 warps in all. The
     arguments are triton/fwd.py attn_fwd_kernel's (EVEN_M, EVEN_N and DOT_PREC unused: the masks are
     run-time branches, half precision only; SOFTCAP 0 or 1: tanh.approx) plus B, STAGES,
-    Q_REGS and PAIRS (`FwdArgs.tile`). The TMA descriptors span the whole (B, N, H, D) tensors:
+    Q_REGS and PAIRS (`FwdArgs.tile`), DYNAMIC (TILE_CTR: the unit counter) and FIXED_SHIFT. The TMA descriptors span the whole (B, N, H, D) tensors:
     built once per program."""
     gl.static_assert(BLOCK_M == 2 * WG_ROWS, "two consumer warpgroups of 64 rows")
     gl.static_assert(TMA, "the host takes this kernel only where every tensor is TMA-aligned")
     qk_scale = qk_scale.to(gl.float32)  # torch.compile may pass Python floats as float64
     cap_scale = cap_scale.to(gl.float32)
+    row_shift = row_shift.to(gl.float32)
     lo_shift = Nk - Nq - win_left
     hi_shift = Nk - Nq + win_right
     num_m = gl.cdiv(Nq, BLOCK_M)
@@ -511,7 +558,8 @@ def attn_fwd_gluon_kernel(
     a = FwdArgs(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                 k_empty, v_empty, TILE_CTR, ids, O, LSE, stride_ob, stride_on, stride_oh, num_m, n_tiles, H, GROUP,
                 Nq, Nk, qk_scale, cap_scale, lo_shift, hi_shift, CAUSAL, LOCAL, HEAD_DIM, BLOCK_M,
-                BLOCK_N, BLOCK_D, STAGES, SOFTCAP, Q_REGS, PAIRS, DYNAMIC)  # fmt: skip
+                BLOCK_N, BLOCK_D, STAGES, SOFTCAP, Q_REGS, PAIRS, DYNAMIC, row_shift,
+                FIXED_SHIFT)  # fmt: skip
     gl.warp_specialize(
         [(_consumer, (a, gl.constexpr(0))), (_consumer, (a, gl.constexpr(1))), (_producer, (a,))],
         [4, 1],
@@ -546,6 +594,8 @@ def can_implement(p: Problem, cfg: FwdConfig) -> str | None:
         return "a packed batch"
     if p.softcap and not cfg.fast_tanh:
         return "softcap only through tanh.approx"
+    if cfg.fixed_shift and fixed_shift_unfit(p):
+        return fixed_shift_unfit(p)
     if cfg.tile.block_m != 2 * WG_ROWS.value:
         return f"tile {cfg.tile}: BLOCK_M must be {2 * WG_ROWS.value}"
     if cfg.dynamic and not cfg.persistent:
@@ -570,10 +620,12 @@ def launch(ops, p: Problem, cfg: FwdConfig, s: Scores, q, k, v, o, lse) -> None:
         Q=q, K=k, V=v, O=o, LSE=lse,
         **tma_strides("q", q), **tma_strides("k", k), **tma_strides("v", v), **strides("o", o),
         B=p.batch, H=p.heads, GROUP=p.heads // p.kv_heads, Nq=p.nq, Nk=p.nk,
-        qk_scale=s.qk_scale, cap_scale=s.cap_scale, win_left=max(p.left, 0), win_right=p.right,
+        qk_scale=s.qk_scale, cap_scale=s.cap_scale, row_shift=s.row_shift,
+        win_left=max(p.left, 0), win_right=p.right,
         HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
         CAUSAL=p.causal, LOCAL=p.local, EVEN_M=bool(p.nq % t.block_m == 0), EVEN_N=bool(p.nk % t.block_n == 0),
         DOT_PREC="tf32", TMA=True, STAGES=t.stages, SOFTCAP=s.softcap == 2, Q_REGS=cfg.q_regs,
-        PAIRS=cfg.pairs, TILE_CTR=ctr, DYNAMIC=cfg.dynamic, num_warps=t.warps,
+        PAIRS=cfg.pairs, TILE_CTR=ctr, DYNAMIC=cfg.dynamic, FIXED_SHIFT=cfg.fixed_shift,
+        num_warps=t.warps,
         num_stages=t.stages,
     )  # fmt: skip

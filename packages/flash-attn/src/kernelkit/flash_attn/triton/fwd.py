@@ -7,7 +7,7 @@ import triton.language as tl
 
 from kernelkit.shared.runtime import cdiv
 
-from ..config import FwdConfig, Problem, Scores, Varlen
+from ..config import FwdConfig, Problem, Scores, Varlen, fixed_shift_unfit
 from ..strides import strides
 from .common import (
     LN2,
@@ -59,11 +59,13 @@ def _fwd_steps(
     SOFTCAP: tl.constexpr,
     LOCAL: tl.constexpr,
     PAGED: tl.constexpr,
+    FIXED_SHIFT: tl.constexpr = False,
 ):
     """Online-softmax accumulation of key blocks [lo, hi) into acc (BLOCK_M x BLOCK_DV: v's
     head dim, HEAD_DIM_V). MASK: apply the window (causal) and end-of-sequence masks (the
     scores of hidden keys are -inf). PAGED: K/V in a paged cache (`_load_kv`; pages: the
-    sequence's block-table row, stride_kp / stride_vp the page strides)."""
+    sequence's block-table row, stride_kp / stride_vp the page strides). FIXED_SHIFT (capped
+    scores): m_i holds `Scores.row_shift` and stays; no maxima, no rescaling."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -78,17 +80,26 @@ def _fwd_steps(
             keep = _visible(rows[:, None], cols[None, :], Nk, lo_shift, hi_shift, LOCAL, CAUSAL,
                             CHECK_N)  # fmt: skip
             qk = tl.where(keep, qk * qk_scale, -float("inf"))
-            m_ij = tl.maximum(m_i, tl.max(qk, 1))
-            # A row that has seen no key yet keeps m = -inf; shift it by 0 to avoid inf - inf.
-            m_use = tl.where(m_ij == -float("inf"), 0.0, m_ij)
-            p = tl.math.exp2(qk - m_use[:, None])
-            alpha = tl.math.exp2(m_i - m_use)
+        if FIXED_SHIFT:
+            if MASK:
+                p = tl.math.exp2(qk - m_i[:, None])
+            else:
+                p = tl.math.exp2(qk * qk_scale - m_i[:, None])
+            m_ij = m_i
+            l_i = l_i + tl.sum(p, 1)
         else:
-            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
-            alpha = tl.math.exp2(m_i - m_ij)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+            if MASK:
+                m_ij = tl.maximum(m_i, tl.max(qk, 1))
+                # A row that has seen no key yet keeps m = -inf; shift it by 0 to avoid inf - inf.
+                m_use = tl.where(m_ij == -float("inf"), 0.0, m_ij)
+                p = tl.math.exp2(qk - m_use[:, None])
+                alpha = tl.math.exp2(m_i - m_use)
+            else:
+                m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+                p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+                alpha = tl.math.exp2(m_i - m_ij)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
         v = _load_kv(v_src, pages, page_size, stride_vp, start_n, stride_vn, offs_n, Nk, offs_dv,
                      CHECK_N, HEAD_DIM_V, TMA, PAGED)  # fmt: skip
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
@@ -126,6 +137,7 @@ def attn_fwd_kernel(
     Nk,
     qk_scale,
     cap_scale,
+    row_shift,
     win_left,
     win_right,
     HEAD_DIM: tl.constexpr,
@@ -143,11 +155,13 @@ def attn_fwd_kernel(
     LOCAL: tl.constexpr,
     VARLEN: tl.constexpr,
     SEQUSED: tl.constexpr,
+    FIXED_SHIFT: tl.constexpr,
 ):
     """o (HEAD_DIM_V wide: v's head dim) and LSE of one block of query rows of one head.
     CAUSAL: keys past i + shift + win_right are hidden (win_right = 0: causal); LOCAL: keys
     before i + shift - win_left. SEQUSED (VARLEN): sequence b sees only its first SEQUSED_K[b]
-    keys (the shift counts those)."""
+    keys (the shift counts those). FIXED_SHIFT (SOFTCAP): every score shifted by row_shift
+    (`Scores.row_shift`), not by its row's running maximum."""
     # Scalars may arrive as float64 (torch.compile passes Python floats so): keep math float32.
     qk_scale = tl.cast(qk_scale, tl.float32)
     cap_scale = tl.cast(cap_scale, tl.float32)
@@ -184,7 +198,10 @@ def attn_fwd_kernel(
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+    if FIXED_SHIFT:
+        m_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32) + tl.cast(row_shift, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
     lo_shift = Nk - Nq - win_left
     hi_shift = Nk - Nq + win_right
     # Key blocks cut by the window's left edge, those every row of this block sees in full, then
@@ -196,17 +213,19 @@ def attn_fwd_kernel(
             acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, None, 1, 0, 0, rows, lo,
             mid_lo, Nk, lo_shift, hi_shift, qk_scale, cap_scale, True, CAUSAL, not EVEN_N,
             HEAD_DIM, BLOCK_N, BLOCK_D, HEAD_DIM_V, BLOCK_DV, DOT_PREC, TMA, SOFTCAP, LOCAL, 0,
+            FIXED_SHIFT,
         )  # fmt: skip
     acc, l_i, m_i = _fwd_steps(
         acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, None, 1, 0, 0, rows, mid_lo,
         mid_hi, Nk, lo_shift, hi_shift, qk_scale, cap_scale, False, CAUSAL, False, HEAD_DIM,
-        BLOCK_N, BLOCK_D, HEAD_DIM_V, BLOCK_DV, DOT_PREC, TMA, SOFTCAP, LOCAL, 0,
+        BLOCK_N, BLOCK_D, HEAD_DIM_V, BLOCK_DV, DOT_PREC, TMA, SOFTCAP, LOCAL, 0, FIXED_SHIFT,
     )  # fmt: skip
     if CAUSAL or LOCAL or not EVEN_N:
         acc, l_i, m_i = _fwd_steps(
             acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, None, 1, 0, 0, rows, mid_hi,
             hi, Nk, lo_shift, hi_shift, qk_scale, cap_scale, True, CAUSAL, not EVEN_N,
             HEAD_DIM, BLOCK_N, BLOCK_D, HEAD_DIM_V, BLOCK_DV, DOT_PREC, TMA, SOFTCAP, LOCAL, 0,
+            FIXED_SHIFT,
         )  # fmt: skip
 
     # A row that sees no key (causal with Nq > Nk, windows) has l = 0: zeros and LSE = -inf.
@@ -236,6 +255,8 @@ def can_implement(p: Problem, cfg: FwdConfig) -> str | None:
         return "TMA loads need 16-byte aligned K/V rows on a GPU with TMA"
     if p.softcap and cfg.fast_tanh and p.target.interpreter:
         return "tanh.approx does not run under the interpreter"
+    if cfg.fixed_shift:
+        return fixed_shift_unfit(p)
     return None
 
 
@@ -252,13 +273,13 @@ def launch(ops, p: Problem, cfg: FwdConfig, s: Scores, q, k, v, o, lse, varlen: 
         **strides("q", q, packed), **strides("k", k, packed), **strides("v", v, packed),
         **strides("o", o, packed), stride_lb=lse_strides[0], stride_lh=lse_strides[1],
         H=p.heads, GROUP=p.heads // p.kv_heads, Nq=p.nq, Nk=p.nk,
-        qk_scale=s.qk_scale, cap_scale=s.cap_scale,
+        qk_scale=s.qk_scale, cap_scale=s.cap_scale, row_shift=s.row_shift,
         win_left=max(p.left, 0), win_right=p.right,
         HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, HEAD_DIM_V=p.head_dim_v, BLOCK_DV=p.block_dv,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, CAUSAL=p.causal,
         EVEN_M=not packed and bool(p.nq % t.block_m == 0),
         EVEN_N=not packed and bool(p.nk % t.block_n == 0), DOT_PREC=dot_precision(p.dtype),
         TMA=cfg.tma, SOFTCAP=s.softcap, LOCAL=p.local, VARLEN=packed,
-        SEQUSED=packed and varlen.seqused_k is not None,
+        SEQUSED=packed and varlen.seqused_k is not None, FIXED_SHIFT=cfg.fixed_shift,
         num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip

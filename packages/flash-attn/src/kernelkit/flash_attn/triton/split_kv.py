@@ -270,6 +270,8 @@ def can_implement(p: Problem, cfg: FwdConfig) -> str | None:
         return f"TMA loads of a paged cache need pages of whole key blocks ({cfg.tile.block_n})"
     if p.softcap and cfg.fast_tanh and p.target.interpreter:
         return "tanh.approx does not run under the interpreter"
+    if cfg.fixed_shift:
+        return "fixed_shift: the split-KV forward keeps each row's running maximum"
     return None
 
 
