@@ -5,6 +5,7 @@ rows), windows, causal and not, d64 / d128 at 16k tokens. On an sm_90 GPU:
     PYTHONPATH=shared/src:packages/flash-attn/src python lab/flash-attn/ab/fused_persistent_ab.py
     ... fused_persistent_ab.py d64-windows   # the d64 window sizes (the table's threshold)
     ... fused_persistent_ab.py hold          # static / dynamic walk on 4 SMs (`hold`)
+    ... fused_persistent_ab.py d64-lengths   # d64 without a window, 2k-16k (`lengths`)
 
 The persistent dq-halves variant (d128) is refused by `gluon.bwd.can_implement` (it lost: the
 first run's log, `lab/flash-attn/logs/session36-H200-fused-persistent-ab.log`), so this script
@@ -91,6 +92,56 @@ def variants(q, k, v, do, causal, window, det, cap):
                     "dynamic": run(walk(True, True))}  # fmt: skip
 
 
+D64_LENGTHS = [  # d, b, n, heads, causal, deterministic: no window (session 40)
+    (64, 8, 2048, 32, True, True),
+    (64, 4, 4096, 32, True, True),
+    (64, 2, 8192, 32, True, True),
+    (64, 1, 16384, 32, True, True),
+    (64, 4, 4096, 32, False, True),
+    (64, 4, 4096, 32, True, False),
+]
+
+
+def lengths() -> None:
+    """d64 without a window, 2k-16k rows (16k tokens): the chooser's backward (the dq kernel
+    below tables.FUSED_DQ_MIN_N, fused from it) against the fused-dq kernel with one program
+    per tile and walked from the counter (`BwdConfig.dynamic`); whether the walk's gradients
+    are bitwise the per-tile ones' and the ms of 7 interleaved rounds."""
+    for case in D64_LENGTHS:
+        _length_case(*case)
+
+
+def _length_case(d, b, n, h, causal, det) -> None:
+    from kernelkit.flash_attn import tables as T
+    from kernelkit.flash_attn.config import DQ_ANY_ORDER, DQ_ORDERED
+
+    q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(4))  # fmt: skip
+    scale = d**-0.5
+    o, lse = L.forward(q, k, v, causal, scale)
+    p = L.backward_problem(do, q, k, v, causal, 0.0, (-1, -1), deterministic=det)
+    chosen = C.choose_bwd(p)
+    fused = C.gluon_bwd_config(p, T.FUSED_DQ_DKDV, DQ_ORDERED if det else DQ_ANY_ORDER)
+    key_blocks = -(-n // fused.dkdv.block_n)
+
+    def walk(persistent):
+        heads = C.tile_heads(b * h, key_blocks, p.target.sms, causal, persistent, det)
+        return dataclasses.replace(fused, persistent=persistent, dynamic=persistent,
+                                   tile_heads=heads)  # fmt: skip
+
+    def run(cfg):
+        return lambda: L.backward(do, q, k, v, o, lse, None, causal, scale, deterministic=det,
+                                  config=cfg)  # fmt: skip
+
+    fns = {"chosen": run(chosen), "fused-per-tile": run(walk(False)),
+           "fused-dynamic": run(walk(True))}  # fmt: skip
+    same = all(torch.equal(x, y) for x, y in zip(fns["fused-per-tile"](), fns["fused-dynamic"]()))
+    res = interleaved_ms(fns, rounds=7)
+    cells = "  ".join(f"{k} {ms:.3f}ms (±{sp * 100:.0f}%)" for k, (ms, sp) in res.items())
+    print(f"d{d} b{b} n{n} h{h} causal={causal} det={det} chosen [{chosen}]: bitwise {same}"
+          f"  {cells}", flush=True)  # fmt: skip
+
+
 def hold() -> None:
     """Static and dynamic walks of the d64 short-window backward (fixed order) on 4 SMs while
     `sm_hold` programs on another stream hold the others until the walk has taken every tile
@@ -147,6 +198,9 @@ def main() -> None:
     torch.manual_seed(0)
     if sys.argv[1:] == ["hold"]:
         hold()
+        return
+    if sys.argv[1:] == ["d64-lengths"]:
+        lengths()
         return
     for d, b, n, h, causal, window, det, cap in (
         D64_WINDOWS if sys.argv[1:] == ["d64-windows"] else CASES
