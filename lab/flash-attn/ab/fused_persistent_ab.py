@@ -99,6 +99,8 @@ D64_LENGTHS = [  # d, b, n, heads, causal, deterministic: no window (session 40)
     (64, 1, 16384, 32, True, True),
     (64, 4, 4096, 32, False, True),
     (64, 4, 4096, 32, True, False),
+    (64, 8, 2048, 32, False, True),
+    (64, 2, 8192, 32, False, True),
 ]
 
 

@@ -242,23 +242,26 @@ def test_gluon_backward_launches_are_compile_checked():
     assert [kw["BLOCK_D"] for kw in kernels] == [64] * 6 + [128] * 12
     assert [kw["LOCAL"] for kw in kernels] == [False, False, True, True, True, False] * 3
     assert [kw["SOFTCAP"] for kw in kernels] == ([False] * 4 + [True] * 2) * 3
-    # (d64 on these short windows: one program per SM taking tiles from a counter,
-    # tables.FUSED_PERSISTENT_MAX_WINDOW)
-    walked = [False, False, True, True, True, False] + [False] * 12
+    # (d64 on these short windows, and in the fixed order on these short rows: one program per
+    # SM taking tiles from a counter, tables.FUSED_PERSISTENT_MAX_WINDOW / _MAX_N)
+    walked = [True, False, True, True, True, False] + [False] * 12
     assert [kw["PERSISTENT"] for kw in kernels] == walked
     assert [kw["DYNAMIC"] for kw in kernels] == walked
     assert [kw["ZERO_DQ"] for *_, kw in fused if "ZERO_DQ" in kw] == [True] * 18
-    # d64 on a window too long for that walk (on a longer sequence): one program per tile
-    n = T.FUSED_PERSISTENT_MAX_WINDOW[64] + 300
+    # d64 in the fixed order on rows too long for that walk, with a window too long for it and
+    # without one: one program per tile
+    n = T.FUSED_PERSISTENT_MAX_N[64] + 256
     q, k, v = qkv(1, n, n, 2, 1, 64, torch.bfloat16, "cpu")
     do = torch.randn_like(q)
-    window = (T.FUSED_PERSISTENT_MAX_WINDOW[64], 0)
-    p = fa_launch.backward_problem(do, q, k, v, True, 0.0, window, target=H100)
-    cfg = check_bwd(p, gluon_bwd_config(p, T.FUSED_DQ_DKDV, DQ_ORDERED))
-    long_window = _probe_backward_as_on_h100(cfg, do, q, k, v, True, True, 0.0, window).launches
-    assert [(kw["LOCAL"], kw["PERSISTENT"], kw["DYNAMIC"]) for *_, kw in long_window[1:2]] == [
-        (True, False, False)]  # fmt: skip
-    for kernel, _, args, kwargs in gluon + fused + long_window:
+    long_rows = []
+    for window in ((T.FUSED_PERSISTENT_MAX_WINDOW[64], 0), (-1, -1)):
+        p = fa_launch.backward_problem(do, q, k, v, True, 0.0, window, target=H100)
+        cfg = check_bwd(p, gluon_bwd_config(p, T.FUSED_DQ_DKDV, DQ_ORDERED))
+        long_rows += _probe_backward_as_on_h100(cfg, do, q, k, v, True, True, 0.0,
+                                                window).launches[1:2]  # fmt: skip
+    assert [(kw["LOCAL"], kw["PERSISTENT"], kw["DYNAMIC"]) for *_, kw in long_rows] == [
+        (True, False, False), (False, False, False)]  # fmt: skip
+    for kernel, _, args, kwargs in gluon + fused + long_rows:
         record_launch(kernel, args, kwargs)
 
 
@@ -320,7 +323,8 @@ def _check_error_cases():
     p = meta_problem(2, 1024, 1024, 8, 2, 128, causal=True)
     p64 = replace(p, head_dim=64, head_dim_v=64)
     fwd, bwd = choose_fwd(p), choose_bwd(p)
-    fused = gluon_bwd_config(p64, T.FUSED_DQ_DKDV, DQ_ORDERED)
+    fused = gluon_bwd_config(p64, T.FUSED_DQ_DKDV, DQ_ORDERED)  # (persistent, dynamic)
+    assert fused.persistent and fused.dynamic
     halves = gluon_bwd_config(p, T.FUSED_DQ_DKDV, DQ_ORDERED)
     portable = portable_bwd_config(p, *T.CAUSAL_TILES[128][1:])
     interp = meta_problem(1, 100, 100, 2, 1, 32, torch.float32, causal=True, softcap=5.0,
@@ -358,8 +362,8 @@ def _check_error_cases():
         (check_bwd, p, replace(bwd, kv_regs=True), "a dq tile and K/V in shared memory"),
         (check_bwd, p, replace(bwd, dq=None), "a dq tile and K/V in shared memory"),
         (check_bwd, p, replace(halves, persistent=True), "dq-halves variants run one program per"),
-        (check_bwd, p64, replace(fused, persistent=True), "take their tiles from a counter"),
-        (check_bwd, p64, replace(fused, dynamic=True), "a dynamic walk needs persistent programs"),
+        (check_bwd, p64, replace(fused, dynamic=False), "take their tiles from a counter"),
+        (check_bwd, p64, replace(fused, persistent=False), "a dynamic walk needs persistent programs"),
         (check_bwd, p, replace(bwd, pad_rows=False), "reads the padded row vectors"),
         (check_bwd, replace(p, target=NO_GLUON), bwd, "not an sm_90 GPU"),
         # portable kernels
@@ -488,11 +492,20 @@ def test_fused_dq_rule():
             assert (cfg.kernel, cfg.dkdv, cfg.dq_mode, cfg.dq) == (BWD_GLUON, T.FUSED_DQ_DKDV,
                                                                    mode, None)  # fmt: skip
             assert (cfg.kv_regs, cfg.dq_halves) == (d == 64, d == 128)
-            assert not cfg.persistent and f"from {n} query rows" in cfg.why
+            # (d64 in the fixed order: from the counter, up to FUSED_PERSISTENT_MAX_N rows)
+            walked = d == 64 and deterministic and n <= T.FUSED_PERSISTENT_MAX_N[64]
+            assert cfg.persistent == cfg.dynamic == walked and f"from {n} query rows" in cfg.why
+            assert ("one program per SM" in cfg.why) == walked
             by = "its consumers" if d == 128 else "a dq warpgroup"
             assert f"(by {by})" in cfg.why
             long = meta_problem(1, 1 << 20, 1 << 20, 2, 2, d, **opts)
             assert choose_bwd(long) == gluon_bwd_config(long, T.FUSED_DQ_DKDV, mode)
+            assert not choose_bwd(long).persistent
+            if walked:  # the last row count walked, and the first one tile a program
+                most = T.FUSED_PERSISTENT_MAX_N[64]
+                for rows, want in ((most, True), (most + 1, False)):
+                    cfg = choose_bwd(meta_problem(1, rows, rows, 2, 2, d, **opts))
+                    assert cfg.persistent == cfg.dynamic == want and cfg.dq_mode == mode
             shorter = choose_bwd(meta_problem(1, n - 1, n - 1, 2, 2, d, **opts))
             if d == 64:
                 tables = T.CAUSAL_TILES[64][1:] if causal else (T.DKDV_TILES[64], T.DQ_TILES[64])
@@ -503,7 +516,7 @@ def test_fused_dq_rule():
             # The forward does not read `deterministic`.
             assert choose_fwd(p) == choose_fwd(replace(p, deterministic=not deterministic))
     for causal in (False, True):
-        assert T.ANY_ORDER_DQ_MIN_N[64][causal] < T.FUSED_DQ_MIN_N[64][causal]
+        assert T.FUSED_DQ_MIN_N[64][causal] <= T.FUSED_PERSISTENT_MAX_N[64]
         assert T.FUSED_DQ_MIN_N[128][causal] <= T.GLUON_BWD_PERSISTENT_MAX_N
 
 
@@ -539,9 +552,10 @@ def test_fused_persistent_window_rule():
     """The d64 fused-dq backward (a dq warpgroup) walks its tiles with one program per SM where
     a window with both edges spans at most FUSED_PERSISTENT_MAX_WINDOW keys, in either order,
     and says so; longer windows, a left edge alone, no window, and d128 (dq halves) run one
-    program per tile. As on an H100."""
+    program per tile (rows beyond FUSED_PERSISTENT_MAX_N: the fixed order walks shorter rows
+    from the counter whatever the window). As on an H100."""
     most = T.FUSED_PERSISTENT_MAX_WINDOW[64]
-    n = T.FUSED_DQ_MIN_N[64][True]
+    n = T.FUSED_PERSISTENT_MAX_N[64] + 256
     for det in (True, False):
         for left, right, causal, d, want in ((most - 1, -1, True, 64, True),
                                              (most - 65, 64, False, 64, True),
@@ -562,8 +576,9 @@ def test_fused_persistent_window_rule():
 def test_deterministic_option_launches():
     """As on an H100: a d64 causal backward of ANY_ORDER_DQ_MIN_N rows runs the Gluon kernel
     summing dq in any order (DQ_MODE 1, K/V in registers) and no dq kernel with
-    deterministic=False, the dq kernel by default; from FUSED_DQ_MIN_N rows on the default sums
-    dq in the Gluon kernel in a fixed order (DQ_MODE 2); with a sliding window too. Probed on meta tensors (nothing allocated or launched)."""
+    deterministic=False; by default the dq kernel below FUSED_DQ_MIN_N rows and from them the
+    Gluon kernel summing dq in a fixed order (DQ_MODE 2, its tiles from a counter); with a
+    sliding window too. Probed on meta tensors (nothing allocated or launched)."""
 
     def backward(n, window, deterministic):
         q = torch.empty(1, n, 2, 64, dtype=torch.bfloat16, device="meta")
@@ -588,11 +603,12 @@ def test_deterministic_option_launches():
     n = T.ANY_ORDER_DQ_MIN_N[64][1]
     names, modes = backward(n, (-1, -1), False)
     assert "attn_bwd_dq_kernel" not in names and "attn_bwd_dq_convert_kernel" in names
-    assert modes == [(1, True)]
-    names, modes = backward(n, (-1, -1), True)
+    assert modes == [(1, True)] and "zero_counter_kernel" not in names  # (one program a tile)
+    names, modes = backward(T.FUSED_DQ_MIN_N[64][1] - 1, (-1, -1), True)
     assert "attn_bwd_dq_kernel" in names and modes == []  # (d64 dk/dv: the portable kernel)
     names, modes = backward(T.FUSED_DQ_MIN_N[64][1], (-1, -1), True)
     assert "attn_bwd_dq_kernel" not in names and modes == [(2, True)]
+    assert "zero_counter_kernel" in names  # (walked from the counter: FUSED_PERSISTENT_MAX_N)
     names, modes = backward(n, (100, 0), False)  # a window: the same kernels
     assert "attn_bwd_dq_kernel" not in names and modes == [(1, True)]
     # d128: the consumers sum dq in column halves from FUSED_DQ_MIN_N rows, in either order

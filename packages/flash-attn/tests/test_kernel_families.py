@@ -40,8 +40,11 @@ E128 = dict(b=2, nq=256, nk=256, h=4, hkv=2, d=128)  # an even number of query b
 N128 = dict(nq=2176, nk=2176, h=2, hkv=2, d=128)  # d128: dq summed by the consumers (fixed order)
 ANY128 = dict(N128, deterministic=False)  # and in any order
 GQA128 = dict(nq=4224, nk=4224, d=128)  # GQA causal in a fixed order: the dq kernel beside
-N64 = dict(nq=8192, nk=8192, h=6, hkv=2)  # d64: the fused-dq Gluon backward, in a fixed order
+N64 = dict(
+    nq=8448, nk=8448, h=6, hkv=2
+)  # d64: the fused-dq Gluon backward, in a fixed order, per tile
 ANY64 = dict(nq=4096, nk=4096, deterministic=False)  # and in any order
+S64 = dict(nq=4096, nk=4096, h=6, hkv=2)  # d64 fixed order, at most FUSED_PERSISTENT_MAX_N rows
 CAP_MAX = 60.0  # a softcap above the fixed shift's bound: the forward keeps the running maximum
 MLA = dict(b=2, nq=300, nk=300, h=4, hkv=2, d=192, dv=128)  # a value head dim of its own
 
@@ -172,7 +175,7 @@ FAMILY_CASES = [
     ("fwd-gluon(d64,local,dynamic)", "bwd-gluon(d64,local,dq-ordered)", Call(**N64, window=WIN)),
     ("fwd-gluon(d64,local,softcap,fixed-shift,dynamic)", "bwd-gluon(d64,local,softcap,dq-ordered)",
      Call(**N64, window=WIN, softcap=5.0)),
-    ("fwd-gluon(d64,causal,local,softcap,fixed-shift,dynamic)", "bwd(causal,local,softcap)",
+    ("fwd-gluon(d64,causal,local,softcap,fixed-shift,dynamic)", "bwd-gluon(d64,causal,local,softcap,dq-ordered,persistent,dynamic)",
      Call(b=2, nq=2176, nk=2176, h=4, hkv=2, causal=True, window=WIN, softcap=5.0)),
     ("fwd-gluon(d64,causal,pairs)", "bwd-gluon(d64,causal,dq-ordered)",
      Call(**N64, window=(-1, 64))),
@@ -183,6 +186,14 @@ FAMILY_CASES = [
     ("fwd-gluon(d64,causal,local,dynamic)",
      "bwd-gluon(d64,causal,local,dq-ordered,persistent,dynamic)",
      Call(**N64, causal=True, window=WIN)),
+    # d64 summing dq in the fixed order up to tables.FUSED_PERSISTENT_MAX_N rows: walked from
+    # the counter too, windows or not
+    ("fwd", "bwd-gluon(d64,dq-ordered,persistent,dynamic)", Call(**S64)),
+    ("fwd(softcap,fixed-shift)", "bwd-gluon(d64,softcap,dq-ordered,persistent,dynamic)",
+     Call(**S64, softcap=5.0)),
+    ("fwd(local)", "bwd-gluon(d64,local,dq-ordered,persistent,dynamic)", Call(**S64, window=WIN)),
+    ("fwd(local,softcap,fixed-shift)", "bwd-gluon(d64,local,softcap,dq-ordered,persistent,dynamic)",
+     Call(**S64, window=WIN, softcap=5.0)),
     ("fwd", "bwd-gluon(d64,dq-any-order)", Call(**ANY64)),
     ("fwd(local)", "bwd-gluon(d64,local,dq-any-order)", Call(**ANY64, window=WIN)),
     ("fwd(causal)", "bwd-gluon(d64,causal,dq-any-order)", Call(**ANY64, window=(-1, 64))),
@@ -190,15 +201,15 @@ FAMILY_CASES = [
      Call(**ANY64, causal=True, window=LONG_WIN)),
     ("fwd(causal,local)", "bwd-gluon(d64,causal,local,dq-any-order,persistent,dynamic)",
      Call(**ANY64, causal=True, window=WIN)),
-    ("fwd-gluon(d64,causal,pairs)", "bwd-gluon(d64,causal,dq-ordered)",
+    ("fwd-gluon(d64,causal,pairs)", "bwd-gluon(d64,causal,dq-ordered,persistent,dynamic)",
      Call(nq=8192, nk=8192, h=4, hkv=2, causal=True, dtype=torch.float16)),
     ("fwd(causal)", "bwd-gluon(d64,causal,dq-any-order)",
      Call(nq=4096, nk=4096, causal=True, deterministic=False)),
-    ("fwd-gluon(d64,causal)", "bwd(causal)",
+    ("fwd-gluon(d64,causal)", "bwd-gluon(d64,causal,dq-ordered,persistent,dynamic)",
      Call(b=2, nq=2176, nk=2176, h=4, hkv=2, causal=True)),
-    ("fwd-gluon(d64,causal,softcap,fixed-shift)", "bwd(causal,softcap)",
+    ("fwd-gluon(d64,causal,softcap,fixed-shift)", "bwd-gluon(d64,causal,softcap,dq-ordered,persistent,dynamic)",
      Call(b=2, nq=2176, nk=2176, h=4, hkv=2, causal=True, softcap=5.0)),
-    ("fwd-gluon(d64,causal,pairs,softcap,fixed-shift)", "bwd(causal,softcap)",
+    ("fwd-gluon(d64,causal,pairs,softcap,fixed-shift)", "bwd-gluon(d64,causal,softcap,dq-ordered,persistent,dynamic)",
      Call(nq=4096, nk=4096, h=6, hkv=2, causal=True, softcap=5.0)),
     ("fwd-gluon(d64,softcap,fixed-shift)", "bwd-gluon(d64,softcap,dq-ordered)", Call(**N64, softcap=5.0)),
     ("fwd-gluon(d64,causal,pairs,softcap,fixed-shift)", "bwd-gluon(d64,causal,softcap,dq-ordered)",
@@ -250,9 +261,9 @@ FAMILY_CASES = [
      Call(**P128, causal=True, window=WIN, softcap=CAP_MAX)),
     ("fwd-gluon(d64,local,softcap,dynamic)", "bwd-gluon(d64,local,softcap,dq-ordered)",
      Call(**N64, window=WIN, softcap=CAP_MAX)),
-    ("fwd-gluon(d64,causal,softcap)", "bwd(causal,softcap)",
+    ("fwd-gluon(d64,causal,softcap)", "bwd-gluon(d64,causal,softcap,dq-ordered,persistent,dynamic)",
      Call(b=2, nq=2176, nk=2176, h=4, hkv=2, causal=True, softcap=CAP_MAX)),
-    ("fwd-gluon(d64,causal,pairs,softcap)", "bwd(causal,softcap)",
+    ("fwd-gluon(d64,causal,pairs,softcap)", "bwd-gluon(d64,causal,softcap,dq-ordered,persistent,dynamic)",
      Call(nq=4096, nk=4096, h=6, hkv=2, causal=True, softcap=CAP_MAX)),
     ("fwd-gluon(d64,softcap)", "bwd-gluon(d64,softcap,dq-ordered)", Call(**N64, softcap=CAP_MAX)),
     # v's head dim other than q's (the portable kernels' BLOCK_DV): d128 would take the Gluon
@@ -293,7 +304,7 @@ def _sweep():
     (with seqused_k too) in every combination, decoding (a long and a short cache) to long rows
     (block counts odd and even), deterministic or not, GQA or not."""
     lengths = {1: (1, 4096), 0: (1, 200), 128: (128, 128), 2176: (2176, 2176), 4096: (4096, 4096),
-               8192: (8192, 8192)}  # fmt: skip
+               8192: (8192, 8192), 8448: (8448, 8448)}  # fmt: skip
     for d, dtype, causal, window, softcap, packed, n, det, (b, h, hkv) in itertools.product(
         (64, 80, 128), (torch.bfloat16, torch.float32), (False, True),
         ((-1, -1), (256, -1), (1000, -1), LONG_WIN, (-1, 64)),

@@ -87,9 +87,11 @@ GLUON_BWD_PERSISTENT_MAX_N = 4096
 # warpgroups, each computing half of dq's columns (`BwdConfig.dq_halves`: a dq warpgroup's
 # 64 x 128 float32 part would spill). d128 from 2k rows: H200, 2k-16k, faster than the dq
 # kernel beside the Gluon dk/dv one in every cell but GQA causal in the fixed order
-# (ORDERED_GQA_CAUSAL_DQ_KERNEL_D below; NOTES.md, sessions 34-35).
+# (ORDERED_GQA_CAUSAL_DQ_KERNEL_D below; NOTES.md, sessions 34-35). d64 from 2k rows in the
+# fixed order since its tiles come from a counter up to FUSED_PERSISTENT_MAX_N rows (session
+# 40: the portable kernels were 14-17% slower at 2k-4k causal); from 4k in any order.
 GLUON_FUSED_DQ_MAX_D = 64
-FUSED_DQ_MIN_N = {64: (8192, 8192), 128: (2048, 2048)}
+FUSED_DQ_MIN_N = {64: (2048, 2048), 128: (2048, 2048)}
 ANY_ORDER_DQ_MIN_N = {64: (4096, 4096), 128: (2048, 2048)}
 # Head dims (BLOCK_D) where GQA causal (no window) in the fixed order keeps the dq kernel
 # beside the Gluon dk/dv one at every length: the fused sums' wait chain grows with the query
@@ -108,6 +110,16 @@ FUSED_DQ_DKDV = Tile(64, 128, 4, 2, tma=True)
 # is beyond the spread (NOTES.md). d128's consumers spill more in the tile loop and lost in
 # every cell (session 36).
 FUSED_PERSISTENT_MAX_WINDOW = {64: 3072}
+# Fused-dq backwards with a dq warpgroup summing dq in the fixed order walk their tiles from a
+# counter up to this many rows (queries and keys) too: one program per tile leaves the causal
+# tiles unbalanced and the last wave part-empty at a few tiles per SM, and the counter hands out
+# each head's tiles in the sums' order. H200, session 40, d64, 32 heads, 16k tokens,
+# interleaved ms, the chooser's backward then (portable below 8k) / fused, one program per
+# tile / fused from the counter (`lab/flash-attn/logs/session40-H200-d64-lengths-ab.log`):
+# causal 2k 1.240 / 1.284 / 1.071, 4k 2.203 / 2.047 / 1.835, 8k 3.514 (fused per tile) /
+# 3.556 / 3.410, 16k 6.532 / 6.516 / 6.560 (a tie: not taken); non-causal 4k 3.689 / 3.415 /
+# 3.192. In any order the counter lost (causal 4k 1.924 per tile / 2.261): not taken.
+FUSED_PERSISTENT_MAX_N = {64: 8192}
 
 # ---------------------------------------------------------------------------------------------
 # Split-KV forward (decoding)
