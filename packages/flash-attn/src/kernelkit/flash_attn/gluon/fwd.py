@@ -263,6 +263,27 @@ def _producer(a):
 
 
 @gluon.jit
+def _masked(a, start_n, full_lo, full_hi):
+    """Whether the key block from start_n needs a mask: from full_hi on (the causal diagonal,
+    the end of Nk), with LOCAL before full_lo (the window's left edge)."""
+    masked = start_n >= full_hi
+    if a.LOCAL:
+        masked = masked | (start_n < full_lo)
+    return masked
+
+
+@gluon.jit
+def _keep(a, start_n, first, last, s_layout: gl.constexpr):
+    """The visible scores of the key block from start_n: keys up to each row's `last`, with
+    LOCAL from its `first`."""
+    cols = start_n + gl.arange(0, a.BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    keep = cols[None, :] <= last[:, None]
+    if a.LOCAL:
+        keep = keep & (cols[None, :] >= first[:, None])
+    return keep
+
+
+@gluon.jit
 def _softmax_step(a, s, m_i, l_i, start_n, first, last, full_lo, full_hi,
                   s_layout: gl.constexpr):  # fmt: skip
     """Online softmax of one score block s (raw q.k): (p, m_new, l_new, alpha). Blocks from
@@ -273,15 +294,8 @@ def _softmax_step(a, s, m_i, l_i, start_n, first, last, full_lo, full_hi,
     qk_scale = a.qk_scale
     if a.SOFTCAP:
         s = tanh_approx(s * a.cap_scale)
-    masked = start_n >= full_hi
-    if a.LOCAL:
-        masked = masked | (start_n < full_lo)
-    if masked:
-        cols = start_n + gl.arange(0, a.BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        keep = cols[None, :] <= last[:, None]
-        if a.LOCAL:
-            keep = keep & (cols[None, :] >= first[:, None])
-        s = gl.where(keep, s * qk_scale, -float("inf"))
+    if _masked(a, start_n, full_lo, full_hi):
+        s = gl.where(_keep(a, start_n, first, last, s_layout), s * qk_scale, -float("inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         # A row that has seen no key yet keeps m = -inf; shift it by 0 to avoid inf - inf.
         m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
@@ -301,15 +315,9 @@ def _shifted_step(a, s, m_i, l_i, start_n, first, last, full_lo, full_hi,
     row_shift for every row (`Scores.row_shift`), so no row maxima and no rescaling:
     (p, l_new)."""
     s = tanh_approx(s * a.cap_scale)
-    masked = start_n >= full_hi
-    if a.LOCAL:
-        masked = masked | (start_n < full_lo)
-    if masked:
-        cols = start_n + gl.arange(0, a.BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        keep = cols[None, :] <= last[:, None]
-        if a.LOCAL:
-            keep = keep & (cols[None, :] >= first[:, None])
-        p = gl.exp2(gl.where(keep, s * a.qk_scale, -float("inf")) - m_i[:, None])
+    if _masked(a, start_n, full_lo, full_hi):
+        s = gl.where(_keep(a, start_n, first, last, s_layout), s * a.qk_scale, -float("inf"))
+        p = gl.exp2(s - m_i[:, None])
     else:
         p = gl.exp2(s * a.qk_scale - m_i[:, None])
     return p, l_i + gl.sum(p, axis=1)
