@@ -298,7 +298,7 @@ def fixed_shift_unfit(p: Problem) -> str | None:
     if p.dtype == torch.float16:
         return "fixed_shift: float16 weights span too few powers of two"
     if p.softcap * LOG2E > SHIFT_MAX_QK_SCALE:
-        return f"fixed_shift: softcap {p.softcap} above {SHIFT_MAX_QK_SCALE / LOG2E:.1f}"
+        return f"fixed_shift: softcap {p.softcap} above {SHIFT_MAX_QK_SCALE / LOG2E:.2f}"
     return None
 
 
