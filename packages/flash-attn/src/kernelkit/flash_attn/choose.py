@@ -324,8 +324,8 @@ def gluon_bwd_config(p: Problem, tile: Tile, dq_mode: int, dq: Tile | None = Non
     short_window = fused and _short_window(p, T.FUSED_PERSISTENT_MAX_WINDOW.get(p.block_d, 0))
     short_rows = (dq_mode == DQ_ORDERED and not halves
                   and max(p.nq, p.nk) <= T.FUSED_PERSISTENT_MAX_N.get(p.block_d, 0))  # fmt: skip
-    persistent = bool(not fused and p.nq <= T.GLUON_BWD_PERSISTENT_MAX_N) or short_window
-    persistent = persistent or short_rows
+    short_dq_kernel = not fused and p.nq <= T.GLUON_BWD_PERSISTENT_MAX_N
+    persistent = bool(short_dq_kernel or short_window or short_rows)
     if short_window:
         why += (f"; one program per SM taking tiles from a counter (a window of at most"
                 f" {T.FUSED_PERSISTENT_MAX_WINDOW[p.block_d]} keys)")  # fmt: skip

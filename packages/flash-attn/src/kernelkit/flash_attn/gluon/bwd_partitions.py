@@ -20,6 +20,7 @@ from .common import (
     tma,
     warpgroup_mma,
     warpgroup_mma_wait,
+    wgmma_layout,
 )
 
 BWD_WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma row block)
@@ -379,30 +380,52 @@ def _bwd_reduce_tile(a, t, bhq0, i0, descending, ORDERED: gl.constexpr, LANE: gl
 
 @gluon.jit
 def bwd_dq_reducer(a, ORDERED: gl.constexpr, LANE: gl.constexpr, REDUCERS: gl.constexpr):
-    """Reducer warp LANE of REDUCERS: `_bwd_reduce_tile` for the program's tile, or with
-    PERSISTENT tile after tile of its share (DYNAMIC: the producer's ids, until -1)."""
+    """Reducer warp LANE of REDUCERS: `_bwd_reduce_tile` for each tile the program walks
+    (`_walk`)."""
+    _walk(a, _bwd_reduce_step, 1, (ORDERED, LANE, REDUCERS))
+
+
+@gluon.jit
+def _bwd_reduce_step(a, t, c, i0, args: gl.constexpr):
+    """`_walk`'s body for a reducer warp: args = (ORDERED, LANE, REDUCERS)."""
+    _bwd_reduce_tile(a, t, t.b * a.H + t.hk * a.GROUP, i0, a.tile_heads < 0, args[0], args[1],
+                     args[2])  # fmt: skip
+
+
+@gluon.jit
+def _walk(a, body: gl.constexpr, WARPS: gl.constexpr, args: gl.constexpr = None):
+    """The tiles a partition of WARPS warps other than the producer walks, in the producer's
+    order: body(a, t, c, i[, args]) for the program's tile, or with PERSISTENT for each tile of
+    its share (DYNAMIC: the producer's ids, until -1); i: the program's steps before tile t, c:
+    its tiles before it (whose parity is the K/V barrier's phase)."""
     if a.DYNAMIC:
         i = 0
         c = 0
-        u = _next_tile(a, 0, 1)
+        u = _next_tile(a, 0, WARPS)
         while u >= 0:
             t = a.tile(u)
-            _bwd_reduce_tile(a, t, t.b * a.H + t.hk * a.GROUP, i, a.tile_heads < 0, ORDERED, LANE,
-                             REDUCERS)  # fmt: skip
+            _walk_body(a, body, t, c, i, args)
             i += t.n_iter
             c += 1
-            u = _next_tile(a, c, 1)
+            u = _next_tile(a, c, WARPS)
     elif a.PERSISTENT:
         i = 0
+        c = 0
         for u in range(gl.program_id(0), a.n_tiles, gl.num_programs(0)):
             t = a.tile(u)
-            _bwd_reduce_tile(a, t, t.b * a.H + t.hk * a.GROUP, i, a.tile_heads < 0, ORDERED, LANE,
-                             REDUCERS)  # fmt: skip
+            _walk_body(a, body, t, c, i, args)
             i += t.n_iter
+            c += 1  # noqa: SIM113 (Gluon loops have no enumerate)
     else:
-        t = a.tile(gl.program_id(0))
-        _bwd_reduce_tile(a, t, t.b * a.H + t.hk * a.GROUP, 0, a.tile_heads < 0, ORDERED, LANE,
-                         REDUCERS)  # fmt: skip
+        _walk_body(a, body, a.tile(gl.program_id(0)), 0, 0, args)
+
+
+@gluon.jit
+def _walk_body(a, body: gl.constexpr, t, c, i, args: gl.constexpr):
+    if args is None:
+        body(a, t, c, i)
+    else:
+        body(a, t, c, i, args)
 
 
 @gluon.jit
@@ -498,12 +521,8 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
     BLOCK_M: gl.constexpr = a.BLOCK_M
     BLOCK_D: gl.constexpr = a.BLOCK_D
     STAGES: gl.constexpr = a.STAGES
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
-    )
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16]
-    )
+    st_layout: gl.constexpr = wgmma_layout(BLOCK_M)
+    acc_layout: gl.constexpr = wgmma_layout(BLOCK_D)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     per_query: gl.constexpr = gl.SliceLayout(0, st_layout)
     per_key: gl.constexpr = gl.SliceLayout(1, st_layout)
@@ -530,9 +549,7 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
     if a.DQ_HALVES:
         HALF: gl.constexpr = BLOCK_D // 2
         N_BUF: gl.constexpr = a.dq_smem.shape[0] // 2
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
-        )
+        dq_layout: gl.constexpr = wgmma_layout(HALF)
         zero_dq = gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout)
     if a.KV_REGS:
         kv_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2)
@@ -637,30 +654,9 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
 
 @gluon.jit
 def bwd_consumer(a, WG: gl.constexpr):
-    """Keys [start_n + WG * 64, +64) of the program's tile (`_bwd_tile_steps`), or with
-    PERSISTENT of each tile of its share in the producer's order (i: the program's steps so
-    far; c: its tiles so far, whose parity is the K/V barrier's phase; DYNAMIC: the producer's
-    ids, until -1)."""
-    if a.DYNAMIC:
-        i = 0
-        c = 0
-        u = _next_tile(a, 0, 4)
-        while u >= 0:
-            t = a.tile(u)
-            _bwd_tile_steps(a, t, c, i, WG)
-            i += t.n_iter
-            c += 1
-            u = _next_tile(a, c, 4)
-    elif a.PERSISTENT:
-        i = 0
-        c = 0
-        for u in range(gl.program_id(0), a.n_tiles, gl.num_programs(0)):
-            t = a.tile(u)
-            _bwd_tile_steps(a, t, c, i, WG)
-            i += t.n_iter
-            c += 1  # noqa: SIM113 (Gluon loops have no enumerate)
-    else:
-        _bwd_tile_steps(a, a.tile(gl.program_id(0)), 0, 0, WG)
+    """Keys [start_n + WG * 64, +64) of each tile the program walks (`_walk`,
+    `_bwd_tile_steps`)."""
+    _walk(a, _bwd_tile_steps, 4, WG)
 
 
 @gluon.jit
@@ -669,9 +665,7 @@ def _bwd_dq_tile(a, t, c, i0):
     once both consumers have written their halves of step i's dS^T (ds_smem[i % 2]), dq's part
     = dS (BLOCK_M x 128 keys) K, scaled, into dq_smem[i % DQ_BUFFERS] for the reducer warp. The
     consumers never wait for it, only for a dS^T buffer it has read two steps back."""
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, a.BLOCK_D, 16]
-    )
+    acc_layout: gl.constexpr = wgmma_layout(a.BLOCK_D)
     dq_smem = a.dq_smem
     zero_dq = gl.zeros([a.BLOCK_M, a.BLOCK_D], gl.float32, acc_layout)
     mbarrier.wait(a.kv_bar, c & 1)
@@ -695,25 +689,5 @@ def _bwd_dq_tile(a, t, c, i0):
 
 @gluon.jit
 def bwd_dq_warpgroup(a):
-    """`_bwd_dq_tile` for the program's tile, or with PERSISTENT tile after tile of its share
-    (DYNAMIC: the producer's ids, until -1)."""
-    if a.DYNAMIC:
-        i = 0
-        c = 0
-        u = _next_tile(a, 0, 4)
-        while u >= 0:
-            t = a.tile(u)
-            _bwd_dq_tile(a, t, c, i)
-            i += t.n_iter
-            c += 1
-            u = _next_tile(a, c, 4)
-    elif a.PERSISTENT:
-        i = 0
-        c = 0
-        for u in range(gl.program_id(0), a.n_tiles, gl.num_programs(0)):
-            t = a.tile(u)
-            _bwd_dq_tile(a, t, c, i)
-            i += t.n_iter
-            c += 1  # noqa: SIM113 (Gluon loops have no enumerate)
-    else:
-        _bwd_dq_tile(a, a.tile(gl.program_id(0)), 0, 0)
+    """`_bwd_dq_tile` for each tile the program walks (`_walk`)."""
+    _walk(a, _bwd_dq_tile, 4)

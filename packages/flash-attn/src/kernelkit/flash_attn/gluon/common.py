@@ -37,6 +37,13 @@ def maybe_constexpr(x):
     return x if isinstance(x, gl.tensor) else gl.constexpr(x)
 
 
+@gluon.constexpr_function
+def wgmma_layout(n):
+    """The register layout of one warpgroup's (4 warps) wgmma accumulator of n columns (and of
+    the m64 row blocks stacked under it)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
 @gluon.jit
 def tanh_approx(x):
     """tanh(x) by tanh.approx.f32 (the portable kernels' SOFTCAP == 2): the capped scores."""
@@ -54,4 +61,4 @@ def zero_counter_kernel(CTR):
 
 __all__ = ["LN2", "LOG2E", "MaybeConstexpr", "aggregate", "fence_async_shared", "gl", "gluon",
            "maybe_constexpr", "mbarrier", "tanh_approx", "tma", "warpgroup_mma",
-           "warpgroup_mma_wait", "zero_counter_kernel"]  # fmt: skip
+           "warpgroup_mma_wait", "wgmma_layout", "zero_counter_kernel"]  # fmt: skip

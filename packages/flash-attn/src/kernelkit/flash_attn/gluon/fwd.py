@@ -48,6 +48,7 @@ from .common import (
     tma,
     warpgroup_mma,
     warpgroup_mma_wait,
+    wgmma_layout,
     zero_counter_kernel,
 )
 
@@ -346,12 +347,8 @@ def _attend_tile(a, q_buf, q_bar, q_empty, q_phase, i, j0, n_blocks, row0, O, LS
     BLOCK_N: gl.constexpr = a.BLOCK_N
     BLOCK_D: gl.constexpr = a.BLOCK_D
     STAGES: gl.constexpr = a.STAGES
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16]
-    )
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = wgmma_layout(BLOCK_D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
