@@ -2,7 +2,8 @@
 share (`BwdArgs`, `BwdTile`), the producer warp's loads (`bwd_producer`), the consumer
 warpgroups' steps (`bwd_consumer`), the dq warpgroup (`bwd_dq_warpgroup`), the reducer warps'
 dq sums (`bwd_dq_reducer`), and the tile walks: one tile per program, tiles by program id
-(PERSISTENT), or from a counter (DYNAMIC: `_publish_tile`, `_next_tile`). The design is in
+(PERSISTENT), or from a counter (DYNAMIC: `_publish_tile`, `_next_tile`), which the partitions
+but the producer take through `_walk`. The design is in
 bwd.py's docstring."""
 
 from triton._C.libtriton import ir as _tt_ir
