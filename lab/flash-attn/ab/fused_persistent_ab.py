@@ -6,6 +6,8 @@ rows), windows, causal and not, d64 / d128 at 16k tokens. On an sm_90 GPU:
     ... fused_persistent_ab.py d64-windows   # the d64 window sizes (the table's threshold)
     ... fused_persistent_ab.py hold          # static / dynamic walk on 4 SMs (`hold`)
     ... fused_persistent_ab.py d64-lengths   # d64 without a window, 2k-16k (`lengths`)
+    ... fused_persistent_ab.py d128-dynamic  # d128 (dq halves) per tile / from the counter
+    ... fused_persistent_ab.py d128-dynamic-softcap  # the same after 0.17.0: softcap, any order
 
 The persistent dq-halves variant (d128) is refused by `gluon.bwd.can_implement` (it lost: the
 first run's log, `lab/flash-attn/logs/session36-H200-fused-persistent-ab.log`), so this script
@@ -144,6 +146,74 @@ def _length_case(d, b, n, h, causal, det) -> None:
           f"  {cells}", flush=True)  # fmt: skip
 
 
+D128_DYNAMIC = [  # d, b, n, heads, causal, window, deterministic (session 41)
+    (128, 8, 2048, 16, True, (-1, -1), True),
+    (128, 4, 4096, 16, True, (-1, -1), True),
+    (128, 2, 8192, 16, True, (-1, -1), True),
+    (128, 1, 16384, 16, True, (-1, -1), True),
+    (128, 8, 2048, 16, False, (-1, -1), True),
+    (128, 4, 4096, 16, False, (-1, -1), True),
+    (128, 1, 16384, 16, True, (1023, 0), True),
+    (128, 1, 16384, 16, True, (2047, 0), True),
+    (128, 1, 16384, 16, True, (4095, 0), True),
+    (128, 4, 4096, 16, True, (-1, -1), False),
+    (128, 1, 16384, 16, True, (1023, 0), False),
+]
+D128_DYNAMIC_SOFTCAP = [  # d, b, n, heads, causal, window, deterministic, softcap (session 41,
+    # after the row vectors moved into the ring): softcap, any order, d64 at 16k
+    (128, 8, 2048, 16, True, (-1, -1), True, 30.0),
+    (128, 4, 4096, 16, True, (-1, -1), True, 30.0),
+    (128, 2, 8192, 16, True, (-1, -1), True, 30.0),
+    (128, 4, 4096, 16, False, (-1, -1), True, 30.0),
+    (128, 1, 16384, 16, True, (1023, 0), False, 0.0),
+    (128, 1, 16384, 16, True, (4095, 0), False, 0.0),
+    (128, 4, 4096, 16, True, (-1, -1), False, 0.0),
+    (64, 1, 16384, 32, True, (-1, -1), True, 0.0),
+    (64, 1, 16384, 32, False, (-1, -1), True, 0.0),
+]
+
+
+def d128_dynamic(cases) -> None:
+    """The fused-dq backward (d128: dq summed by the consumers in column halves, refused on the
+    counter's walk by `can_implement` until 0.17.0) with one program per tile against the same
+    config walked from the counter (`BwdConfig.dynamic`); whether the gradients are bitwise
+    equal (fixed order) and the ms of 7 interleaved rounds. Session 41's first run (D128_DYNAMIC,
+    the row vectors still read from global memory) and its run after 0.17.0's ring
+    (D128_DYNAMIC_SOFTCAP)."""
+    for d, b, n, h, causal, window, det, *cap in cases:
+        _dynamic_case(d, b, n, h, causal, window, det, cap[0] if cap else 0.0)
+
+
+def _dynamic_case(d, b, n, h, causal, window, det, cap) -> None:
+    """One case of `d128_dynamic`."""
+    q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(4))  # fmt: skip
+    scale = d**-0.5
+    o, lse = L.forward(q, k, v, causal, scale, softcap=cap, window=window)
+    p = L.backward_problem(do, q, k, v, causal, cap, window, deterministic=det)
+    chosen = C.choose_bwd(p)
+    blocks = -(-n // chosen.dkdv.block_n)
+    walks = {}
+    for walked in (False, True):
+        heads = C.tile_heads(b * h, blocks, p.target.sms, causal, walked, det)
+        walks[walked] = dataclasses.replace(chosen, persistent=walked, dynamic=walked,
+                                            tile_heads=heads)  # fmt: skip
+
+    def run(cfg):
+        return lambda: L.backward(do, q, k, v, o, lse, None, causal, scale, softcap=cap,
+                                  window=window, deterministic=det, config=cfg)  # fmt: skip
+
+    fns = {"per-tile": run(walks[False]), "dynamic": run(walks[True])}
+    a, bb = fns["per-tile"](), fns["dynamic"]()
+    same = all(torch.equal(x, y) for x, y in zip(a, bb))
+    err = max((x.float() - y.float()).abs().max().item() for x, y in zip(a, bb))
+    res = interleaved_ms(fns, rounds=7)
+    cells = "  ".join(f"{k} {ms:.3f}ms (±{sp * 100:.0f}%)" for k, (ms, sp) in res.items())
+    print(f"d{d} b{b} n{n} h{h} causal={causal} window={window} det={det} softcap={cap}"
+          f" [{chosen}]: "
+          f"bitwise {same} (max diff {err:.2e})  {cells}", flush=True)  # fmt: skip
+
+
 def hold() -> None:
     """Static and dynamic walks of the d64 short-window backward (fixed order) on 4 SMs while
     `sm_hold` programs on another stream hold the others until the walk has taken every tile
@@ -200,6 +270,12 @@ def main() -> None:
     torch.manual_seed(0)
     if sys.argv[1:] == ["hold"]:
         hold()
+        return
+    if sys.argv[1:] == ["d128-dynamic"]:
+        d128_dynamic(D128_DYNAMIC)
+        return
+    if sys.argv[1:] == ["d128-dynamic-softcap"]:
+        d128_dynamic(D128_DYNAMIC_SOFTCAP)
         return
     if sys.argv[1:] == ["d64-lengths"]:
         lengths()

@@ -155,7 +155,9 @@ def test_softcap_row_vectors_scaled_where_only_the_gluon_kernel_reads_them(devic
         cfg = choose_bwd(p)
         assert (cfg.kernel, cfg.dq_mode, cfg.pad_rows) == (BWD_GLUON, dq_mode, True)
         probe = _probe_backward_as_on_h100(cfg, do, q, k, v, causal, softcap=softcap)
-        (pre, grid, args, kw), (_, _, _, gluon) = probe.launches[:2]
+        pre, grid, args, kw = probe.launches[0]
+        gluon = next(kw for kernel, *_, kw in probe.launches
+                     if kernel_name(kernel) == "attn_bwd_gluon_kernel")  # fmt: skip
         expected = (15.0, -(2.0**-15)) if scaled else (0.0, 1.0)
         assert (kw["LSE2_SHIFT"], kw["DELTA_SCALE"], gluon["ROWS_SCALED"]) == (*expected, scaled)
         if not scaled:
@@ -242,25 +244,27 @@ def test_gluon_backward_launches_are_compile_checked():
     assert [kw["BLOCK_D"] for kw in kernels] == [64] * 6 + [128] * 12
     assert [kw["LOCAL"] for kw in kernels] == [False, False, True, True, True, False] * 3
     assert [kw["SOFTCAP"] for kw in kernels] == ([False] * 4 + [True] * 2) * 3
-    # (d64 on these short windows, and in the fixed order on these short rows: one program per
-    # SM taking tiles from a counter, tables.FUSED_PERSISTENT_MAX_WINDOW / _MAX_N)
-    walked = [True, False, True, True, True, False] + [False] * 12
+    # (on these short windows, d64 in either order, and in the fixed order on these short rows:
+    # one program per SM taking tiles from a counter, tables.FUSED_PERSISTENT_MAX_WINDOW / _MAX_N)
+    walked = [True, False, True, True, True, False] + [True, False] * 6
     assert [kw["PERSISTENT"] for kw in kernels] == walked
     assert [kw["DYNAMIC"] for kw in kernels] == walked
     assert [kw["ZERO_DQ"] for *_, kw in fused if "ZERO_DQ" in kw] == [True] * 18
-    # d64 in the fixed order on rows too long for that walk, with a window too long for it and
+    # in the fixed order on rows too long for that walk, with a window too long for it and
     # without one: one program per tile
-    n = T.FUSED_PERSISTENT_MAX_N[64] + 256
-    q, k, v = qkv(1, n, n, 2, 1, 64, torch.bfloat16, "cpu")
-    do = torch.randn_like(q)
     long_rows = []
-    for window in ((T.FUSED_PERSISTENT_MAX_WINDOW[64], 0), (-1, -1)):
-        p = fa_launch.backward_problem(do, q, k, v, True, 0.0, window, target=H100)
-        cfg = check_bwd(p, gluon_bwd_config(p, T.FUSED_DQ_DKDV, DQ_ORDERED))
-        long_rows += _probe_backward_as_on_h100(cfg, do, q, k, v, True, True, 0.0,
-                                                window).launches[1:2]  # fmt: skip
-    assert [(kw["LOCAL"], kw["PERSISTENT"], kw["DYNAMIC"]) for *_, kw in long_rows] == [
-        (True, False, False), (False, False, False)]  # fmt: skip
+    for d in (64, 128):
+        n = T.FUSED_PERSISTENT_MAX_N[d] + 256
+        q, k, v = qkv(1, n, n, 2, 1, d, torch.bfloat16, "cpu")
+        do = torch.randn_like(q)
+        for window in ((T.FUSED_PERSISTENT_MAX_WINDOW[d], 0), (-1, -1)):
+            p = fa_launch.backward_problem(do, q, k, v, True, 0.0, window, target=H100)
+            cfg = check_bwd(p, gluon_bwd_config(p, T.FUSED_DQ_DKDV, DQ_ORDERED))
+            long_rows += _probe_backward_as_on_h100(cfg, do, q, k, v, True, True, 0.0,
+                                                    window).launches[1:2]  # fmt: skip
+    assert [(kw["LOCAL"], kw["PERSISTENT"], kw["DYNAMIC"], kw["DQ_HALVES"])
+            for *_, kw in long_rows] == [(True, False, False, False), (False, False, False, False),
+                                         (True, False, False, True), (False, False, False, True)]  # fmt: skip
     for kernel, _, args, kwargs in gluon + fused + long_rows:
         record_launch(kernel, args, kwargs)
 
@@ -325,7 +329,8 @@ def _check_error_cases():
     fwd, bwd = choose_fwd(p), choose_bwd(p)
     fused = gluon_bwd_config(p64, T.FUSED_DQ_DKDV, DQ_ORDERED)  # (persistent, dynamic)
     assert fused.persistent and fused.dynamic
-    halves = gluon_bwd_config(p, T.FUSED_DQ_DKDV, DQ_ORDERED)
+    halves = gluon_bwd_config(p, T.FUSED_DQ_DKDV, DQ_ORDERED)  # (persistent, dynamic)
+    assert halves.persistent and halves.dynamic
     portable = portable_bwd_config(p, *T.CAUSAL_TILES[128][1:])
     interp = meta_problem(1, 100, 100, 2, 1, 32, torch.float32, causal=True, softcap=5.0,
                           target=INTERPRETER)  # fmt: skip
@@ -361,7 +366,7 @@ def _check_error_cases():
         (check_bwd, p64, replace(fused, dq_halves=True), "dq_halves: dq summed in the kernel, K and V in"),
         (check_bwd, p, replace(bwd, kv_regs=True), "a dq tile and K/V in shared memory"),
         (check_bwd, p, replace(bwd, dq=None), "a dq tile and K/V in shared memory"),
-        (check_bwd, p, replace(halves, persistent=True), "dq-halves variants run one program per"),
+        (check_bwd, p, replace(halves, dynamic=False), "take their tiles from a counter"),
         (check_bwd, p64, replace(fused, dynamic=False), "take their tiles from a counter"),
         (check_bwd, p64, replace(fused, persistent=False), "a dynamic walk needs persistent programs"),
         (check_bwd, p, replace(bwd, pad_rows=False), "reads the padded row vectors"),
@@ -492,8 +497,8 @@ def test_fused_dq_rule():
             assert (cfg.kernel, cfg.dkdv, cfg.dq_mode, cfg.dq) == (BWD_GLUON, T.FUSED_DQ_DKDV,
                                                                    mode, None)  # fmt: skip
             assert (cfg.kv_regs, cfg.dq_halves) == (d == 64, d == 128)
-            # (d64 in the fixed order: from the counter, up to FUSED_PERSISTENT_MAX_N rows)
-            walked = d == 64 and deterministic and n <= T.FUSED_PERSISTENT_MAX_N[64]
+            # (in the fixed order: from the counter, up to FUSED_PERSISTENT_MAX_N rows)
+            walked = deterministic and n <= T.FUSED_PERSISTENT_MAX_N[d]
             assert cfg.persistent == cfg.dynamic == walked and f"from {n} query rows" in cfg.why
             assert ("one program per SM" in cfg.why) == walked
             by = "its consumers" if d == 128 else "a dq warpgroup"
@@ -502,7 +507,7 @@ def test_fused_dq_rule():
             assert choose_bwd(long) == gluon_bwd_config(long, T.FUSED_DQ_DKDV, mode)
             assert not choose_bwd(long).persistent
             if walked:  # the last row count walked, and the first one tile a program
-                most = T.FUSED_PERSISTENT_MAX_N[64]
+                most = T.FUSED_PERSISTENT_MAX_N[d]
                 for rows, want in ((most, True), (most + 1, False)):
                     cfg = choose_bwd(meta_problem(1, rows, rows, 2, 2, d, **opts))
                     assert cfg.persistent == cfg.dynamic == want and cfg.dq_mode == mode
@@ -517,6 +522,7 @@ def test_fused_dq_rule():
             assert choose_fwd(p) == choose_fwd(replace(p, deterministic=not deterministic))
     for causal in (False, True):
         assert T.FUSED_DQ_MIN_N[64][causal] <= T.FUSED_PERSISTENT_MAX_N[64]
+        assert T.FUSED_DQ_MIN_N[128][causal] <= T.FUSED_PERSISTENT_MAX_N[128]
         assert T.FUSED_DQ_MIN_N[128][causal] <= T.GLUON_BWD_PERSISTENT_MAX_N
 
 
@@ -549,20 +555,25 @@ def test_gqa_causal_keeps_dq_kernel():
 
 
 def test_fused_persistent_window_rule():
-    """The d64 fused-dq backward (a dq warpgroup) walks its tiles with one program per SM where
-    a window with both edges spans at most FUSED_PERSISTENT_MAX_WINDOW keys, in either order,
-    and says so; longer windows, a left edge alone, no window, and d128 (dq halves) run one
-    program per tile (rows beyond FUSED_PERSISTENT_MAX_N: the fixed order walks shorter rows
-    from the counter whatever the window). As on an H100."""
-    most = T.FUSED_PERSISTENT_MAX_WINDOW[64]
-    n = T.FUSED_PERSISTENT_MAX_N[64] + 256
+    """The fused-dq backward walks its tiles with one program per SM where a window with both
+    edges spans at most FUSED_PERSISTENT_MAX_WINDOW[d] keys (d64, a dq warpgroup: in either
+    order; d128, dq halves: in the fixed order), and says so; longer windows, a left edge alone,
+    no window, and d128 in any order run one program per tile (rows beyond
+    FUSED_PERSISTENT_MAX_N: the fixed order walks shorter rows from the counter whatever the
+    window). As on an H100."""
+    most, most128 = T.FUSED_PERSISTENT_MAX_WINDOW[64], T.FUSED_PERSISTENT_MAX_WINDOW[128]
+    n = max(T.FUSED_PERSISTENT_MAX_N.values()) + 256
     for det in (True, False):
         for left, right, causal, d, want in ((most - 1, -1, True, 64, True),
                                              (most - 65, 64, False, 64, True),
                                              (most, -1, True, 64, False),
                                              (256, -1, False, 64, False),
                                              (-1, -1, True, 64, False),
-                                             (255, -1, True, 128, False)):  # fmt: skip
+                                             (255, -1, True, 128, det),
+                                             (most128 - 65, 64, False, 128, det),
+                                             (most128, -1, True, 128, False),
+                                             (256, -1, False, 128, False),
+                                             (-1, -1, False, 128, False)):  # fmt: skip
             p = meta_problem(1, n, n, 4, 2, d, causal=causal, window_size=(left, right),
                              deterministic=det)  # fmt: skip
             cfg = choose_bwd(p)

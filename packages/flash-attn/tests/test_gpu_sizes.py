@@ -409,18 +409,19 @@ def test_gpu_gluon_backward_schedules_agree(causal, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("window_size, causal", [((300, -1), True), ((200, 40), False)],
                          ids=["causal", "right-edge"])  # fmt: skip
-def test_gpu_fused_short_window_walks_agree(window_size, causal, device):
-    """The d64 fused-dq backward on a short window: walked with one program per SM (as the
-    chooser takes it, tables.FUSED_PERSISTENT_MAX_WINDOW) and with one program per tile, the
-    dq sums in the same fixed order: bitwise the same gradients, right against the reference.
-    GQA, a ragged last key block."""
+def test_gpu_fused_short_window_walks_agree(window_size, causal, d, device):
+    """The fused-dq backward on a short window (d64: a dq warpgroup; d128: dq in column halves):
+    walked with one program per SM (as the chooser takes it, tables.FUSED_PERSISTENT_MAX_WINDOW)
+    and with one program per tile, the dq sums in the same fixed order: bitwise the same
+    gradients, right against the reference. GQA, a ragged last key block."""
     need_sm90(device)
-    n = T.FUSED_DQ_MIN_N[64][True] + 40
-    q, k, v = qkv(1, n, n, 4, 2, 64, torch.bfloat16, device)
+    n = T.FUSED_DQ_MIN_N[d][True] + 40
+    q, k, v = qkv(1, n, n, 4, 2, d, torch.bfloat16, device)
     do = make(q.shape, q.dtype, device, seed=7)
-    scale = 1 / math.sqrt(64)
+    scale = 1 / math.sqrt(d)
     p = problems(q, k, v, causal, window_size=window_size, do=do)[1]
     chosen = choose_bwd(p)
     assert (chosen.kernel, chosen.dq_mode, chosen.persistent, chosen.dynamic) == (
@@ -462,18 +463,19 @@ def test_hold_kernel_is_compile_checked():
 
 
 @pytest.mark.gpu
-def test_gpu_dynamic_walk_runs_on_part_of_the_gpu(device):
-    """The d64 fused-dq backward on a short window (persistent programs taking their tiles from
-    a counter, dq summed in a fixed order) goes through every tile on 4 SMs while a kernel on
-    another stream holds all the others (`sm_hold`): most of its programs cannot start, and no
-    tile waits on them. A static walk would wait there on the dq sums of tiles owned by programs
-    that cannot start (until the holders' time limit: NOTES.md). Gradients bitwise those of one
-    program per tile."""
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_dynamic_walk_runs_on_part_of_the_gpu(d, device):
+    """The fused-dq backward on a short window (d64: a dq warpgroup; d128: dq in column halves;
+    persistent programs taking their tiles from a counter, dq summed in a fixed order) goes
+    through every tile on 4 SMs while a kernel on another stream holds all the others
+    (`sm_hold`): most of its programs cannot start, and no tile waits on them. A static walk
+    would wait there on the dq sums of tiles owned by programs that cannot start (until the
+    holders' time limit: NOTES.md). Gradients bitwise those of one program per tile."""
     need_sm90(device)
-    n = T.FUSED_DQ_MIN_N[64][True]
-    q, k, v = qkv(1, n, n, 8, 4, 64, torch.bfloat16, device)
+    n = T.FUSED_DQ_MIN_N[d][True]
+    q, k, v = qkv(1, n, n, 8, 4, d, torch.bfloat16, device)
     do = make(q.shape, q.dtype, device, seed=3)
-    scale = 1 / math.sqrt(64)
+    scale = 1 / math.sqrt(d)
     p = problems(q, k, v, True, window_size=(1023, -1), do=do)[1]
     chosen = choose_bwd(p)
     assert (chosen.dq_mode, chosen.persistent, chosen.dynamic) == (DQ_ORDERED, True, True)
@@ -542,7 +544,7 @@ def test_gpu_gluon_backward_tile_groups(d, mode, causal, device):
     _, _, grads_l = run_fwd_bwd(attention_reference, q, k, v, do, None, causal=causal)
     grads = []
     for heads in (16 * sign, grouped):
-        cfg = check_bwd(p, replace(base, persistent=False, tile_heads=heads))
+        cfg = check_bwd(p, replace(base, persistent=False, dynamic=False, tile_heads=heads))
         assert (cfg.dq_mode == DQ_KERNEL) == (mode == "dkdv")
         assert cfg.dq_halves == (d == 128 and mode != "dkdv")
         grads.append(fa_launch.backward(do, q, k, v, o, lse, None, causal, scale,

@@ -39,6 +39,10 @@ P128 = dict(b=2, nq=300, nk=300, h=4, hkv=2, d=128)
 E128 = dict(b=2, nq=256, nk=256, h=4, hkv=2, d=128)  # an even number of query blocks: pairs
 N128 = dict(nq=2176, nk=2176, h=2, hkv=2, d=128)  # d128: dq summed by the consumers (fixed order)
 ANY128 = dict(N128, deterministic=False)  # and in any order
+# d128 in the fixed order past tables.FUSED_PERSISTENT_MAX_N rows (shorter rows walk their tiles
+# from a counter), and a causal window too long for that walk
+L128 = dict(nq=8448, nk=8448, h=2, hkv=2, d=128)
+LONG_WIN128 = (T.FUSED_PERSISTENT_MAX_WINDOW[128], -1)
 GQA128 = dict(nq=4224, nk=4224, d=128)  # GQA causal in a fixed order: the dq kernel beside
 N64 = dict(
     nq=8448, nk=8448, h=6, hkv=2
@@ -128,16 +132,27 @@ FAMILY_CASES = [
     ("fwd-gluon(d128,causal,local,softcap,fixed-shift,dynamic)",
      "bwd-gluon(d128,causal,local,softcap,dq-kernel,persistent)",
      Call(**P128, causal=True, window=WIN, softcap=5.0)),
-    ("fwd-gluon(d128)", "bwd-gluon(d128,dq-ordered,dq-halves)", Call(**N128)),
-    ("fwd-gluon(d128,causal)", "bwd-gluon(d128,causal,dq-ordered,dq-halves)",
+    # d128 in the fixed order up to tables.FUSED_PERSISTENT_MAX_N rows: walked from the counter
+    ("fwd-gluon(d128)", "bwd-gluon(d128,dq-ordered,dq-halves,persistent,dynamic)", Call(**N128)),
+    ("fwd-gluon(d128,causal)", "bwd-gluon(d128,causal,dq-ordered,dq-halves,persistent,dynamic)",
      Call(**N128, causal=True)),
-    ("fwd-gluon(d128,local,dynamic)", "bwd-gluon(d128,local,dq-ordered,dq-halves)",
+    ("fwd-gluon(d128,local,dynamic)", "bwd-gluon(d128,local,dq-ordered,dq-halves,persistent,dynamic)",
      Call(**N128, window=WIN)),
     # a window's right edge (the causal family, its edge off the diagonal)
-    ("fwd-gluon(d128,causal)", "bwd-gluon(d128,causal,dq-ordered,dq-halves)",
+    ("fwd-gluon(d128,causal)", "bwd-gluon(d128,causal,dq-ordered,dq-halves,persistent,dynamic)",
      Call(**N128, window=(-1, 64))),
-    ("fwd-gluon(d128,causal,local,dynamic)", "bwd-gluon(d128,causal,local,dq-ordered,dq-halves)",
+    ("fwd-gluon(d128,causal,local,dynamic)", "bwd-gluon(d128,causal,local,dq-ordered,dq-halves,persistent,dynamic)",
      Call(**N128, causal=True, window=WIN)),
+    # and past it (a causal window past FUSED_PERSISTENT_MAX_WINDOW[128] too): one program per tile
+    ("fwd-gluon(d128)", "bwd-gluon(d128,dq-ordered,dq-halves)", Call(**L128)),
+    ("fwd-gluon(d128,causal,pairs)", "bwd-gluon(d128,causal,dq-ordered,dq-halves)",
+     Call(**L128, causal=True)),
+    ("fwd-gluon(d128,local,dynamic)", "bwd-gluon(d128,local,dq-ordered,dq-halves)",
+     Call(**L128, window=WIN)),
+    ("fwd-gluon(d128,causal,pairs)", "bwd-gluon(d128,causal,dq-ordered,dq-halves)",
+     Call(**L128, window=(-1, 64))),
+    ("fwd-gluon(d128,causal,local,dynamic)", "bwd-gluon(d128,causal,local,dq-ordered,dq-halves)",
+     Call(**L128, causal=True, window=LONG_WIN128)),
     ("fwd-gluon(d128)", "bwd-gluon(d128,dq-any-order,dq-halves)", Call(**ANY128)),
     ("fwd-gluon(d128,causal)", "bwd-gluon(d128,causal,dq-any-order,dq-halves)",
      Call(**ANY128, causal=True)),
@@ -146,15 +161,24 @@ FAMILY_CASES = [
     ("fwd-gluon(d128,causal,local,dynamic)", "bwd-gluon(d128,causal,local,dq-any-order,dq-halves)",
      Call(**ANY128, causal=True, window=WIN)),
     # softcap (tanh.approx) on the fused-dq d128 backward, each order
-    ("fwd-gluon(d128,softcap,fixed-shift)", "bwd-gluon(d128,softcap,dq-ordered,dq-halves)",
+    ("fwd-gluon(d128,softcap,fixed-shift)", "bwd-gluon(d128,softcap,dq-ordered,dq-halves,persistent,dynamic)",
      Call(**N128, softcap=5.0)),
-    ("fwd-gluon(d128,causal,softcap,fixed-shift)", "bwd-gluon(d128,causal,softcap,dq-ordered,dq-halves)",
+    ("fwd-gluon(d128,causal,softcap,fixed-shift)", "bwd-gluon(d128,causal,softcap,dq-ordered,dq-halves,persistent,dynamic)",
      Call(**N128, causal=True, softcap=5.0)),
-    ("fwd-gluon(d128,local,softcap,fixed-shift,dynamic)", "bwd-gluon(d128,local,softcap,dq-ordered,dq-halves)",
+    ("fwd-gluon(d128,local,softcap,fixed-shift,dynamic)", "bwd-gluon(d128,local,softcap,dq-ordered,dq-halves,persistent,dynamic)",
      Call(**N128, window=WIN, softcap=5.0)),
     ("fwd-gluon(d128,causal,local,softcap,fixed-shift,dynamic)",
-     "bwd-gluon(d128,causal,local,softcap,dq-ordered,dq-halves)",
+     "bwd-gluon(d128,causal,local,softcap,dq-ordered,dq-halves,persistent,dynamic)",
      Call(**N128, causal=True, window=WIN, softcap=5.0)),
+    ("fwd-gluon(d128,softcap,fixed-shift)", "bwd-gluon(d128,softcap,dq-ordered,dq-halves)",
+     Call(**L128, softcap=5.0)),
+    ("fwd-gluon(d128,causal,pairs,softcap,fixed-shift)", "bwd-gluon(d128,causal,softcap,dq-ordered,dq-halves)",
+     Call(**L128, causal=True, softcap=5.0)),
+    ("fwd-gluon(d128,local,softcap,fixed-shift,dynamic)", "bwd-gluon(d128,local,softcap,dq-ordered,dq-halves)",
+     Call(**L128, window=WIN, softcap=5.0)),
+    ("fwd-gluon(d128,causal,local,softcap,fixed-shift,dynamic)",
+     "bwd-gluon(d128,causal,local,softcap,dq-ordered,dq-halves)",
+     Call(**L128, causal=True, window=LONG_WIN128, softcap=5.0)),
     ("fwd-gluon(d128,softcap,fixed-shift)", "bwd-gluon(d128,softcap,dq-any-order,dq-halves)",
      Call(**ANY128, softcap=5.0)),
     ("fwd-gluon(d128,causal,softcap)", "bwd-gluon(d128,causal,softcap,dq-any-order,dq-halves)",
@@ -299,15 +323,14 @@ def probe_families(call: Call, target: Target | None = H100) -> tuple[str, str]:
 def _sweep():
     """Every call of the chooser's grid: head dims (two sizes of the Gluon kernels and a padded
     one), half and full precision, causal, a window's left (short or long: one split of a long
-    cache or several; past the d64 fused-dq backward's persistent walk) or right edge / softcap
-    / packing
-    (with seqused_k too) in every combination, decoding (a long and a short cache) to long rows
-    (block counts odd and even), deterministic or not, GQA or not."""
+    cache or several; past the d64 and the d128 fused-dq backwards' persistent walks) or right
+    edge / softcap / packing (with seqused_k too) in every combination, decoding (a long and a
+    short cache) to long rows (block counts odd and even), deterministic or not, GQA or not."""
     lengths = {1: (1, 4096), 0: (1, 200), 128: (128, 128), 2176: (2176, 2176), 4096: (4096, 4096),
                8192: (8192, 8192), 8448: (8448, 8448)}  # fmt: skip
     for d, dtype, causal, window, softcap, packed, n, det, (b, h, hkv) in itertools.product(
         (64, 80, 128), (torch.bfloat16, torch.float32), (False, True),
-        ((-1, -1), (256, -1), (1000, -1), LONG_WIN, (-1, 64)),
+        ((-1, -1), (256, -1), (1000, -1), LONG_WIN, LONG_WIN128, (-1, 64)),
         (0.0, 30.0, CAP_MAX), (False, True), lengths, (True, False), ((2, 4, 2), (1, 2, 2)),
     ):  # fmt: skip
         if causal and window[1] >= 0:

@@ -314,16 +314,17 @@ def gluon_bwd_config(p: Problem, tile: Tile, dq_mode: int, dq: Tile | None = Non
     tile `dq` (DQ_KERNEL; default the tables') or summed in the kernel (DQ_ANY_ORDER,
     DQ_ORDERED): by a dq warpgroup with K/V in registers up to GLUON_FUSED_DQ_MAX_D, above it
     by the consumers in column halves (`dq_halves`); one program per SM for the
-    dq-kernel variant up to GLUON_BWD_PERSISTENT_MAX_N query rows and for the dq-warpgroup
-    variant on windows of up to FUSED_PERSISTENT_MAX_WINDOW keys or, summing in the fixed
-    order, up to FUSED_PERSISTENT_MAX_N rows, which takes its tiles from a counter (`dynamic`:
-    its sums wait on tiles before them); the tile order (`tile_heads`)."""
+    dq-kernel variant up to GLUON_BWD_PERSISTENT_MAX_N query rows and for fused dq on windows
+    of up to FUSED_PERSISTENT_MAX_WINDOW keys (dq halves: in the fixed order only) or, summing
+    in the fixed order, up to FUSED_PERSISTENT_MAX_N rows, which takes its tiles from a counter
+    (`dynamic`: its sums wait on tiles before them); the tile order (`tile_heads`)."""
     fused = dq_mode != DQ_KERNEL
+    ordered = dq_mode == DQ_ORDERED
     halves = fused and p.block_d > T.GLUON_FUSED_DQ_MAX_D
     dq = None if fused else dq or table_tiles(p)[2]
-    short_window = fused and _short_window(p, T.FUSED_PERSISTENT_MAX_WINDOW.get(p.block_d, 0))
-    short_rows = (dq_mode == DQ_ORDERED and not halves
-                  and max(p.nq, p.nk) <= T.FUSED_PERSISTENT_MAX_N.get(p.block_d, 0))  # fmt: skip
+    short_window = (fused and (ordered or not halves)
+                    and _short_window(p, T.FUSED_PERSISTENT_MAX_WINDOW.get(p.block_d, 0)))  # fmt: skip
+    short_rows = ordered and max(p.nq, p.nk) <= T.FUSED_PERSISTENT_MAX_N.get(p.block_d, 0)
     short_dq_kernel = not fused and p.nq <= T.GLUON_BWD_PERSISTENT_MAX_N
     persistent = bool(short_dq_kernel or short_window or short_rows)
     if short_window:
@@ -333,7 +334,7 @@ def gluon_bwd_config(p: Problem, tile: Tile, dq_mode: int, dq: Tile | None = Non
         why += (f"; one program per SM taking tiles from a counter (at most"
                 f" {T.FUSED_PERSISTENT_MAX_N[p.block_d]} rows, dq in a fixed order)")  # fmt: skip
     heads = tile_heads(p.batch * p.kv_heads, cdiv(p.nk, tile.block_n), p.target.sms, p.causal,
-                       persistent, dq_mode == DQ_ORDERED)  # fmt: skip
+                       persistent, ordered)  # fmt: skip
     return BwdConfig(BWD_GLUON, tile, True, dq_mode, dq, dq is not None and dq.tma and p.tma_kv,
                      True, True, _fast_tanh(p), kv_regs=fused and not halves,
                      persistent=persistent, tile_heads=heads, dq_halves=halves,

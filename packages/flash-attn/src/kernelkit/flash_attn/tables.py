@@ -100,17 +100,21 @@ ANY_ORDER_DQ_MIN_N = {64: (4096, 4096), 128: (2048, 2048)}
 # 318 / 310 and 280 / 301; 16 / 16 heads causal: fused 6-12% faster from 2k to 16k).
 ORDERED_GQA_CAUSAL_DQ_KERNEL_D = (128,)
 FUSED_DQ_DKDV = Tile(64, 128, 4, 2, tma=True)
-# Fused-dq backwards with a dq warpgroup (BLOCK_D <= GLUON_FUSED_DQ_MAX_D) whose window (both
-# edges: causal with a left edge) spans at most this many keys per row walk their tiles with one
-# program per SM, taking them from a counter (BwdConfig.dynamic): the tiles are short and of
-# one length, and the per-program costs weigh. H200, session 39, d64 causal 16k, interleaved ms,
-# one program per tile / per SM by program id / per SM from the counter: window 512 0.972 /
-# 0.772 / 0.775, 1k 1.305 / 1.124 / 1.118, 2k 1.951 / 1.837 / 1.800, 3k 2.562 / 2.547 / 2.407,
-# 4k 3.162 / 3.280 / 3.065 (spread 3-5%), 8k 5.022 / 5.498 / 4.928 (2-4%): kept where the gain
-# is beyond the spread (NOTES.md). d128's consumers spill more in the tile loop and lost in
-# every cell (session 36).
-FUSED_PERSISTENT_MAX_WINDOW = {64: 3072}
-# Fused-dq backwards with a dq warpgroup summing dq in the fixed order walk their tiles from a
+# Fused-dq backwards whose window (both edges: causal with a left edge) spans at most this many
+# keys per row walk their tiles with one program per SM, taking them from a counter
+# (BwdConfig.dynamic): the tiles are short and of one length, and the per-program costs weigh.
+# d64 (a dq warpgroup), H200, session 39, causal 16k, interleaved ms, one program per tile / per
+# SM by program id / per SM from the counter: window 512 0.972 / 0.772 / 0.775, 1k 1.305 /
+# 1.124 / 1.118, 2k 1.951 / 1.837 / 1.800, 3k 2.562 / 2.547 / 2.407, 4k 3.162 / 3.280 / 3.065
+# (spread 3-5%), 8k 5.022 / 5.498 / 4.928 (2-4%): kept where the gain is beyond the spread
+# (NOTES.md). d128 (dq halves) in the fixed order since its row vectors come through the ring
+# (0.17.0; its consumers spilled in the tile loop before, and lost 10-20%): H200, session 41,
+# causal 16k, one program per tile / from the counter, two runs, ms: window 1k 1.033 / 0.926,
+# 1.070 / 0.936; 2k 1.719 / 1.532; 4k 2.669 / 2.555; 8k 4.451 / 4.239; softcap 30 with a 1k
+# window 1.118 / 1.043 (`lab/flash-attn/logs/session41-H200-rows-smem-ab*.log`). In any order
+# d128 keeps one program per tile (not measured with the ring's row vectors).
+FUSED_PERSISTENT_MAX_WINDOW = {64: 3072, 128: 8192}
+# Fused-dq backwards summing dq in the fixed order walk their tiles from a
 # counter up to this many rows (queries and keys) too: one program per tile leaves the causal
 # tiles unbalanced and the last wave part-empty at a few tiles per SM, and the counter hands out
 # each head's tiles in the sums' order. H200, session 40, d64, 32 heads, 16k tokens,
@@ -118,8 +122,13 @@ FUSED_PERSISTENT_MAX_WINDOW = {64: 3072}
 # tile / fused from the counter (`lab/flash-attn/logs/session40-H200-d64-lengths-ab.log`):
 # causal 2k 1.240 / 1.284 / 1.071, 4k 2.203 / 2.047 / 1.835, 8k 3.514 (fused per tile) /
 # 3.556 / 3.410, 16k 6.532 / 6.516 / 6.560 (a tie: not taken); non-causal 4k 3.689 / 3.415 /
-# 3.192. In any order the counter lost (causal 4k 1.924 per tile / 2.261): not taken.
-FUSED_PERSISTENT_MAX_N = {64: 8192}
+# 3.192. In any order the counter lost (causal 4k 1.924 per tile / 2.261): not taken. d128 (dq
+# halves, 0.17.0, the row vectors through the ring), H200, session 41, 16k tokens, 16 heads,
+# per tile / from the counter, two runs, ms: causal 2k 1.028 / 0.914, 1.043 / 0.918; 4k 1.686 /
+# 1.582, 1.748 / 1.591; 8k 3.071 / 2.969; 16k 5.642 / 5.391, 5.800 / 5.687 (2-4%, within the
+# spread: not taken); non-causal 2k 1.581 / 1.499, 1.700 / 1.557; 4k 2.934 / 2.831, 3.002 /
+# 2.919; 8k 5.640 / 5.457; 16k 10.735 / 10.532, 10.894 / 10.828.
+FUSED_PERSISTENT_MAX_N = {64: 8192, 128: 8192}
 
 # ---------------------------------------------------------------------------------------------
 # Split-KV forward (decoding)

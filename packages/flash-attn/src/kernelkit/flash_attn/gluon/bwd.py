@@ -183,8 +183,15 @@ def attn_bwd_gluon_kernel(
     v_desc = tma.make_tensor_descriptor(V, [B, Nk, Hkv, HEAD_DIM],
                                         [stride_vb, stride_vn, stride_vh, 1],
                                         [1, BLOCK_N, 1, BLOCK_D], kv4)  # fmt: skip
+    # the padded row vectors as flat (B * H * vec_stride,) float32 tensors, BLOCK_M rows a load
+    rows_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
+                                                     rank=1)  # fmt: skip
+    lse_desc = tma.make_tensor_descriptor(LSE2, [B * H * vec_stride], [1], [BLOCK_M], rows_layout)
+    delta_desc = tma.make_tensor_descriptor(DELTA, [B * H * vec_stride], [1], [BLOCK_M],
+                                            rows_layout)  # fmt: skip
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], tile2)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], tile2)
+    rows_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_M], rows_layout)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -233,11 +240,11 @@ def attn_bwd_gluon_kernel(
     else:  # unused: stand-ins
         ids, id_ready, id_free = kv_bar, kv_bar, kv_bar
 
-    a = BwdArgs(q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                dq_smem, kv_bar, kv_empty, ready, empty, ds_ready, ds_free, dq_ready, dq_free, LSE2,
-                DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
-                stride_dvh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-                vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale, SEM,
+    a = BwdArgs(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, q_smem, do_smem,
+                rows_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, kv_empty, ready, empty,
+                ds_ready, ds_free, dq_ready, dq_free, DK, DV, K, V, stride_dkb, stride_dkn,
+                stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn, stride_kh,
+                stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale, SEM,
                 sem_stride, cap_scale, lo_shift, hi_shift, CAUSAL, LOCAL, SOFTCAP, ROWS_SCALED,
                 HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, DQ_MODE, DQ_HALVES, KV_REGS,
                 PERSISTENT, TILE_CTR, ids, id_ready, id_free, DYNAMIC)  # fmt: skip
@@ -344,8 +351,6 @@ def can_implement(p: Problem, cfg: BwdConfig) -> str | None:
         return "dq_halves: dq summed in the kernel, K and V in shared memory"
     if cfg.dq_mode == DQ_KERNEL and (cfg.dq is None or cfg.kv_regs):
         return "the dq-kernel variant needs a dq tile and K/V in shared memory"
-    if cfg.dq_halves and cfg.persistent:
-        return "the dq-halves variants run one program per tile"
     if cfg.dynamic and not cfg.persistent:
         return "a dynamic walk needs persistent programs"
     if cfg.dq_mode != DQ_KERNEL and cfg.persistent and not cfg.dynamic:

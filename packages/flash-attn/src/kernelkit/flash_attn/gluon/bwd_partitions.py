@@ -122,21 +122,26 @@ class BwdArgs:
     a worker partition captures the fields it reads in this order (the compiler flattens an
     aggregate into its fields), and another order gives an equivalent but different kernel."""
 
-    # TMA descriptors over the whole (B, N, H, D) tensors (the producer's) and over the float32
-    # dq sums (the reducer warps'; DQ_MODE > 0, else a stand-in).
+    # TMA descriptors over the whole (B, N, H, D) tensors and the flat padded row vectors (the
+    # producer's), and over the float32 dq sums (the reducer warps'; DQ_MODE > 0, else a
+    # stand-in).
     q_desc: tma.tensor_descriptor
     do_desc: tma.tensor_descriptor
     k_desc: tma.tensor_descriptor
     v_desc: tma.tensor_descriptor
+    lse_desc: tma.tensor_descriptor
+    delta_desc: tma.tensor_descriptor
     dq_desc: tma.tensor_descriptor
-    # Shared memory: STAGES-deep rings of q and do tiles (BLOCK_M rows each), the tile's K and
-    # V (BLOCK_N keys); with DQ_MODE > 0 two dS^T buffers (one per step parity) and DQ_BUFFERS
-    # dq parts (DQ_HALVES: each as two column halves; else stand-ins, never read). Barriers:
+    # Shared memory: STAGES-deep rings of q and do tiles (BLOCK_M rows each) and of their rows'
+    # lse2 and delta (`rows_smem`: slot 2 s lse2, 2 s + 1 delta), the tile's K and V (BLOCK_N
+    # keys); with DQ_MODE > 0 two dS^T buffers (one per step parity) and DQ_BUFFERS dq parts
+    # (DQ_HALVES: each as two column halves; else stand-ins, never read). Barriers:
     # kv_bar (K, V landed) / kv_empty (every warpgroup reading them is done), ready[s] /
     # empty[s] (the ring's slots), ds_ready / ds_free and dq_ready / dq_free (the dS^T and dq
     # hand-offs).
     q_smem: gl.shared_memory_descriptor
     do_smem: gl.shared_memory_descriptor
+    rows_smem: gl.shared_memory_descriptor
     k_smem: gl.shared_memory_descriptor
     v_smem: gl.shared_memory_descriptor
     ds_smem: gl.shared_memory_descriptor
@@ -149,10 +154,8 @@ class BwdArgs:
     ds_free: gl.shared_memory_descriptor
     dq_ready: gl.shared_memory_descriptor
     dq_free: gl.shared_memory_descriptor
-    # The padded row vectors; dk, dv (outputs) and K, V (KV_REGS: read into registers) as
-    # (B, Nk, Hkv, D) with their strides; the row vectors' row length.
-    LSE2: gl.tensor
-    DELTA: gl.tensor
+    # dk, dv (outputs) and K, V (KV_REGS: read into registers) as (B, Nk, Hkv, D) with their
+    # strides; the padded row vectors' row length.
     DK: gl.tensor
     DV: gl.tensor
     K: gl.tensor
@@ -212,9 +215,9 @@ class BwdArgs:
     DYNAMIC: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem,
-                 ds_smem, dq_smem, kv_bar, kv_empty, ready, empty, ds_ready, ds_free, dq_ready,
-                 dq_free, LSE2, DELTA, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh,
+    def __init__(self, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, q_smem,
+                 do_smem, rows_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, kv_empty, ready,
+                 empty, ds_ready, ds_free, dq_ready, dq_free, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh,
                  stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn, stride_kh, stride_vb,
                  stride_vn, stride_vh, vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads,
                  qk_scale, sm_scale, SEM, sem_stride, cap_scale, lo_shift, hi_shift, CAUSAL,
@@ -222,13 +225,14 @@ class BwdArgs:
                  DQ_MODE, DQ_HALVES, KV_REGS, PERSISTENT, CTR, ids, id_ready, id_free,
                  DYNAMIC):  # fmt: skip
         self.q_desc, self.do_desc, self.k_desc, self.v_desc = q_desc, do_desc, k_desc, v_desc
-        self.dq_desc = dq_desc
-        self.q_smem, self.do_smem, self.k_smem, self.v_smem = q_smem, do_smem, k_smem, v_smem
+        self.lse_desc, self.delta_desc, self.dq_desc = lse_desc, delta_desc, dq_desc
+        self.q_smem, self.do_smem, self.rows_smem = q_smem, do_smem, rows_smem
+        self.k_smem, self.v_smem = k_smem, v_smem
         self.ds_smem, self.dq_smem = ds_smem, dq_smem
         self.kv_bar, self.kv_empty, self.ready, self.empty = kv_bar, kv_empty, ready, empty
         self.ds_ready, self.ds_free = ds_ready, ds_free
         self.dq_ready, self.dq_free = dq_ready, dq_free
-        self.LSE2, self.DELTA, self.DK, self.DV, self.K, self.V = LSE2, DELTA, DK, DV, K, V
+        self.DK, self.DV, self.K, self.V = DK, DV, K, V
         self.stride_dkb = maybe_constexpr(stride_dkb)
         self.stride_dkn = maybe_constexpr(stride_dkn)
         self.stride_dkh = maybe_constexpr(stride_dkh)
@@ -432,10 +436,10 @@ def _walk_body(a, body: gl.constexpr, t, c, i, args: gl.constexpr):
 @gluon.jit
 def _bwd_load_tile(a, t, c, i0):
     """The producer's loads of tile t: K and V of its key block once both consumers are done
-    with the previous tile's (c: the program's tiles before it); then q and do of each step
-    (query head hq0 + it // n_m, query block m_lo + it % n_m) into ring slot i % STAGES
-    (i = i0 + it: the program's steps) once both consumers have released its previous tiles (a
-    fresh barrier passes the first wait)."""
+    with the previous tile's (c: the program's tiles before it); then q, do and their rows' lse2
+    and delta of each step (query head hq0 + it // n_m, query block m_lo + it % n_m) into ring
+    slot i % STAGES (i = i0 + it: the program's steps) once both consumers have released its
+    previous tiles (a fresh barrier passes the first wait)."""
     tile4: gl.constexpr = a.q_desc.layout
     kv4: gl.constexpr = a.k_desc.layout
     dtype: gl.constexpr = a.q_smem.dtype
@@ -451,17 +455,24 @@ def _bwd_load_tile(a, t, c, i0):
     tma.async_copy_global_to_shared(a.k_desc, [b, start_n, t.hk, 0], a.kv_bar, k_dst)
     tma.async_copy_global_to_shared(a.v_desc, [b, start_n, t.hk, 0], a.kv_bar, v_dst)
     hq0 = t.hk * a.GROUP
+    step_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                + 2 * a.lse_desc.block_type.nbytes)  # fmt: skip
     for it in range(t.n_iter):
         i = i0 + it
         s = i % STAGES
         g = it // n_m
         m0 = (t.m_lo + it - g * n_m) * BLOCK_M
+        row0 = (b * a.H + hq0 + g) * a.vec_stride + m0  # (in the flat row vectors)
         mbarrier.wait(a.empty.index(s), ((i // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        mbarrier.expect(ready.index(s), step_bytes)
         q_dst = a.q_smem.index(s)._reinterpret(dtype, [1, BLOCK_M, 1, BLOCK_D], tile4)
         do_dst = a.do_smem.index(s)._reinterpret(dtype, [1, BLOCK_M, 1, BLOCK_D], tile4)
         tma.async_copy_global_to_shared(q_desc, [b, m0, hq0 + g, 0], ready.index(s), q_dst)
         tma.async_copy_global_to_shared(do_desc, [b, m0, hq0 + g, 0], ready.index(s), do_dst)
+        tma.async_copy_global_to_shared(a.lse_desc, [row0], ready.index(s),
+                                        a.rows_smem.index(2 * s))  # fmt: skip
+        tma.async_copy_global_to_shared(a.delta_desc, [row0], ready.index(s),
+                                        a.rows_smem.index(2 * s + 1))  # fmt: skip
 
 
 @gluon.jit
@@ -512,8 +523,11 @@ def _bwd_keep(a, keys, queries):
 def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
     """Keys [start_n + WG * 64, +64) of tile t: the step loop (the ring and dq buffers at the
     program's step i0; c: its tiles before this one), then dk (scaled) and dv to global memory.
-    Row vectors (LSE2 in log2 units, DELTA) are the preprocess's padded copies: +inf / 0 past
-    Nq, so query rows past the end add nothing and need no check. KV_REGS: the warpgroup's K and
+    Row vectors (lse2 in log2 units, delta) are the preprocess's padded copies, +inf / 0 past
+    Nq, so query rows past the end add nothing and need no check; the producer loads each
+    step's into the ring beside q and do, and each is read from there when it is needed (lse2
+    after S^T, delta after dP^T): read from global memory, both were in registers across the
+    step's first products, and their load's latency was the step's at d64 (NOTES.md). KV_REGS: the warpgroup's K and
     V rows are the S^T / dP^T wgmmas' A operands in registers (loaded from global memory), which
     halves those products' shared-memory reads; used with DQ_MODE > 0 only (the dk/dv-only
     variant gave wrong dk / dv with them on the H100, loaded from global or from the shared
@@ -538,7 +552,6 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
     DV = a.DV + b64 * a.stride_dvb + hk64 * a.stride_dvh
     K = a.K + b64 * a.stride_kb + hk64 * a.stride_kh
     V = a.V + b64 * a.stride_vb + hk64 * a.stride_vh
-    bhq0 = t.b * a.H + t.hk * a.GROUP
     kw0 = t.start_n + WG * BWD_WG_KEYS
     k_w = a.k_smem.slice(WG * BWD_WG_KEYS, BWD_WG_KEYS)
     v_w = a.v_smem.slice(WG * BWD_WG_KEYS, BWD_WG_KEYS)
@@ -570,18 +583,15 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
         m0 = (t.m_lo + it - g * n_m) * BLOCK_M
         q_s = a.q_smem.index(s)
         do_s = a.do_smem.index(s)
-        bhq = bhq0 + g
         queries = m0 + gl.arange(0, BLOCK_M, layout=per_query)
-        lse2 = gl.load(a.LSE2 + bhq.to(gl.int64) * a.vec_stride + queries)
-        delta = gl.load(a.DELTA + bhq.to(gl.int64) * a.vec_stride + queries)
-        if a.SOFTCAP and not a.ROWS_SCALED:  # (the portable dq kernel reads them unscaled)
-            lse2 = lse2 - P_SCALE_LOG2
-            delta = delta * -P_UNSCALE
         mbarrier.wait(a.ready.index(s), (i // STAGES) & 1)
         st_tok = warpgroup_mma(k_w, q_s.permute((1, 0)), zero_st, use_acc=False, is_async=True)
         dpt_tok = warpgroup_mma(v_w, do_s.permute((1, 0)), zero_st, use_acc=False,
                                 is_async=True)  # fmt: skip
         s_t = warpgroup_mma_wait(1, deps=(st_tok,))  # S^T done; dP^T may still run
+        lse2 = a.rows_smem.index(2 * s).load(per_query)
+        if a.SOFTCAP and not a.ROWS_SCALED:  # (the portable dq kernel reads them unscaled)
+            lse2 = lse2 - P_SCALE_LOG2
         masked = ragged
         if a.CAUSAL:  # some key of this warpgroup's block lies right of some row's diagonal
             masked = masked | (m0 + a.hi_shift < kw0 + BWD_WG_KEYS - 1)
@@ -606,6 +616,9 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
             p_op = gl.convert_layout(p_t.to(dtype), op_layout)
         dv_tok = warpgroup_mma(p_op, do_s, dv, is_async=True)
         dp_t = warpgroup_mma_wait(1, deps=(dpt_tok,))  # dP^T done; dV may still run
+        delta = a.rows_smem.index(2 * s + 1).load(per_query)
+        if a.SOFTCAP and not a.ROWS_SCALED:
+            delta = delta * -P_UNSCALE
         # dP - delta (softcap: times 2^-15, one fma with delta holding -delta 2^-15); dS = P' dd
         dd = gl.fma(dp_t, P_UNSCALE, delta[None, :]) if a.SOFTCAP else dp_t - delta[None, :]
         ds_t = (p_t.to(gl.float32) * dd).to(dtype)
