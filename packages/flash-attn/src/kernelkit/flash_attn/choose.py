@@ -315,15 +315,14 @@ def gluon_bwd_config(p: Problem, tile: Tile, dq_mode: int, dq: Tile | None = Non
     DQ_ORDERED): by a dq warpgroup with K/V in registers up to GLUON_FUSED_DQ_MAX_D, above it
     by the consumers in column halves (`dq_halves`); one program per SM for the
     dq-kernel variant up to GLUON_BWD_PERSISTENT_MAX_N query rows and for fused dq on windows
-    of up to FUSED_PERSISTENT_MAX_WINDOW keys (dq halves: in the fixed order only) or, summing
-    in the fixed order, up to FUSED_PERSISTENT_MAX_N rows, which takes its tiles from a counter
+    of up to FUSED_PERSISTENT_MAX_WINDOW keys or, summing in the fixed order, up to
+    FUSED_PERSISTENT_MAX_N rows, which takes its tiles from a counter
     (`dynamic`: its sums wait on tiles before them); the tile order (`tile_heads`)."""
     fused = dq_mode != DQ_KERNEL
     ordered = dq_mode == DQ_ORDERED
     halves = fused and p.block_d > T.GLUON_FUSED_DQ_MAX_D
     dq = None if fused else dq or table_tiles(p)[2]
-    short_window = (fused and (ordered or not halves)
-                    and _short_window(p, T.FUSED_PERSISTENT_MAX_WINDOW.get(p.block_d, 0)))  # fmt: skip
+    short_window = fused and _short_window(p, T.FUSED_PERSISTENT_MAX_WINDOW.get(p.block_d, 0))
     short_rows = ordered and max(p.nq, p.nk) <= T.FUSED_PERSISTENT_MAX_N.get(p.block_d, 0)
     short_dq_kernel = not fused and p.nq <= T.GLUON_BWD_PERSISTENT_MAX_N
     persistent = bool(short_dq_kernel or short_window or short_rows)

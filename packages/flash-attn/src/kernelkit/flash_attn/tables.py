@@ -107,12 +107,12 @@ FUSED_DQ_DKDV = Tile(64, 128, 4, 2, tma=True)
 # SM by program id / per SM from the counter: window 512 0.972 / 0.772 / 0.775, 1k 1.305 /
 # 1.124 / 1.118, 2k 1.951 / 1.837 / 1.800, 3k 2.562 / 2.547 / 2.407, 4k 3.162 / 3.280 / 3.065
 # (spread 3-5%), 8k 5.022 / 5.498 / 4.928 (2-4%): kept where the gain is beyond the spread
-# (NOTES.md). d128 (dq halves) in the fixed order since its row vectors come through the ring
-# (0.17.0; its consumers spilled in the tile loop before, and lost 10-20%): H200, session 41,
-# causal 16k, one program per tile / from the counter, two runs, ms: window 1k 1.033 / 0.926,
+# (NOTES.md). d128 (dq halves) since its row vectors come through the ring (0.17.0; its
+# consumers spilled in the tile loop before, and lost 10-20%): H200, session 41, causal 16k,
+# one program per tile / from the counter, ms, fixed order (two runs): window 1k 1.033 / 0.926,
 # 1.070 / 0.936; 2k 1.719 / 1.532; 4k 2.669 / 2.555; 8k 4.451 / 4.239; softcap 30 with a 1k
-# window 1.118 / 1.043 (`lab/flash-attn/logs/session41-H200-rows-smem-ab*.log`). In any order
-# d128 keeps one program per tile (not measured with the ring's row vectors).
+# window 1.118 / 1.043; any order: 1k 1.018 / 0.936, 4k 2.635 / 2.594
+# (`lab/flash-attn/logs/session41-H200-rows-smem-ab*.log`, `...-d128-dynamic-softcap-ab.log`).
 FUSED_PERSISTENT_MAX_WINDOW = {64: 3072, 128: 8192}
 # Fused-dq backwards summing dq in the fixed order walk their tiles from a
 # counter up to this many rows (queries and keys) too: one program per tile leaves the causal
@@ -127,7 +127,9 @@ FUSED_PERSISTENT_MAX_WINDOW = {64: 3072, 128: 8192}
 # per tile / from the counter, two runs, ms: causal 2k 1.028 / 0.914, 1.043 / 0.918; 4k 1.686 /
 # 1.582, 1.748 / 1.591; 8k 3.071 / 2.969; 16k 5.642 / 5.391, 5.800 / 5.687 (2-4%, within the
 # spread: not taken); non-causal 2k 1.581 / 1.499, 1.700 / 1.557; 4k 2.934 / 2.831, 3.002 /
-# 2.919; 8k 5.640 / 5.457; 16k 10.735 / 10.532, 10.894 / 10.828.
+# 2.919; 8k 5.640 / 5.457; 16k 10.735 / 10.532, 10.894 / 10.828; softcap 30 causal 2k 1.117 /
+# 1.012, 4k 1.853 / 1.743, 8k 3.343 / 3.190, non-causal 4k 3.192 / 3.034. d64 at 16k with the
+# ring: causal 5.645 / 5.559, non-causal 10.961 / 10.690 (within the spread: not taken).
 FUSED_PERSISTENT_MAX_N = {64: 8192, 128: 8192}
 
 # ---------------------------------------------------------------------------------------------
