@@ -4,15 +4,17 @@ kernel (its shared memory, barriers and partitions) and its host side (`can_impl
 `launch`); the partitions' code is in bwd_partitions.py.
 
 A tile = BLOCK_N = 2 x 64 keys of one kv head; one program per tile, or with PERSISTENT (the
-dk/dv-only kernel up to tables.GLUON_BWD_PERSISTENT_MAX_N rows, the dq-warpgroup variant on
-short windows: tables.FUSED_PERSISTENT_MAX_WINDOW) one per SM walking its share of the tiles;
-the latter (DYNAMIC) takes each next tile from a counter, so that tiles go out in increasing
-order to programs that run: a tile waits on the dq sums of tiles before it only, so the first
-unfinished tile always runs, however few programs are resident. Three partitions:
+dk/dv-only kernel up to tables.GLUON_BWD_PERSISTENT_MAX_N rows; fused dq on short windows,
+tables.FUSED_PERSISTENT_MAX_WINDOW, and in the fixed order on short rows,
+FUSED_PERSISTENT_MAX_N) one per SM walking its share of the tiles; fused dq (DYNAMIC) takes
+each next tile from a counter, so that tiles go out in increasing order to programs that run:
+a tile waits on the dq sums of tiles before it only, so the first unfinished tile always runs,
+however few programs are resident. Three partitions:
 - a producer warp loads each tile's K and V block (once the consumers are done with the last
   tile's), then for each (query head of the GQA group, query block) step the BLOCK_M-row
-  tiles of q and do into a STAGES-deep ring (4-D (B, N, H, D) descriptors: batch and heads
-  are coordinates, not new descriptors);
+  tiles of q and do and their rows' lse2 and delta into a STAGES-deep ring (4-D (B, N, H, D)
+  descriptors: batch and heads are coordinates, not new descriptors; 1-D ones over the padded
+  row vectors);
 - two consumer warpgroups own 64 keys each and run, per step, the transposed products
   S^T = K q^T and dP^T = V do^T (both asynchronous: the softmax of S^T runs under dP^T),
   then dV += P^T do and dK += dS^T q with P^T / dS^T as register A operands (dV runs under
@@ -139,15 +141,15 @@ def attn_bwd_gluon_kernel(
     causal mask or none, a sliding window (win_left with LOCAL, win_right with CAUSAL: the
     portable kernels' window), softcap through tanh.approx (SOFTCAP, cap_scale), GQA, any Nq
     and Nk): tile program_id, or with PERSISTENT tiles program_id, + num_programs, ... (one
-    program per SM; `BwdArgs.tile` orders them); launched
-    with num_warps = 4 (the default partition), 9 warps in all (14 with DQ_MODE 1, 15 with 2,
-    whose reducer warps take turns; with DQ_HALVES 10 and 11). LSE2 / DELTA: (B * H, vec_stride) padded row vectors
+    program per SM; `BwdArgs.tile` orders them); launched with num_warps = 4 (the default
+    partition), 9 warps in all (14 with DQ_MODE 1, 15 with 2, whose reducer warps take turns;
+    with DQ_HALVES 10 and 11). LSE2 / DELTA: (B * H, vec_stride) padded row vectors
     (triton/bwd.py, attn_bwd_preprocess_kernel with ROWVEC; with ROWS_SCALED lse2 - 15 and
-    -delta 2^-15, `scaled_rows`). tile_heads: (batch, kv head)s per tile
-    group, negative for descending key blocks (`BwdArgs.tile`). DQ_MODE > 0: also dq's float32
-    sums, scaled, into DQACC ((dq_rows = B * H * vec_stride, BLOCK_D), zeroed before, as is
-    SEM: (B * H, sem_stride)), one program per tile: a third warpgroup computes each step's dq
-    part from the consumers' dS^T (`_bwd_dq_tile`; BLOCK_D <= 64), or with DQ_HALVES each
+    -delta 2^-15, `scaled_rows`), read through 1-D TMA descriptors by the producer.
+    tile_heads: (batch, kv head)s per tile group, negative for descending key blocks
+    (`BwdArgs.tile`). DQ_MODE > 0: also dq's float32 sums, scaled, into DQACC ((dq_rows =
+    B * H * vec_stride, BLOCK_D), zeroed before, as is SEM: (B * H, sem_stride)): a third
+    warpgroup computes each step's dq part from the consumers' dS^T (`_bwd_dq_tile`; BLOCK_D <= 64), or with DQ_HALVES each
     consumer half of its columns (`_bwd_tile_steps`), a reducer warp adds it
     (DQ_MODE 2: two, taking turns, each waiting for the part of the key block before it in the
     sums' order, whose tile was launched before it: `_bwd_reduce_tile`). DYNAMIC (PERSISTENT
