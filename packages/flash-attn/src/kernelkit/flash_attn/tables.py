@@ -108,7 +108,7 @@ FUSED_DQ_DKDV = Tile(64, 128, 4, 2, tma=True)
 # 1.124 / 1.118, 2k 1.951 / 1.837 / 1.800, 3k 2.562 / 2.547 / 2.407, 4k 3.162 / 3.280 / 3.065
 # (spread 3-5%), 8k 5.022 / 5.498 / 4.928 (2-4%): kept where the gain is beyond the spread
 # (NOTES.md). d128 (dq halves) since its row vectors come through the ring (0.17.0; its
-# consumers spilled in the tile loop before, and lost 10-20%): H200, session 41, causal 16k,
+# consumers spilled in the tile loop before, and lost 10-28%): H200, session 41, causal 16k,
 # one program per tile / from the counter, ms, fixed order (two runs): window 1k 1.033 / 0.926,
 # 1.070 / 0.936; 2k 1.719 / 1.532; 4k 2.669 / 2.555; 8k 4.451 / 4.239; softcap 30 with a 1k
 # window 1.118 / 1.043; any order: 1k 1.018 / 0.936, 4k 2.635 / 2.594

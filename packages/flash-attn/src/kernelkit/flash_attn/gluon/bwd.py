@@ -149,8 +149,9 @@ def attn_bwd_gluon_kernel(
     tile_heads: (batch, kv head)s per tile group, negative for descending key blocks
     (`BwdArgs.tile`). DQ_MODE > 0: also dq's float32 sums, scaled, into DQACC ((dq_rows =
     B * H * vec_stride, BLOCK_D), zeroed before, as is SEM: (B * H, sem_stride)): a third
-    warpgroup computes each step's dq part from the consumers' dS^T (`_bwd_dq_tile`; BLOCK_D <= 64), or with DQ_HALVES each
-    consumer half of its columns (`_bwd_tile_steps`), a reducer warp adds it
+    warpgroup computes each step's dq part from the consumers' dS^T (`_bwd_dq_tile`;
+    BLOCK_D <= 64), or with DQ_HALVES each consumer half of its columns (`_bwd_tile_steps`), a
+    reducer warp adds it
     (DQ_MODE 2: two, taking turns, each waiting for the part of the key block before it in the
     sums' order, whose tile was launched before it: `_bwd_reduce_tile`). DYNAMIC (PERSISTENT
     only): the programs take their tiles from the counter TILE_CTR (one int32, zeroed before)
@@ -246,10 +247,11 @@ def attn_bwd_gluon_kernel(
                 rows_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, kv_empty, ready, empty,
                 ds_ready, ds_free, dq_ready, dq_free, DK, DV, K, V, stride_dkb, stride_dkn,
                 stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn, stride_kh,
-                stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale, SEM,
-                sem_stride, cap_scale, lo_shift, hi_shift, CAUSAL, LOCAL, SOFTCAP, ROWS_SCALED,
-                HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, DQ_MODE, DQ_HALVES, KV_REGS,
-                PERSISTENT, TILE_CTR, ids, id_ready, id_free, DYNAMIC)  # fmt: skip
+                stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles,
+                tile_heads, qk_scale, sm_scale, SEM, sem_stride, cap_scale, lo_shift, hi_shift,
+                CAUSAL, LOCAL, SOFTCAP, ROWS_SCALED, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, STAGES,
+                DQ_MODE, DQ_HALVES, KV_REGS, PERSISTENT, TILE_CTR, ids, id_ready, id_free,
+                DYNAMIC)  # fmt: skip
     # Three partition lists (fixed-order dq: two reducer warps; any order: one; dk/dv only):
     # Gluon takes the (function, args) pairs as a literal list. (One list with a second reducer
     # warp idle in any order would do, but that variant was never timed.)

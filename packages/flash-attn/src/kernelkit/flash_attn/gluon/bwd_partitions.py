@@ -217,13 +217,13 @@ class BwdArgs:
     @gluon.constexpr_function
     def __init__(self, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, q_smem,
                  do_smem, rows_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, kv_empty, ready,
-                 empty, ds_ready, ds_free, dq_ready, dq_free, DK, DV, K, V, stride_dkb, stride_dkn, stride_dkh,
-                 stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn, stride_kh, stride_vb,
-                 stride_vn, stride_vh, vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles, tile_heads,
-                 qk_scale, sm_scale, SEM, sem_stride, cap_scale, lo_shift, hi_shift, CAUSAL,
-                 LOCAL, SOFTCAP, ROWS_SCALED, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, STAGES,
-                 DQ_MODE, DQ_HALVES, KV_REGS, PERSISTENT, CTR, ids, id_ready, id_free,
-                 DYNAMIC):  # fmt: skip
+                 empty, ds_ready, ds_free, dq_ready, dq_free, DK, DV, K, V, stride_dkb,
+                 stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn,
+                 stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv, GROUP, Nq, Nk,
+                 n_tiles, tile_heads, qk_scale, sm_scale, SEM, sem_stride, cap_scale, lo_shift,
+                 hi_shift, CAUSAL, LOCAL, SOFTCAP, ROWS_SCALED, HEAD_DIM, BLOCK_M, BLOCK_N,
+                 BLOCK_D, STAGES, DQ_MODE, DQ_HALVES, KV_REGS, PERSISTENT, CTR, ids, id_ready,
+                 id_free, DYNAMIC):  # fmt: skip
         self.q_desc, self.do_desc, self.k_desc, self.v_desc = q_desc, do_desc, k_desc, v_desc
         self.lse_desc, self.delta_desc, self.dq_desc = lse_desc, delta_desc, dq_desc
         self.q_smem, self.do_smem, self.rows_smem = q_smem, do_smem, rows_smem
@@ -527,12 +527,13 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
     Nq, so query rows past the end add nothing and need no check; the producer loads each
     step's into the ring beside q and do, and each is read from there when it is needed (lse2
     after S^T, delta after dP^T): read from global memory, both were in registers across the
-    step's first products, and their load's latency was the step's at d64 (NOTES.md). KV_REGS: the warpgroup's K and
-    V rows are the S^T / dP^T wgmmas' A operands in registers (loaded from global memory), which
-    halves those products' shared-memory reads; used with DQ_MODE > 0 only (the dk/dv-only
-    variant gave wrong dk / dv with them on the H100, loaded from global or from the shared
-    tile: `can_implement` refuses them there). DQ_HALVES: each step also this warpgroup's half of
-    dq's columns from both halves of dS^T, handed to the reducer warps."""
+    step's first products, and their load's latency was the step's at d64 (NOTES.md). KV_REGS:
+    the warpgroup's K and V rows are the S^T / dP^T wgmmas' A operands in registers (loaded
+    from global memory), which halves those products' shared-memory reads; used with
+    DQ_MODE > 0 only (the dk/dv-only variant gave wrong dk / dv with them on the H100, loaded
+    from global or from the shared tile: `can_implement` refuses them there). DQ_HALVES: each
+    step also this warpgroup's half of dq's columns from both halves of dS^T, handed to the
+    reducer warps."""
     BLOCK_M: gl.constexpr = a.BLOCK_M
     BLOCK_D: gl.constexpr = a.BLOCK_D
     STAGES: gl.constexpr = a.STAGES
