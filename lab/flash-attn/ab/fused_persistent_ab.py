@@ -8,6 +8,9 @@ rows), windows, causal and not, d64 / d128 at 16k tokens. On an sm_90 GPU:
     ... fused_persistent_ab.py d64-lengths   # d64 without a window, 2k-16k (`lengths`)
     ... fused_persistent_ab.py d128-dynamic  # d128 (dq halves) per tile / from the counter
     ... fused_persistent_ab.py d128-dynamic-softcap  # the same after 0.17.0: softcap, any order
+    ... fused_persistent_ab.py d64-windows-dynamic   # d64 windows per tile / from the counter
+    ... fused_persistent_ab.py d64-windows-any       # the same in any order
+    ... fused_persistent_ab.py short-rows            # 512 / 1k rows, d64 and d128 (`lengths`)
 
 The persistent dq-halves variant (d128) was refused by `gluon.bwd.can_implement` until 0.17.0
 (it lost: the first run's log, `lab/flash-attn/logs/session36-H200-fused-persistent-ab.log`).
@@ -103,12 +106,23 @@ D64_LENGTHS = [  # d, b, n, heads, causal, deterministic: no window (session 40)
 ]
 
 
-def lengths() -> None:
+SHORT_ROWS = [  # d, b, n, heads, causal, deterministic: below FUSED_DQ_MIN_N (session 42)
+    (64, 16, 1024, 32, True, True),
+    (64, 16, 1024, 32, False, True),
+    (64, 32, 512, 32, True, True),
+    (128, 16, 1024, 16, True, True),
+    (128, 16, 1024, 16, False, True),
+    (128, 32, 512, 16, True, True),
+]
+
+
+def lengths(cases=D64_LENGTHS) -> None:
     """d64 without a window, 2k-16k rows (16k tokens): the chooser's backward (the dq kernel
     below tables.FUSED_DQ_MIN_N, fused from it) against the fused-dq kernel with one program
     per tile and walked from the counter (`BwdConfig.dynamic`); whether the walk's gradients
-    are bitwise the per-tile ones' and the ms of 7 interleaved rounds."""
-    for case in D64_LENGTHS:
+    are bitwise the per-tile ones' and the ms of 7 interleaved rounds (SHORT_ROWS: d64 and
+    d128 below tables.FUSED_DQ_MIN_N)."""
+    for case in cases:
         _length_case(*case)
 
 
@@ -168,6 +182,11 @@ D128_DYNAMIC_SOFTCAP = [  # d, b, n, heads, causal, window, deterministic, softc
     (64, 1, 16384, 32, True, (-1, -1), True, 0.0),
     (64, 1, 16384, 32, False, (-1, -1), True, 0.0),
 ]
+
+D64_WINDOWS_DYNAMIC = [  # session 42: the d64 window bound (3072) after 0.17.0's ring
+    (64, 1, 16384, 32, True, (w - 1, 0), True) for w in (2048, 3072, 4096, 6144, 8192)
+] + [(64, 1, 16384, 32, True, (4095, 0), False), (64, 1, 65536, 32, True, (4095, 0), True)]
+D64_WINDOWS_ANY = [(64, 1, 16384, 32, True, (w - 1, 0), False) for w in (2048, 8192)]
 
 
 def d128_dynamic(cases) -> None:
@@ -273,6 +292,15 @@ def main() -> None:
         return
     if sys.argv[1:] == ["d128-dynamic-softcap"]:
         d128_dynamic(D128_DYNAMIC_SOFTCAP)
+        return
+    if sys.argv[1:] == ["d64-windows-dynamic"]:
+        d128_dynamic(D64_WINDOWS_DYNAMIC)
+        return
+    if sys.argv[1:] == ["d64-windows-any"]:
+        d128_dynamic(D64_WINDOWS_ANY)
+        return
+    if sys.argv[1:] == ["short-rows"]:
+        lengths(SHORT_ROWS)
         return
     if sys.argv[1:] == ["d64-lengths"]:
         lengths()

@@ -482,8 +482,11 @@ def test_small_grid_forward_config():
     assert fwd(64, True, 1, 16384, torch.float32) == T.FP32_TILES[64][0]
     assert fwd(128, False, 1, 1024) == T.GLUON_FWD_TILE
     assert choose_fwd(meta_problem(1, 16384, 16384, 1, 1, 64)).why.startswith("a 64-row tile")
-    # The rule only changes the forward's tile.
-    cfg = choose_bwd(meta_problem(1, 1024, 1024, 1, 1, 64, causal=True))
+    # The rule only changes the forward's tile (below FUSED_DQ_MIN_N rows: the portable
+    # backward's table tiles).
+    n = T.FUSED_DQ_MIN_N[64][True] - 1
+    assert fwd(64, True, 1, n) == small
+    cfg = choose_bwd(meta_problem(1, n, n, 1, 1, 64, causal=True))
     assert cfg.kernel == BWD_TRITON and (cfg.dkdv, cfg.dq) == T.CAUSAL_TILES[64][1:]
 
 

@@ -428,23 +428,26 @@ def test_check_accepts_the_chosen_configs():
 
 
 def test_chooser_takes_the_gluon_kernels_by_rule():
-    """Where the Gluon kernels ship (choose.py, tables.py; H100 A/B), as on an H100: the d128
-    dk/dv kernel, causal or not, with a window or softcap too (tanh.approx), not for a packed
-    batch, nor d64 at these lengths or float32; the d64 forward from
-    GLUON_FWD_MIN_N query rows on (causal: fewer) for a grid that fills the GPU."""
+    """Where the Gluon kernels ship (choose.py, tables.py; H100 A/B), as on an H100: below
+    FUSED_DQ_MIN_N rows the d128 dk/dv kernel with the dq kernel beside it, causal or not, with
+    a window or softcap too (tanh.approx), not for a packed batch, nor d64 at these lengths or
+    float32; the d64 forward from GLUON_FWD_MIN_N query rows on (causal: fewer) for a grid that
+    fills the GPU."""
     for causal in (False, True):
-        cfg = choose_bwd(meta_problem(2, 1024, 1024, 8, 2, 128, causal=causal))
+        n = T.FUSED_DQ_MIN_N[128][causal] // 2
+        assert n < T.FUSED_DQ_MIN_N[64][causal]
+        cfg = choose_bwd(meta_problem(2, n, n, 8, 2, 128, causal=causal))
         assert cfg.kernel == BWD_GLUON and cfg.dq_mode == DQ_KERNEL
         assert cfg.dkdv == T.GLUON_DKDV_TILES[128][causal] and cfg.why
-        for variant in (dict(window_size=(256, -1)), dict(softcap=30.0)):
-            p = meta_problem(2, 1024, 1024, 8, 2, 128, causal=causal, **variant)
+        for variant in (dict(window_size=(64, -1)), dict(softcap=30.0)):
+            p = meta_problem(2, n, n, 8, 2, 128, causal=causal, **variant)
             bwd = choose_bwd(p)
             assert (choose_fwd(p).kernel, bwd.kernel) == (FWD_GLUON, BWD_GLUON)
             assert bwd.fast_tanh == bool(p.softcap) and bwd.dq_mode == DQ_KERNEL
-        p = meta_problem(2, 1024, 1024, 8, 2, 128, causal=causal, packed=True)
+        p = meta_problem(2, n, n, 8, 2, 128, causal=causal, packed=True)
         assert (choose_fwd(p).kernel, choose_bwd(p).kernel) == (FWD_TRITON, BWD_TRITON)
-        assert choose_bwd(meta_problem(2, 1024, 1024, 8, 2, 64, causal=causal)).kernel == BWD_TRITON
-        p = meta_problem(2, 1024, 1024, 8, 2, 128, torch.float32, causal=causal)
+        assert choose_bwd(meta_problem(2, n, n, 8, 2, 64, causal=causal)).kernel == BWD_TRITON
+        p = meta_problem(2, n, n, 8, 2, 128, torch.float32, causal=causal)
         assert choose_bwd(p).kernel == BWD_TRITON
 
     def fwd(bh, nq, causal, dtype=torch.bfloat16):
@@ -481,11 +484,11 @@ def test_bwd_tile_heads():
 
 def test_fused_dq_rule():
     """Half-precision backwards from FUSED_DQ_MIN_N query rows on sum dq in the Gluon kernel in
-    a fixed order, with deterministic=False from ANY_ORDER_DQ_MIN_N rows on: d64 by a dq
-    warpgroup (K/V in registers), d128 by the consumers in column halves. Shorter ones keep
-    the portable kernels (d64) or the Gluon dk/dv kernel with the dq kernel beside it (d128,
-    persistent). MHA here; GQA causal in the fixed order: test_gqa_causal_keeps_dq_kernel.
-    As on an H100."""
+    a fixed order, with deterministic=False in any order from ANY_ORDER_DQ_MIN_N rows on (and
+    below them as by default): d64 by a dq warpgroup (K/V in registers), d128 by the consumers
+    in column halves. Shorter ones keep the portable kernels (d64) or the Gluon dk/dv kernel
+    with the dq kernel beside it (d128, persistent). MHA here; GQA causal in the fixed order:
+    test_gqa_causal_keeps_dq_kernel. As on an H100."""
     for deterministic, table, mode in ((True, T.FUSED_DQ_MIN_N, DQ_ORDERED),
                                        (False, T.ANY_ORDER_DQ_MIN_N, DQ_ANY_ORDER)):  # fmt: skip
         for d, causal in itertools.product((64, 128), (False, True)):
@@ -511,8 +514,12 @@ def test_fused_dq_rule():
                 for rows, want in ((most, True), (most + 1, False)):
                     cfg = choose_bwd(meta_problem(1, rows, rows, 2, 2, d, **opts))
                     assert cfg.persistent == cfg.dynamic == want and cfg.dq_mode == mode
-            shorter = choose_bwd(meta_problem(1, n - 1, n - 1, 2, 2, d, **opts))
-            if d == 64:
+            below = meta_problem(1, n - 1, n - 1, 2, 2, d, **opts)
+            shorter = choose_bwd(below)
+            if not deterministic:  # below the any-order bound: the default's plan
+                assert shorter == choose_bwd(replace(below, deterministic=True))
+                assert shorter.dq_mode == DQ_ORDERED or n - 1 < T.FUSED_DQ_MIN_N[d][causal]
+            elif d == 64:
                 tables = T.CAUSAL_TILES[64][1:] if causal else (T.DKDV_TILES[64], T.DQ_TILES[64])
                 assert shorter.kernel == BWD_TRITON and (shorter.dkdv, shorter.dq) == tables
             else:
@@ -532,7 +539,7 @@ def test_gqa_causal_keeps_dq_kernel():
     rows), and says why; in any order, non-causal, with a window's left edge, or MHA the
     consumers sum dq. As on an H100."""
     assert 128 in T.ORDERED_GQA_CAUSAL_DQ_KERNEL_D
-    for n in (T.FUSED_DQ_MIN_N[128][1], 8192, 1 << 20):
+    for n in (T.FUSED_DQ_MIN_N[128][1], T.ANY_ORDER_DQ_MIN_N[128][1], 8192, 1 << 20):
         gqa = meta_problem(1, n, n, 4, 1, 128, causal=True)
         cfg = choose_bwd(gqa)
         assert (cfg.kernel, cfg.dq_mode) == (BWD_GLUON, DQ_KERNEL)
@@ -540,10 +547,10 @@ def test_gqa_causal_keeps_dq_kernel():
         assert cfg.persistent == (n <= T.GLUON_BWD_PERSISTENT_MAX_N)
         assert "GQA causal" in cfg.why
         assert cfg == gluon_bwd_config(gqa, T.GLUON_DKDV_TILES[128][1], DQ_KERNEL)
-        fused = {
-            DQ_ANY_ORDER: meta_problem(1, n, n, 4, 1, 128, causal=True, deterministic=False),
-            DQ_ORDERED: meta_problem(1, n, n, 4, 1, 128),
-        }
+        fused = {DQ_ORDERED: meta_problem(1, n, n, 4, 1, 128)}
+        if n >= T.ANY_ORDER_DQ_MIN_N[128][1]:
+            fused[DQ_ANY_ORDER] = meta_problem(1, n, n, 4, 1, 128, causal=True,
+                                               deterministic=False)  # fmt: skip
         local = meta_problem(1, n, n, 4, 1, 128, causal=True, window_size=(256, 0))
         mha = meta_problem(1, n, n, 4, 4, 128, causal=True)
         for mode, p in [*fused.items(), (DQ_ORDERED, local), (DQ_ORDERED, mha)]:
@@ -621,9 +628,10 @@ def test_deterministic_option_launches():
     assert "zero_counter_kernel" in names  # (walked from the counter: FUSED_PERSISTENT_MAX_N)
     names, modes = backward(n, (100, 0), False)  # a window: the same kernels
     assert "attn_bwd_dq_kernel" not in names and modes == [(1, True)]
-    # d128: the consumers sum dq in column halves from FUSED_DQ_MIN_N rows, in either order
-    for deterministic in (True, False):
-        names, modes = backward128(T.FUSED_DQ_MIN_N[128][1], deterministic)
+    # d128: the consumers sum dq in column halves from FUSED_DQ_MIN_N rows (ANY_ORDER_DQ_MIN_N
+    # with deterministic=False)
+    for deterministic, table in ((True, T.FUSED_DQ_MIN_N), (False, T.ANY_ORDER_DQ_MIN_N)):
+        names, modes = backward128(table[128][1], deterministic)
         assert "attn_bwd_dq_kernel" not in names and "attn_bwd_dq_convert_kernel" in names
         assert modes == [(2 if deterministic else 1, True)]
     names, modes = backward128(T.FUSED_DQ_MIN_N[128][1] - 1, True)

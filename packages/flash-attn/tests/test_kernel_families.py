@@ -48,6 +48,8 @@ N64 = dict(
     nq=8448, nk=8448, h=6, hkv=2
 )  # d64: the fused-dq Gluon backward, in a fixed order, per tile
 ANY64 = dict(nq=4096, nk=4096, deterministic=False)  # and in any order
+# in any order with a causal window too long for the walk (tables.FUSED_PERSISTENT_MAX_WINDOW)
+ANYL64 = dict(nq=8448, nk=8448, h=4, hkv=2, deterministic=False)
 S64 = dict(nq=4096, nk=4096, h=6, hkv=2)  # d64 fixed order, at most FUSED_PERSISTENT_MAX_N rows
 CAP_MAX = 60.0  # a softcap above the fixed shift's bound: the forward keeps the running maximum
 MLA = dict(b=2, nq=300, nk=300, h=4, hkv=2, d=192, dv=128)  # a value head dim of its own
@@ -227,8 +229,8 @@ FAMILY_CASES = [
     ("fwd", "bwd-gluon(d64,dq-any-order)", Call(**ANY64)),
     ("fwd(local)", "bwd-gluon(d64,local,dq-any-order)", Call(**ANY64, window=WIN)),
     ("fwd(causal)", "bwd-gluon(d64,causal,dq-any-order)", Call(**ANY64, window=(-1, 64))),
-    ("fwd(causal,local)", "bwd-gluon(d64,causal,local,dq-any-order)",
-     Call(**ANY64, causal=True, window=LONG_WIN)),
+    ("fwd-gluon(d64,causal,local,dynamic)", "bwd-gluon(d64,causal,local,dq-any-order)",
+     Call(**ANYL64, causal=True, window=LONG_WIN)),
     ("fwd(causal,local)", "bwd-gluon(d64,causal,local,dq-any-order,persistent,dynamic)",
      Call(**ANY64, causal=True, window=WIN)),
     ("fwd-gluon(d64,causal,pairs)", "bwd-gluon(d64,causal,dq-ordered,persistent,dynamic)",
@@ -255,8 +257,9 @@ FAMILY_CASES = [
      Call(**ANY64, window=WIN, softcap=5.0)),
     ("fwd(causal,softcap,fixed-shift)", "bwd-gluon(d64,causal,softcap,dq-any-order)",
      Call(**ANY64, window=(-1, 64), softcap=5.0)),
-    ("fwd(causal,local,softcap,fixed-shift)", "bwd-gluon(d64,causal,local,softcap,dq-any-order)",
-     Call(**ANY64, causal=True, window=LONG_WIN, softcap=5.0)),
+    ("fwd-gluon(d64,causal,local,softcap,fixed-shift,dynamic)",
+     "bwd-gluon(d64,causal,local,softcap,dq-any-order)",
+     Call(**ANYL64, causal=True, window=LONG_WIN, softcap=5.0)),
     ("fwd(causal,local,softcap)",
      "bwd-gluon(d64,causal,local,softcap,dq-any-order,persistent,dynamic)",
      Call(**ANY64, causal=True, window=WIN, softcap=5.0, dtype=torch.float16)),

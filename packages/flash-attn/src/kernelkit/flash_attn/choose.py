@@ -279,20 +279,23 @@ def portable_bwd_config(p: Problem, dkdv: Tile, dq: Tile, why: str = "given tile
 
 def _gluon_bwd_wanted(p: Problem) -> tuple[Tile, int, str] | None:
     """(dk/dv tile, dq mode, why) of the Gluon backward where the tables ask for it: summing dq
-    from FUSED_DQ_MIN_N query rows (ANY_ORDER_DQ_MIN_N with deterministic=False), d128 below
-    them (and for GQA causal in the fixed order, ORDERED_GQA_CAUSAL_DQ_KERNEL_D) with the dq
-    kernel beside it; half precision (softcap too: tanh.approx), no packing."""
+    from FUSED_DQ_MIN_N query rows in a fixed order (with deterministic=False in any order from
+    ANY_ORDER_DQ_MIN_N rows, where that measured faster, and below them as by default), d128
+    below them (and for GQA causal in the fixed order, ORDERED_GQA_CAUSAL_DQ_KERNEL_D) with the
+    dq kernel beside it; half precision (softcap too: tanh.approx), no packing."""
     if not p.half or p.packed or p.target.interpreter:
         return None
-    table = T.FUSED_DQ_MIN_N if p.deterministic else T.ANY_ORDER_DQ_MIN_N
-    min_n = table.get(p.block_d, (None, None))[p.causal]
+    fixed_n = T.FUSED_DQ_MIN_N.get(p.block_d, (None, None))[p.causal]
+    any_n = T.ANY_ORDER_DQ_MIN_N.get(p.block_d, (None, None))[p.causal]
+    any_order = not p.deterministic and any_n is not None and p.nq >= any_n
+    min_n = any_n if any_order else fixed_n
     fused = min_n is not None and p.nq >= min_n
-    gqa_keeps_dq_kernel = fused and (p.deterministic and p.causal and not p.local
+    gqa_keeps_dq_kernel = fused and (not any_order and p.causal and not p.local
                                      and p.kv_heads < p.heads
                                      and p.block_d in T.ORDERED_GQA_CAUSAL_DQ_KERNEL_D)  # fmt: skip
     if fused and not gqa_keeps_dq_kernel:
-        mode = DQ_ORDERED if p.deterministic else DQ_ANY_ORDER
-        order = "in a fixed order" if p.deterministic else "in any order"
+        mode = DQ_ANY_ORDER if any_order else DQ_ORDERED
+        order = "in any order" if any_order else "in a fixed order"
         by = "its consumers" if p.block_d > T.GLUON_FUSED_DQ_MAX_D else "a dq warpgroup"
         return (
             T.FUSED_DQ_DKDV,

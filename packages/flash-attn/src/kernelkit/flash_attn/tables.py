@@ -85,13 +85,20 @@ GLUON_BWD_PERSISTENT_MAX_N = 4096
 # order (deterministic, the default), in any order (deterministic=False). Up to
 # GLUON_FUSED_DQ_MAX_D by a dq warpgroup with K and V in registers; above it by the consumer
 # warpgroups, each computing half of dq's columns (`BwdConfig.dq_halves`: a dq warpgroup's
-# 64 x 128 float32 part would spill). d128 from 2k rows: H200, 2k-16k, faster than the dq
+# 64 x 128 float32 part would spill). d128 from 2k rows (0.13.0): H200, 2k-16k, faster than the dq
 # kernel beside the Gluon dk/dv one in every cell but GQA causal in the fixed order
 # (ORDERED_GQA_CAUSAL_DQ_KERNEL_D below; NOTES.md, sessions 34-35). d64 from 2k rows in the
 # fixed order since its tiles come from a counter up to FUSED_PERSISTENT_MAX_N rows (session
-# 40: the portable kernels were 14-17% slower at 2k-4k causal); from 4k in any order.
+# 40: the portable kernels were 14-17% slower at 2k-4k causal); from 4k in any order. Both
+# from 512 rows in the fixed order since the row vectors come through the ring and d128 walks
+# from the counter too (0.17.1; H200, session 42, 16k tokens, interleaved ms, the chooser's
+# backward then / fused from the counter: d64 h32 1k causal 0.764 / 0.612, non-causal 1.042 /
+# 0.882, 512 causal 0.539 / 0.473; d128 h16 1k causal 0.677 / 0.611, non-causal 0.974 / 0.861,
+# 512 causal 0.504 / 0.471; `lab/flash-attn/logs/session42-H200-short-rows-ab.log`). Below
+# 512 not measured; in any order the fused kernel runs one program per tile (1k causal d128
+# 0.721 against the dq kernel's 0.677): not moved.
 GLUON_FUSED_DQ_MAX_D = 64
-FUSED_DQ_MIN_N = {64: (2048, 2048), 128: (2048, 2048)}
+FUSED_DQ_MIN_N = {64: (512, 512), 128: (512, 512)}
 ANY_ORDER_DQ_MIN_N = {64: (4096, 4096), 128: (2048, 2048)}
 # Head dims (BLOCK_D) where GQA causal (no window) in the fixed order keeps the dq kernel
 # beside the Gluon dk/dv one at every length: the fused sums' wait chain grows with the query
@@ -113,7 +120,11 @@ FUSED_DQ_DKDV = Tile(64, 128, 4, 2, tma=True)
 # 1.070 / 0.936; 2k 1.719 / 1.532; 4k 2.669 / 2.555; 8k 4.451 / 4.239; softcap 30 with a 1k
 # window 1.118 / 1.043; any order: 1k 1.018 / 0.936, 4k 2.635 / 2.594
 # (`lab/flash-attn/logs/session41-H200-rows-smem-ab*.log`, `...-d128-dynamic-softcap-ab.log`).
-FUSED_PERSISTENT_MAX_WINDOW = {64: 3072, 128: 8192}
+# d64 past 3k since the ring (0.17.1; H200, session 42, causal 16k, per tile / from the counter,
+# ms, fixed order): window 2k 1.787 / 1.519, 3k 2.355 / 2.079, 4k 2.878 / 2.582, 6k 3.738 /
+# 3.524, 8k 4.477 / 4.238, 4k at 64k rows 12.184 / 11.568; any order 4k 2.739 / 2.688
+# (`lab/flash-attn/logs/session42-H200-d64-windows-dynamic-ab.log`).
+FUSED_PERSISTENT_MAX_WINDOW = {64: 8192, 128: 8192}
 # Fused-dq backwards summing dq in the fixed order walk their tiles from a
 # counter up to this many rows (queries and keys) too: one program per tile leaves the causal
 # tiles unbalanced and the last wave part-empty at a few tiles per SM, and the counter hands out
