@@ -672,7 +672,8 @@ def test_gpu_fused_dq_by_rule(d, causal, deterministic, device):
                         deterministic=deterministic)  # fmt: skip
     assert choose_bwd(rule) == gluon_bwd_config(rule, T.FUSED_DQ_DKDV, mode)
     need_sm90(device)
-    q, k, v = qkv(2, 1000, 1100, 8, 2, d, torch.bfloat16, device)
+    nq = T.FUSED_DQ_MIN_N[d][causal] - 112  # (below both rules)
+    q, k, v = qkv(2, nq, nq + 100, 8, 2, d, torch.bfloat16, device)
     pb = problems(q, k, v, causal, deterministic=deterministic)[1]
     cfg = check_bwd(pb, gluon_bwd_config(pb, T.FUSED_DQ_DKDV, mode))
     assert (cfg.kv_regs, cfg.dq_halves) == (d == 64, d == 128) and cfg.dq is None

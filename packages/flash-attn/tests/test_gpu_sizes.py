@@ -392,13 +392,16 @@ def test_gpu_gluon_backward_schedules_agree(causal, device):
     (`persistent=False`, its tile groups) give bitwise the same gradients (each tile's
     arithmetic is the same), right against the reference."""
     need_sm90(device)
-    q, k, v = qkv(4, 1000, 1100, 16, 4, 128, torch.bfloat16, device)  # 9 key blocks x 16 units
+    nq = T.FUSED_DQ_MIN_N[128][causal] - 112  # (below it: the dq kernel beside)
+    q, k, v = qkv(10, nq, nq + 100, 16, 4, 128, torch.bfloat16, device)
+    blocks = -(-(nq + 100) // 128)
     do = make(q.shape, q.dtype, device, seed=7)
     scale = 1 / math.sqrt(128)
     p = problems(q, k, v, causal, do=do)[1]
+    assert blocks * 40 > p.target.sms  # (more tiles than programs: some walk several)
     chosen = choose_bwd(p)
     assert chosen.kernel == BWD_GLUON and chosen.dq_mode == DQ_KERNEL and chosen.persistent
-    heads = tile_heads(16, 9, p.target.sms, causal, False, False)
+    heads = tile_heads(40, blocks, p.target.sms, causal, False, False)
     per_tile = replace(chosen, persistent=False, tile_heads=heads)
     o, lse = fa_launch.forward(q, k, v, causal, scale)
     grads = [fa_launch.backward(do, q, k, v, o, lse, None, causal, scale, config=cfg)
@@ -472,11 +475,12 @@ def test_gpu_dynamic_walk_runs_on_part_of_the_gpu(d, device):
     would wait there on the dq sums of tiles owned by programs that cannot start (until the
     holders' time limit: NOTES.md). Gradients bitwise those of one program per tile."""
     need_sm90(device)
-    n = T.FUSED_DQ_MIN_N[d][True]
+    n = max(T.FUSED_DQ_MIN_N[d][True], 2048)  # (rows past the window: it stays)
     q, k, v = qkv(1, n, n, 8, 4, d, torch.bfloat16, device)
     do = make(q.shape, q.dtype, device, seed=3)
     scale = 1 / math.sqrt(d)
     p = problems(q, k, v, True, window_size=(1023, -1), do=do)[1]
+    assert p.local
     chosen = choose_bwd(p)
     assert (chosen.dq_mode, chosen.persistent, chosen.dynamic) == (DQ_ORDERED, True, True)
     window = (p.left, p.right)
