@@ -5,7 +5,8 @@ MHA causal at 16k tokens (B = 16384 / N). On an sm_90 GPU:
     PYTHONPATH=shared/src:packages/flash-attn/src python lab/flash-attn/ab/gqa_causal_ab.py
     ... gqa_causal_ab.py ring   # session 42: GQA causal only, after 0.17.0's ring and walk
 
-    ... gqa_causal_ab.py heads-inner  # session 42: `BwdConfig.heads_inner` (GQA walk order)
+    ... gqa_causal_ab.py heads-inner  # session 42: `BwdConfig.heads_inner` (GQA walk order;
+                                      # a session build's field, gone since it lost)
 
 `ring` adds the halves in the fixed order ("halves-fixed": what the chooser would take without
 `tables.ORDERED_GQA_CAUSAL_DQ_KERNEL_D`, walked from the counter up to 8k rows since 0.17.0).
