@@ -282,32 +282,24 @@ def hold() -> None:
               f"{time.perf_counter() - t0:.2f} s, bitwise {same}", flush=True)  # fmt: skip
 
 
+MODES = {  # argv[1] -> the run (none or "d64-windows": the walks of `variants`)
+    "hold": hold,
+    "d128-dynamic": lambda: d128_dynamic(D128_DYNAMIC),
+    "d128-dynamic-softcap": lambda: d128_dynamic(D128_DYNAMIC_SOFTCAP),
+    "d64-windows-dynamic": lambda: d128_dynamic(D64_WINDOWS_DYNAMIC),
+    "d64-windows-any": lambda: d128_dynamic(D64_WINDOWS_ANY),
+    "short-rows": lambda: lengths(SHORT_ROWS),
+    "d64-lengths": lengths,
+}
+
+
 def main() -> None:
     torch.manual_seed(0)
-    if sys.argv[1:] == ["hold"]:
-        hold()
+    mode = sys.argv[1] if len(sys.argv) > 1 else None
+    if mode in MODES:
+        MODES[mode]()
         return
-    if sys.argv[1:] == ["d128-dynamic"]:
-        d128_dynamic(D128_DYNAMIC)
-        return
-    if sys.argv[1:] == ["d128-dynamic-softcap"]:
-        d128_dynamic(D128_DYNAMIC_SOFTCAP)
-        return
-    if sys.argv[1:] == ["d64-windows-dynamic"]:
-        d128_dynamic(D64_WINDOWS_DYNAMIC)
-        return
-    if sys.argv[1:] == ["d64-windows-any"]:
-        d128_dynamic(D64_WINDOWS_ANY)
-        return
-    if sys.argv[1:] == ["short-rows"]:
-        lengths(SHORT_ROWS)
-        return
-    if sys.argv[1:] == ["d64-lengths"]:
-        lengths()
-        return
-    for d, b, n, h, causal, window, det, cap in (
-        D64_WINDOWS if sys.argv[1:] == ["d64-windows"] else CASES
-    ):
+    for d, b, n, h, causal, window, det, cap in D64_WINDOWS if mode == "d64-windows" else CASES:
         q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
                        for _ in range(4))  # fmt: skip
         chosen, fns = variants(q, k, v, do, causal, window, det, cap)
