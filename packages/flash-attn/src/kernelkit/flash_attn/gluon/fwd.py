@@ -21,7 +21,9 @@ the programs stay in step on the same heads: `FwdArgs.tile`), in three partition
   FlashAttention-3). P stays in registers as the A operand of the P.V wgmma; K^T is a transposed
   shared-memory view. The two warpgroups are not forced into ping-pong order: the warp
   schedulers interleave one's softmax with the other's MMAs as they come (forcing it measured
-  no faster: NOTES.md, session 22).
+  no faster: NOTES.md, session 22). A warpgroup's o leaves through shared memory and a TMA
+  store, so the warpgroup goes on to its next tile while the copy runs (stored from registers,
+  the epilogue cost a window-1k tile 16% of its time: NOTES.md, session 43).
 A tile walks only the key blocks some row of it sees (a sliding window's: from its first row's
 first key). Key blocks no mask can touch are walked without one; a block on the causal diagonal,
 past Nk or across the window's left edge applies it (a run-time branch: Gluon has no automatic
@@ -40,6 +42,7 @@ from .common import (
     LN2,
     MaybeConstexpr,
     aggregate,
+    fence_async_shared,
     gl,
     gluon,
     maybe_constexpr,
@@ -84,12 +87,11 @@ class FwdArgs:
     # and a stand-in.
     CTR: MaybeConstexpr
     ids: gl.shared_memory_descriptor
-    # The output (B, Nq, H, D) and its strides; the LSE rows (B * H, Nq).
-    O: gl.tensor
+    # The output's TMA descriptor over the whole (B, Nq, H, D) o and each consumer warpgroup's
+    # o tile on its way out (o_smem[WG]); the LSE rows (B * H, Nq).
+    o_desc: tma.tensor_descriptor
+    o_smem: gl.shared_memory_descriptor
     LSE: gl.tensor
-    stride_ob: MaybeConstexpr
-    stride_on: MaybeConstexpr
-    stride_oh: MaybeConstexpr
     # Query blocks per head, tiles in all; heads, query heads per kv head; lengths; scales.
     num_m: gl.tensor
     n_tiles: gl.tensor
@@ -120,7 +122,7 @@ class FwdArgs:
 
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
-                 v_ready, k_empty, v_empty, CTR, ids, O, LSE, stride_ob, stride_on, stride_oh, num_m,
+                 v_ready, k_empty, v_empty, CTR, ids, o_desc, o_smem, LSE, num_m,
                  n_tiles, H, GROUP, Nq, Nk, qk_scale, cap_scale, lo_shift, hi_shift, CAUSAL,
                  LOCAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, SOFTCAP, Q_REGS, PAIRS,
                  DYNAMIC, row_shift, FIXED_SHIFT):  # fmt: skip
@@ -129,10 +131,7 @@ class FwdArgs:
         self.q_bar, self.q_empty = q_bar, q_empty
         self.k_ready, self.v_ready, self.k_empty, self.v_empty = k_ready, v_ready, k_empty, v_empty
         self.CTR, self.ids = maybe_constexpr(CTR), ids
-        self.O, self.LSE = O, LSE
-        self.stride_ob = maybe_constexpr(stride_ob)
-        self.stride_on = maybe_constexpr(stride_on)
-        self.stride_oh = maybe_constexpr(stride_oh)
+        self.o_desc, self.o_smem, self.LSE = o_desc, o_smem, LSE
         self.num_m, self.n_tiles = num_m, n_tiles
         self.H, self.GROUP = maybe_constexpr(H), maybe_constexpr(GROUP)
         self.Nq, self.Nk, self.qk_scale, self.cap_scale = Nq, Nk, qk_scale, cap_scale
@@ -338,11 +337,11 @@ def _step(a, s, m_i, l_i, start_n, first, last, full_lo, full_hi, s_layout: gl.c
 
 
 @gluon.jit
-def _attend_tile(a, q_buf, q_bar, q_empty, q_phase, i, j0, n_blocks, row0, O, LSE):
-    """One warpgroup's 64 query rows from row0 of one tile (its q rows in q_buf, with the q
-    buffer's barriers and phase; the K/V ring at position i): the pipelined loop over the
-    tile's n_blocks key blocks from block j0, then o (O: the head's base) and the LSE (LSE: the head's row
-    vector) to global memory. Q_REGS: the q tile is the S wgmma's A operand from registers, not
+def _attend_tile(a, q_buf, q_bar, q_empty, q_phase, i, j0, n_blocks, b, h, row0, o_buf, LSE):
+    """One warpgroup's 64 query rows from row0 of one tile of (batch b, head h) (its q rows in
+    q_buf, with the q buffer's barriers and phase; the K/V ring at position i): the pipelined
+    loop over the tile's n_blocks key blocks from block j0, then o to global memory through
+    o_buf and a TMA store (rows past Nq are clipped), and the LSE (LSE: the head's row vector). Q_REGS: the q tile is the S wgmma's A operand from registers, not
     shared memory (its buffer is released at once)."""
     BLOCK_N: gl.constexpr = a.BLOCK_N
     BLOCK_D: gl.constexpr = a.BLOCK_D
@@ -418,10 +417,11 @@ def _attend_tile(a, q_buf, q_bar, q_empty, q_phase, i, j0, n_blocks, row0, O, LS
     # A row that sees no key (causal, Nq > Nk) has l = 0: output zeros and LSE = -inf.
     l_o = gl.convert_layout(l_i, row_o)
     o = o / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
-    rows_o = row0 + gl.arange(0, WG_ROWS, layout=row_o)
-    cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
-    ptrs = O + rows_o[:, None].to(gl.int64) * a.stride_on + cols[None, :]
-    gl.store(ptrs, o.to(dtype), mask=(rows_o[:, None] < Nq) & (cols[None, :] < a.HEAD_DIM))
+    tma.store_wait(0)  # the warpgroup's previous tile has left o_buf
+    o_buf.store(o.to(dtype))
+    fence_async_shared()
+    o_dst = o_buf._reinterpret(dtype, [1, WG_ROWS, 1, BLOCK_D], a.o_desc.layout)
+    tma.async_copy_shared_to_global(a.o_desc, [b, row0, h, 0], o_dst)
     lse = (m_i + gl.log2(l_i)) * LN2
     gl.store(LSE + rows, lse, mask=rows < Nq)
 
@@ -444,6 +444,7 @@ def _consumer(a, WG: gl.constexpr):
             for w in range(per_unit):
                 i += _consume_tile(a, t // per_unit, w, c, i, WG)
                 c += 1
+    tma.store_wait(0)  # the last tile's o has left shared memory
 
 
 @gluon.jit
@@ -452,10 +453,10 @@ def _consume_tile(a, u, w, c, i, WG: gl.constexpr):
     key blocks from ring position i (`_attend_tile`). Returns its key blocks."""
     b, h, _, bh, start_m, j0, n_blocks = a.tile(u, w)
     qb = c % 2
-    o_head = a.O + b.to(gl.int64) * a.stride_ob + h.to(gl.int64) * a.stride_oh
     _attend_tile(a, a.q_smem.index(qb).slice(WG * WG_ROWS, WG_ROWS), a.q_bar.index(qb),
-                 a.q_empty.index(qb), (c // 2) & 1, i, j0, n_blocks, start_m + WG * WG_ROWS,
-                 o_head, a.LSE + bh.to(gl.int64) * a.Nq)  # fmt: skip
+                 a.q_empty.index(qb), (c // 2) & 1, i, j0, n_blocks, b, h,
+                 start_m + WG * WG_ROWS, a.o_smem.index(WG),
+                 a.LSE + bh.to(gl.int64) * a.Nq)  # fmt: skip
     return n_blocks
 
 
@@ -526,7 +527,9 @@ def attn_fwd_gluon_kernel(
     dtype: gl.constexpr = Q.dtype.element_ty
     q_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, 1, BLOCK_D], dtype)
     kv_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, 1, BLOCK_D], dtype)
+    o_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, WG_ROWS, 1, BLOCK_D], dtype)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], dtype)
+    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, BLOCK_D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
     q_desc = tma.make_tensor_descriptor(Q, [B, Nq, H, HEAD_DIM],
                                         [stride_qb, stride_qn, stride_qh, 1],
@@ -537,7 +540,11 @@ def attn_fwd_gluon_kernel(
     v_desc = tma.make_tensor_descriptor(V, [B, Nk, Hkv, HEAD_DIM],
                                         [stride_vb, stride_vn, stride_vh, 1],
                                         [1, BLOCK_N, 1, BLOCK_D], kv_tile)  # fmt: skip
+    o_desc = tma.make_tensor_descriptor(O, [B, Nq, H, HEAD_DIM],
+                                        [stride_ob, stride_on, stride_oh, 1],
+                                        [1, WG_ROWS, 1, BLOCK_D], o_tile)  # fmt: skip
     q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_D], q_layout)
+    o_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, BLOCK_D], o_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -561,7 +568,7 @@ def attn_fwd_gluon_kernel(
         ids = q_bar
 
     a = FwdArgs(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                k_empty, v_empty, TILE_CTR, ids, O, LSE, stride_ob, stride_on, stride_oh, num_m, n_tiles, H, GROUP,
+                k_empty, v_empty, TILE_CTR, ids, o_desc, o_smem, LSE, num_m, n_tiles, H, GROUP,
                 Nq, Nk, qk_scale, cap_scale, lo_shift, hi_shift, CAUSAL, LOCAL, HEAD_DIM, BLOCK_M,
                 BLOCK_N, BLOCK_D, STAGES, SOFTCAP, Q_REGS, PAIRS, DYNAMIC, row_shift,
                 FIXED_SHIFT)  # fmt: skip
@@ -595,6 +602,8 @@ def can_implement(p: Problem, cfg: FwdConfig) -> str | None:
         return "the Gluon forward reads q, k, v through TMA (config tma=False)"
     if not (p.tma_q and p.tma_kv):
         return "q, k, v rows not 16-byte aligned for TMA"
+    if p.head_dim * p.dtype.itemsize % 16:
+        return "o rows not 16-byte aligned for the TMA store"
     if p.packed:
         return "a packed batch"
     if p.softcap and not cfg.fast_tanh:
