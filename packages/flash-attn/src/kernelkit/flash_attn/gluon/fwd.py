@@ -341,8 +341,9 @@ def _attend_tile(a, q_buf, q_bar, q_empty, q_phase, i, j0, n_blocks, b, h, row0,
     """One warpgroup's 64 query rows from row0 of one tile of (batch b, head h) (its q rows in
     q_buf, with the q buffer's barriers and phase; the K/V ring at position i): the pipelined
     loop over the tile's n_blocks key blocks from block j0, then o to global memory through
-    o_buf and a TMA store (rows past Nq are clipped), and the LSE (LSE: the head's row vector). Q_REGS: the q tile is the S wgmma's A operand from registers, not
-    shared memory (its buffer is released at once)."""
+    o_buf and a TMA store (rows past Nq are clipped), and the LSE (LSE: the head's row
+    vector). Q_REGS: the q tile is the S wgmma's A operand from registers, not shared memory
+    (its buffer is released at once)."""
     BLOCK_N: gl.constexpr = a.BLOCK_N
     BLOCK_D: gl.constexpr = a.BLOCK_D
     STAGES: gl.constexpr = a.STAGES
@@ -586,9 +587,10 @@ def attn_fwd_gluon_kernel(
 
 def can_implement(p: Problem, cfg: FwdConfig) -> str | None:
     """None if the Gluon forward can run `cfg` for problem `p`, else why not: an sm_90 GPU,
-    half precision, BLOCK_D 64 or 128, v's head dim equal to q's, TMA-aligned q, k, v; dense,
-    no packed batch; softcap only through tanh.approx; 2 x 64 query rows per tile; pairs of
-    tiles for causal problems with an even number of query blocks (any window: the chooser
+    half precision, BLOCK_D 64 or 128, v's head dim equal to q's, TMA-aligned q, k, v, o rows
+    16-byte aligned (o is contiguous: the TMA store needs head_dim * itemsize % 16 == 0);
+    dense, no packed batch; softcap only through tanh.approx; 2 x 64 query rows per tile; pairs
+    of tiles for causal problems with an even number of query blocks (any window: the chooser
     pairs them only without a left edge, `choose.gluon_fwd_config`)."""
     if not p.target.gluon:
         return "not an sm_90 GPU (or under the interpreter)"
