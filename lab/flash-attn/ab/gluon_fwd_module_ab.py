@@ -16,25 +16,17 @@ a timed run. Writes $OUT/gluon_fwd_module_ab.json.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
 
 import torch
+from gluon_bwd_module_ab import load  # (this folder is on sys.path when run as a script)
 
 from kernelkit.flash_attn import choose as C
 from kernelkit.flash_attn import launch as L
 from kernelkit.flash_attn.reference import attention_reference
 from kernelkit.shared.bench import interleaved_ms
-
-
-def load(name: str, path: str):
-    spec = importlib.util.spec_from_file_location(f"kernelkit.flash_attn.gluon.{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def modules(argv) -> dict:
