@@ -107,7 +107,6 @@ class FwdArgs:
     hi_shift: gl.tensor
     CAUSAL: gl.constexpr
     LOCAL: gl.constexpr
-    HEAD_DIM: gl.constexpr
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
     BLOCK_D: gl.constexpr
@@ -124,7 +123,7 @@ class FwdArgs:
     def __init__(self, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                  v_ready, k_empty, v_empty, CTR, ids, o_desc, o_smem, LSE, num_m,
                  n_tiles, H, GROUP, Nq, Nk, qk_scale, cap_scale, lo_shift, hi_shift, CAUSAL,
-                 LOCAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, SOFTCAP, Q_REGS, PAIRS,
+                 LOCAL, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, SOFTCAP, Q_REGS, PAIRS,
                  DYNAMIC, row_shift, FIXED_SHIFT):  # fmt: skip
         self.q_desc, self.k_desc, self.v_desc = q_desc, k_desc, v_desc
         self.q_smem, self.k_smem, self.v_smem = q_smem, k_smem, v_smem
@@ -137,7 +136,6 @@ class FwdArgs:
         self.Nq, self.Nk, self.qk_scale, self.cap_scale = Nq, Nk, qk_scale, cap_scale
         self.lo_shift, self.hi_shift = lo_shift, hi_shift
         self.CAUSAL, self.LOCAL = gl.constexpr(CAUSAL), gl.constexpr(LOCAL)
-        self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.BLOCK_M, self.BLOCK_N = gl.constexpr(BLOCK_M), gl.constexpr(BLOCK_N)
         self.BLOCK_D, self.STAGES = gl.constexpr(BLOCK_D), gl.constexpr(STAGES)
         self.SOFTCAP, self.Q_REGS = gl.constexpr(SOFTCAP), gl.constexpr(Q_REGS)
@@ -570,7 +568,7 @@ def attn_fwd_gluon_kernel(
 
     a = FwdArgs(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                 k_empty, v_empty, TILE_CTR, ids, o_desc, o_smem, LSE, num_m, n_tiles, H, GROUP,
-                Nq, Nk, qk_scale, cap_scale, lo_shift, hi_shift, CAUSAL, LOCAL, HEAD_DIM, BLOCK_M,
+                Nq, Nk, qk_scale, cap_scale, lo_shift, hi_shift, CAUSAL, LOCAL, BLOCK_M,
                 BLOCK_N, BLOCK_D, STAGES, SOFTCAP, Q_REGS, PAIRS, DYNAMIC, row_shift,
                 FIXED_SHIFT)  # fmt: skip
     gl.warp_specialize(
