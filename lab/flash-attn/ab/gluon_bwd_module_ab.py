@@ -4,11 +4,13 @@ sibling module and swapped in as `launch.gluon_bwd` around its calls; the choose
 each case (forced, so nothing is replayed). On an sm_90 GPU:
 
     PYTHONPATH=shared/src:packages/flash-attn/src python lab/flash-attn/ab/gluon_bwd_module_ab.py \
-        old=/path/old_bwd.py [speed|accuracy|both] [cases=softcap|plain|all]
+        old=/path/old_bwd.py [speed|accuracy|both|warm] [cases=softcap|plain|short|all]
+        [rounds=7] [only=name] [d=64|128]
 
 accuracy: max error of dq / dk / dv against a float32 reference at (2, 1024, 4, d) and the
 worst relative error of the dk rows of rarely attended keys (softcap 30, bf16; the bf16
-PyTorch reference's beside it). speed: median ms and TFLOP/s over 7 interleaved rounds.
+PyTorch reference's beside it). speed: median ms and TFLOP/s over interleaved rounds. warm: one call of each case (only=: of
+that module) to fill Triton's cache from parallel processes before a timed run.
 Writes $OUT/gluon_bwd_module_ab.json. Logs: `lab/flash-attn/logs/session37-H200-*-ab.log`.
 """
 
@@ -71,7 +73,7 @@ class Commit37:
 def modules(argv) -> dict:
     mods = {"new": L.gluon_bwd}
     for a in argv:
-        if "=" in a and not a.startswith("cases="):
+        if "=" in a and a.split("=")[0] not in ("cases", "rounds", "only", "d"):
             name, path = a.split("=", 1)
             mod = load(name, path)
             if hasattr(mod, "rows_scaled"):
@@ -159,14 +161,25 @@ CASES = {  # (d, b, n, heads, kv heads, causal, window, softcap, deterministic)
        (128, 1, 16384, 16, 16, True, (4095, 0), 0.0, True)]
     + [(128, 16384 // n, n, 16, 16, c, (-1, -1), 0.0, False)
        for n in (4096, 16384) for c in (True, False)],
+    # short tiles: 1k windows, 2k-4k rows, and 16k causal beside them
+    "short": [(d, 1, 16384, 2048 // d, 2048 // d, True, (1023, 0), 0.0, True) for d in (128, 64)]
+    + [(d, 16384 // n, n, 2048 // d, 2048 // d, c, (-1, -1), 0.0, True)
+       for d in (128, 64) for n in (2048, 4096) for c in (True, False)]
+    + [(d, 1, 16384, 2048 // d, 2048 // d, True, (-1, -1), 0.0, True) for d in (128, 64)]
+    + [(128, 1, 16384, 16, 16, True, (1023, 0), CAP, True),
+       (128, 2, 8192, 32, 8, True, (-1, -1), 0.0, True),
+       (128, 2, 8192, 32, 8, False, (-1, -1), 0.0, True)],
 }  # fmt: skip
 
 
 def main() -> None:
     argv = sys.argv[1:]
     mods = modules(argv)
-    mode = next((a for a in argv if a in ("speed", "accuracy", "both")), "both")
+    mode = next((a for a in argv if a in ("speed", "accuracy", "both", "warm")), "both")
     which = next((a.split("=")[1] for a in argv if a.startswith("cases=")), "all")
+    rounds = int(next((a.split("=")[1] for a in argv if a.startswith("rounds=")), "7"))
+    only = next((a.split("=")[1] for a in argv if a.startswith("only=")), None)
+    head_d = int(next((a.split("=")[1] for a in argv if a.startswith("d=")), "0"))
     rows = {"accuracy": [], "rare": [], "speed": []}
     if mode in ("accuracy", "both"):
         for d in (128, 64):
@@ -177,13 +190,21 @@ def main() -> None:
                         err = accuracy(mods, d, causal, cap, dtype)
                         rows["accuracy"].append(dict(d=d, causal=causal, cap=cap,
                                                      dtype=str(dtype), err=err))  # fmt: skip
-    cases = [c for name, cs in CASES.items() if which in (name, "all") for c in cs]
-    for d, b, n, hq, hk, causal, window, cap, det in cases if mode in ("speed", "both") else []:
+    cases = [
+        c for name, cs in CASES.items() if which in (name, "all") for c in cs if head_d in (0, c[0])
+    ]
+    for d, b, n, hq, hk, causal, window, cap, det in cases if mode != "accuracy" else []:
         torch.manual_seed(0)
         q = torch.randn(b, n, hq, d, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(b, n, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         do = torch.randn_like(q)
         fns, cfg = backward_fns(mods, q, k, v, do, causal, window, cap, det)
+        if mode == "warm":  # one call of `only`'s kernel (all modules without only=)
+            for name, fn in fns.items():
+                if only in (None, name):
+                    fn()
+            torch.cuda.synchronize()
+            continue
         pairs = n * n * (0.5 if causal else 1.0)
         if window[0] >= 0:
             pairs = sum(min(i + 1, window[0] + 1) for i in range(n))
@@ -191,7 +212,7 @@ def main() -> None:
         base = fns["new"]()
         diff = {name: max((a.float() - r.float()).abs().max().item()
                           for a, r in zip(fn(), base)) for name, fn in fns.items()}  # fmt: skip
-        res = interleaved_ms(fns, rounds=7)
+        res = interleaved_ms(fns, rounds=rounds)
         rows["speed"].append(dict(d=d, b=b, n=n, hq=hq, hk=hk, causal=causal, window=window,
                                   cap=cap, deterministic=det, cfg=str(cfg),
                                   ms={name: ms for name, (ms, _) in res.items()}, diff=diff))  # fmt: skip

@@ -287,18 +287,26 @@ def test_chooser_falls_back_where_gluon_cannot_run(device):
     for cfg in (choose_fwd(problems(q1, k, v, True, target=H100)[0]),
                 choose_bwd(problems(q1, k, v, True, target=H100)[1])):  # fmt: skip
         assert cfg.kernel == "triton" and cfg.why.endswith("rows not 16-byte aligned for TMA")
-    # Head dim 68 in rows padded to 72: q, k, v TMA-aligned, but o (68 elements a row, 136
-    # bytes) cannot take the Gluon forward's TMA store; the portable forward runs it.
+    # Head dim 68 in rows padded to 72: q, k, v, do TMA-aligned, but o, dk and dv (68 elements
+    # a row, 136 bytes) cannot take the Gluon kernels' TMA stores; the portable kernels run it.
     q68, k68, v68 = (torch.nn.functional.pad(t, (0, 4))[..., :68]
                      for t in qkv(1, 70, 90, 2, 1, 68, torch.bfloat16, device))  # fmt: skip
-    p68 = problems(q68, k68, v68, True, target=H100)[0]
+    do68 = torch.nn.functional.pad(q68, (0, 4))[..., :68]
+    p68, pb68 = problems(q68, k68, v68, True, target=H100, do=do68)
     assert p68.tma_q and p68.tma_kv and p68.block_d == 128
+    assert pb68.tma_q and pb68.tma_kv and pb68.tma_do
     assert fa_launch.gluon_fwd.can_implement(p68, gluon_fwd_config(p68)) == (
         "o rows not 16-byte aligned for the TMA store"
     )
-    fwd68 = choose_fwd(p68)
+    gluon68 = gluon_bwd_config(pb68, T.GLUON_DKDV_TILES[128][True], DQ_KERNEL)
+    assert fa_launch.gluon_bwd.can_implement(pb68, gluon68) == (
+        "dk, dv rows not 16-byte aligned for the TMA store"
+    )
+    fwd68, bwd68 = choose_fwd(p68), choose_bwd(pb68)
     assert fwd68.kernel == FWD_TRITON and fwd68.why.endswith("aligned for the TMA store")
-    check_launches(choose_fwd(problems(q68, k68, v68, True)[0]), None, q68, k68, v68, True)
+    assert bwd68.kernel == BWD_TRITON and bwd68.why.endswith("aligned for the TMA store")
+    check_launches(*(f(p) for f, p in zip((choose_fwd, choose_bwd), problems(q68, k68, v68, True))),
+                   q68, k68, v68, True)  # fmt: skip
     # float32 inputs: the tables never ask for the Gluon kernels; the float32 tiles.
     cfg = choose_bwd(meta_problem(1, 100, 100, 2, 2, 128, torch.float32, causal=True))
     assert cfg.kernel == BWD_TRITON and cfg.dkdv == T.FP32_TILES[128][1] and cfg.dkdv_tma

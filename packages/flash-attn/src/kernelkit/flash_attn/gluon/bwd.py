@@ -53,7 +53,7 @@ import torch
 from kernelkit.shared.runtime import cdiv
 
 from ..config import DQ_KERNEL, DQ_ORDERED, BwdConfig, Problem, Scores
-from ..strides import strides, tma_strides
+from ..strides import tma_strides
 from ..tables import GLUON_FUSED_DQ_MAX_D
 from .bwd_partitions import (
     BWD_WG_KEYS,
@@ -186,6 +186,15 @@ def attn_bwd_gluon_kernel(
     v_desc = tma.make_tensor_descriptor(V, [B, Nk, Hkv, HEAD_DIM],
                                         [stride_vb, stride_vn, stride_vh, 1],
                                         [1, BLOCK_N, 1, BLOCK_D], kv4)  # fmt: skip
+    # dk, dv: each consumer stores its 64 keys (`_store_dkdv`)
+    out4: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BWD_WG_KEYS, 1, BLOCK_D], dtype)
+    out2: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BWD_WG_KEYS, BLOCK_D], dtype)
+    dk_desc = tma.make_tensor_descriptor(DK, [B, Nk, Hkv, HEAD_DIM],
+                                         [stride_dkb, stride_dkn, stride_dkh, 1],
+                                         [1, BWD_WG_KEYS, 1, BLOCK_D], out4)  # fmt: skip
+    dv_desc = tma.make_tensor_descriptor(DV, [B, Nk, Hkv, HEAD_DIM],
+                                         [stride_dvb, stride_dvn, stride_dvh, 1],
+                                         [1, BWD_WG_KEYS, 1, BLOCK_D], out4)  # fmt: skip
     # the padded row vectors as flat (B * H * vec_stride,) float32 tensors, BLOCK_M rows a load
     rows_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
                                                      rank=1)  # fmt: skip
@@ -232,6 +241,12 @@ def attn_bwd_gluon_kernel(
         ds_smem, dq_smem = k_smem, v_smem
         ds_ready, ds_free, dq_ready, dq_free = kv_bar, kv_bar, kv_bar, kv_bar
         dq_desc = q_desc
+    # dk, dv on their way out: slot 2 j + WG (j = 0 dk, 1 dv); DQ_HALVES: the dq buffers (its
+    # shared memory is full: 225.5 KB)
+    if DQ_HALVES:
+        out_smem = dq_smem
+    else:
+        out_smem = gl.allocate_shared_memory(dtype, [4, BWD_WG_KEYS, BLOCK_D], out2)
     if DYNAMIC:
         ids = gl.allocate_shared_memory(gl.int32, [ID_SLOTS, 1],
                                         gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # fmt: skip
@@ -243,11 +258,10 @@ def attn_bwd_gluon_kernel(
     else:  # unused: stand-ins
         ids, id_ready, id_free = kv_bar, kv_bar, kv_bar
 
-    a = BwdArgs(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, q_smem, do_smem,
-                rows_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, kv_empty, ready, empty,
-                ds_ready, ds_free, dq_ready, dq_free, DK, DV, K, V, stride_dkb, stride_dkn,
-                stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn, stride_kh,
-                stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles,
+    a = BwdArgs(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, dk_desc, dv_desc,
+                q_smem, do_smem, rows_smem, k_smem, v_smem, ds_smem, dq_smem, out_smem, kv_bar,
+                kv_empty, ready, empty, ds_ready, ds_free, dq_ready, dq_free, K, V, stride_kb,
+                stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles,
                 tile_heads, qk_scale, sm_scale, SEM, sem_stride, cap_scale, lo_shift, hi_shift,
                 CAUSAL, LOCAL, SOFTCAP, ROWS_SCALED, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, STAGES,
                 DQ_MODE, DQ_HALVES, KV_REGS, PERSISTENT, TILE_CTR, ids, id_ready, id_free,
@@ -340,6 +354,8 @@ def can_implement(p: Problem, cfg: BwdConfig) -> str | None:
         return "the Gluon backward reads q, k, v, do through TMA (config dkdv_tma=False)"
     if not (p.tma_q and p.tma_kv and p.tma_do):
         return "q, k, v, do rows not 16-byte aligned for TMA"
+    if p.head_dim * p.dtype.itemsize % 16:
+        return "dk, dv rows not 16-byte aligned for the TMA store"
     if p.packed:
         return "a packed batch"
     if p.softcap and not cfg.fast_tanh:
@@ -395,7 +411,7 @@ def launch(ops, p: Problem, cfg: BwdConfig, s: Scores, q, k, v, do, lse2, delta,
         attn_bwd_gluon_kernel, (min(tiles, p.target.sms) if cfg.persistent else tiles,),
         Q=q, K=k, V=v, DO=do, LSE2=lse2, DELTA=delta, DK=dk, DV=dv, DQACC=dq_acc, SEM=sem,
         **tma_strides("q", q), **tma_strides("k", k), **tma_strides("v", v),
-        **tma_strides("do", do), **strides("dk", dk), **strides("dv", dv),
+        **tma_strides("do", do), **tma_strides("dk", dk), **tma_strides("dv", dv),
         vec_stride=width, sem_stride=width // sem_rows, dq_rows=p.batch * p.heads * width,
         tile_heads=cfg.tile_heads, B=p.batch, H=p.heads, Hkv=p.kv_heads,
         GROUP=p.heads // p.kv_heads, Nq=p.nq, Nk=p.nk, qk_scale=s.qk_scale,

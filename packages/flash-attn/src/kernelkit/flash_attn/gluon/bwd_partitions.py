@@ -123,8 +123,8 @@ class BwdArgs:
     aggregate into its fields), and another order gives an equivalent but different kernel."""
 
     # TMA descriptors over the whole (B, N, H, D) tensors and the flat padded row vectors (the
-    # producer's), and over the float32 dq sums (the reducer warps'; DQ_MODE > 0, else a
-    # stand-in).
+    # producer's), over the float32 dq sums (the reducer warps'; DQ_MODE > 0, else a
+    # stand-in), and over dk and dv (B, Nk, Hkv, D) (the consumers' stores, 64 keys a box).
     q_desc: tma.tensor_descriptor
     do_desc: tma.tensor_descriptor
     k_desc: tma.tensor_descriptor
@@ -132,10 +132,14 @@ class BwdArgs:
     lse_desc: tma.tensor_descriptor
     delta_desc: tma.tensor_descriptor
     dq_desc: tma.tensor_descriptor
+    dk_desc: tma.tensor_descriptor
+    dv_desc: tma.tensor_descriptor
     # Shared memory: STAGES-deep rings of q and do tiles (BLOCK_M rows each) and of their rows'
     # lse2 and delta (`rows_smem`: slot 2 s lse2, 2 s + 1 delta), the tile's K and V (BLOCK_N
     # keys); with DQ_MODE > 0 two dS^T buffers (one per step parity) and DQ_BUFFERS dq parts
-    # (DQ_HALVES: each as two column halves; else stand-ins, never read). Barriers:
+    # (DQ_HALVES: each as two column halves; else stand-ins, never read); the consumers' dk
+    # and dv tiles on their way out (`out_smem`: slot 2 j + WG, j = 0 dk, 1 dv; with DQ_HALVES
+    # the dq buffers of the same slots, reinterpreted, `_out_buf`). Barriers:
     # kv_bar (K, V landed) / kv_empty (every warpgroup reading them is done), ready[s] /
     # empty[s] (the ring's slots), ds_ready / ds_free and dq_ready / dq_free (the dS^T and dq
     # hand-offs).
@@ -146,6 +150,7 @@ class BwdArgs:
     v_smem: gl.shared_memory_descriptor
     ds_smem: gl.shared_memory_descriptor
     dq_smem: gl.shared_memory_descriptor
+    out_smem: gl.shared_memory_descriptor
     kv_bar: gl.shared_memory_descriptor
     kv_empty: gl.shared_memory_descriptor
     ready: gl.shared_memory_descriptor
@@ -154,18 +159,10 @@ class BwdArgs:
     ds_free: gl.shared_memory_descriptor
     dq_ready: gl.shared_memory_descriptor
     dq_free: gl.shared_memory_descriptor
-    # dk, dv (outputs) and K, V (KV_REGS: read into registers) as (B, Nk, Hkv, D) with their
-    # strides; the padded row vectors' row length.
-    DK: gl.tensor
-    DV: gl.tensor
+    # K, V (KV_REGS: read into registers) as (B, Nk, Hkv, D) with their strides; the padded row
+    # vectors' row length.
     K: gl.tensor
     V: gl.tensor
-    stride_dkb: MaybeConstexpr
-    stride_dkn: MaybeConstexpr
-    stride_dkh: MaybeConstexpr
-    stride_dvb: MaybeConstexpr
-    stride_dvn: MaybeConstexpr
-    stride_dvh: MaybeConstexpr
     stride_kb: MaybeConstexpr
     stride_kn: MaybeConstexpr
     stride_kh: MaybeConstexpr
@@ -215,30 +212,24 @@ class BwdArgs:
     DYNAMIC: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, q_smem,
-                 do_smem, rows_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, kv_empty, ready,
-                 empty, ds_ready, ds_free, dq_ready, dq_free, DK, DV, K, V, stride_dkb,
-                 stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_kb, stride_kn,
-                 stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv, GROUP, Nq, Nk,
+    def __init__(self, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, dk_desc,
+                 dv_desc, q_smem, do_smem, rows_smem, k_smem, v_smem, ds_smem, dq_smem, out_smem,
+                 kv_bar, kv_empty, ready, empty, ds_ready, ds_free, dq_ready, dq_free, K, V,
+                 stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv, GROUP, Nq, Nk,
                  n_tiles, tile_heads, qk_scale, sm_scale, SEM, sem_stride, cap_scale, lo_shift,
                  hi_shift, CAUSAL, LOCAL, SOFTCAP, ROWS_SCALED, HEAD_DIM, BLOCK_M, BLOCK_N,
                  BLOCK_D, STAGES, DQ_MODE, DQ_HALVES, KV_REGS, PERSISTENT, CTR, ids, id_ready,
                  id_free, DYNAMIC):  # fmt: skip
         self.q_desc, self.do_desc, self.k_desc, self.v_desc = q_desc, do_desc, k_desc, v_desc
         self.lse_desc, self.delta_desc, self.dq_desc = lse_desc, delta_desc, dq_desc
+        self.dk_desc, self.dv_desc = dk_desc, dv_desc
         self.q_smem, self.do_smem, self.rows_smem = q_smem, do_smem, rows_smem
         self.k_smem, self.v_smem = k_smem, v_smem
-        self.ds_smem, self.dq_smem = ds_smem, dq_smem
+        self.ds_smem, self.dq_smem, self.out_smem = ds_smem, dq_smem, out_smem
         self.kv_bar, self.kv_empty, self.ready, self.empty = kv_bar, kv_empty, ready, empty
         self.ds_ready, self.ds_free = ds_ready, ds_free
         self.dq_ready, self.dq_free = dq_ready, dq_free
-        self.DK, self.DV, self.K, self.V = DK, DV, K, V
-        self.stride_dkb = maybe_constexpr(stride_dkb)
-        self.stride_dkn = maybe_constexpr(stride_dkn)
-        self.stride_dkh = maybe_constexpr(stride_dkh)
-        self.stride_dvb = maybe_constexpr(stride_dvb)
-        self.stride_dvn = maybe_constexpr(stride_dvn)
-        self.stride_dvh = maybe_constexpr(stride_dvh)
+        self.K, self.V = K, V
         self.stride_kb = maybe_constexpr(stride_kb)
         self.stride_kn = maybe_constexpr(stride_kn)
         self.stride_kh = maybe_constexpr(stride_kh)
@@ -551,12 +542,10 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
     dtype: gl.constexpr = a.q_smem.dtype
     Nk = a.Nk
 
-    # The kv head's bases of dk, dv, K and V; its first query head's row in the row vectors.
+    # The kv head's bases of K and V.
     b64 = t.b.to(gl.int64)
     hk64 = t.hk.to(gl.int64)
     kv_phase = c & 1  # the K/V barrier's phase
-    DK = a.DK + b64 * a.stride_dkb + hk64 * a.stride_dkh
-    DV = a.DV + b64 * a.stride_dvb + hk64 * a.stride_dvh
     K = a.K + b64 * a.stride_kb + hk64 * a.stride_kh
     V = a.V + b64 * a.stride_vb + hk64 * a.stride_vh
     kw0 = t.start_n + WG * BWD_WG_KEYS
@@ -650,6 +639,7 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
             mbarrier.arrive(a.ds_free.index(par))
             buf = i % N_BUF  # free once the reducer's adds of its last parts have read it
             mbarrier.wait(a.dq_free.index(buf), ((i // N_BUF) & 1) ^ 1)
+            tma.store_wait(0)  # the last tile's dk, dv have left it (`_store_dkdv`)
             a.dq_smem.index(buf * 2 + WG).store(dq * a.sm_scale)
             fence_async_shared()
             gl.thread_barrier()
@@ -660,16 +650,54 @@ def _bwd_tile_steps(a, t, c, i0, WG: gl.constexpr):
             dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
             mbarrier.arrive(a.empty.index(s))
     mbarrier.arrive(a.kv_empty)  # every product of the tile has read K and V
+    _store_dkdv(a, t, i0 + t.n_iter, dk, dv, WG)
 
-    rows = kw0 + gl.arange(0, BWD_WG_KEYS, layout=gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
-    keep = (rows[:, None] < Nk) & (cols[None, :] < a.HEAD_DIM)
-    gl.store(DK + rows[:, None].to(gl.int64) * a.stride_dkn + cols[None, :],
-             (dk * a.sm_scale).to(dtype), mask=keep)  # fmt: skip
+
+@gluon.jit
+def _out_buf(a, j: gl.constexpr, WG: gl.constexpr):
+    """The warpgroup's buffer for dk (j = 0) or dv (j = 1), 64 keys x BLOCK_D: slot 2 j + WG of
+    `out_smem`, or with DQ_HALVES (whose shared memory is full) its half of dq buffer j,
+    reinterpreted (64 x 64 float32: the same 16 KB)."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BWD_WG_KEYS, a.BLOCK_D],
+                                                                a.q_smem.dtype)  # fmt: skip
+    if a.DQ_HALVES:
+        return a.dq_smem.index(2 * j + WG)._reinterpret(a.q_smem.dtype,
+                                                        [BWD_WG_KEYS, a.BLOCK_D], layout)  # fmt: skip
+    else:
+        return a.out_smem.index(2 * j + WG)
+
+
+@gluon.jit
+def _store_dkdv(a, t, i, dk, dv, WG: gl.constexpr):
+    """dk (scaled) and dv of the warpgroup's 64 keys of tile t out through shared memory and
+    TMA stores (rows past Nk and columns past the head dim clipped by the descriptors), which
+    run while the next tile starts; a register store of the two tiles cost 3-12% of the
+    backward, most on short tiles (NOTES.md). The buffers (`_out_buf`) are free once the last
+    tile's stores have read them, with DQ_HALVES once the reducer's adds have read the dq parts
+    of the tile's last two steps: the waits of the program's next steps i and i + 1, which
+    those steps repeat at no cost; the dq parts then wait for these stores
+    (`tma.store_wait` before each)."""
+    dtype: gl.constexpr = a.q_smem.dtype
+    if a.DQ_HALVES:
+        N_BUF: gl.constexpr = a.dq_smem.shape[0] // 2
+        gl.static_assert(N_BUF == 2, "dk and dv in the warpgroup's halves of the 2 dq buffers")
+        for j in gl.static_range(N_BUF):
+            mbarrier.wait(a.dq_free.index((i + j) % N_BUF), (((i + j) // N_BUF) & 1) ^ 1)
+    else:
+        tma.store_wait(0)  # the last tile's have left the buffers
+    dk_buf = _out_buf(a, 0, WG)
+    dv_buf = _out_buf(a, 1, WG)
+    dk_buf.store((dk * a.sm_scale).to(dtype))
     if a.SOFTCAP:  # dV summed 2^15 P^T dO
         dv = dv * P_UNSCALE
-    gl.store(DV + rows[:, None].to(gl.int64) * a.stride_dvn + cols[None, :], dv.to(dtype),
-             mask=keep)  # fmt: skip
+    dv_buf.store(dv.to(dtype))
+    fence_async_shared()
+    box: gl.constexpr = [1, BWD_WG_KEYS, 1, a.BLOCK_D]
+    at = [t.b, t.start_n + WG * BWD_WG_KEYS, t.hk, 0]
+    tma.async_copy_shared_to_global(a.dk_desc, at,
+                                    dk_buf._reinterpret(dtype, box, a.dk_desc.layout))  # fmt: skip
+    tma.async_copy_shared_to_global(a.dv_desc, at,
+                                    dv_buf._reinterpret(dtype, box, a.dv_desc.layout))  # fmt: skip
 
 
 @gluon.jit
@@ -677,6 +705,7 @@ def bwd_consumer(a, WG: gl.constexpr):
     """Keys [start_n + WG * 64, +64) of each tile the program walks (`_walk`,
     `_bwd_tile_steps`)."""
     _walk(a, _bwd_tile_steps, 4, WG)
+    tma.store_wait(0)  # the last tile's dk, dv have left shared memory
 
 
 @gluon.jit
