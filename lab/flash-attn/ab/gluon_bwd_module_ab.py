@@ -165,7 +165,8 @@ CASES = {  # (d, b, n, heads, kv heads, causal, window, softcap, deterministic)
     "short": [(d, 1, 16384, 2048 // d, 2048 // d, True, (1023, 0), 0.0, True) for d in (128, 64)]
     + [(d, 16384 // n, n, 2048 // d, 2048 // d, c, (-1, -1), 0.0, True)
        for d in (128, 64) for n in (2048, 4096) for c in (True, False)]
-    + [(d, 1, 16384, 2048 // d, 2048 // d, True, (-1, -1), 0.0, True) for d in (128, 64)]
+    + [(d, 16384 // n, n, 2048 // d, 2048 // d, True, (-1, -1), 0.0, True)
+       for d in (128, 64) for n in (8192, 16384)]
     + [(128, 1, 16384, 16, 16, True, (1023, 0), CAP, True),
        (128, 2, 8192, 32, 8, True, (-1, -1), 0.0, True),
        (128, 2, 8192, 32, 8, False, (-1, -1), 0.0, True)],
