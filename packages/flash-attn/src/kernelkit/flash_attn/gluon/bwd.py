@@ -19,7 +19,8 @@ however few programs are resident. Three partitions:
   S^T = K q^T and dP^T = V do^T (both asynchronous: the softmax of S^T runs under dP^T),
   then dV += P^T do and dK += dS^T q with P^T / dS^T as register A operands (dV runs under
   dS^T). K and V stay in shared memory as wgmma operands; the portable dk/dv kernel holds
-  them in registers, which made its d = 128 tiles spill. Softcap (SOFTCAP, tanh.approx): P
+  them in registers, which made its d = 128 tiles spill. At a tile's end each writes its dk,
+  dv into shared memory and hands them to TMA stores (`_store_dkdv`), then starts the next. Softcap (SOFTCAP, tanh.approx): P
   (the dV product's operand) and P (1 - tanh^2), the cap's derivative folded in, are held in
   16 bits (scaled by 2^15: P_SCALE_LOG2) until dS (with P and the tanh in float32 across the
   dP^T wait the consumers spilled, and that variant lost to the portable backward: NOTES.md).
