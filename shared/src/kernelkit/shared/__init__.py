@@ -4,4 +4,4 @@ Runtime modules (`runtime`, `layout`) import only torch and triton. `testing`, `
 and `pytest_plugin` serve tests and benchmarks and are never imported by an op at run time.
 """
 
-__version__ = "0.2.15"
+__version__ = "0.2.16"
