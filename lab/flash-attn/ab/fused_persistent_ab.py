@@ -11,6 +11,7 @@ rows), windows, causal and not, d64 / d128 at 16k tokens. On an sm_90 GPU:
     ... fused_persistent_ab.py d64-windows-dynamic   # d64 windows per tile / from the counter
     ... fused_persistent_ab.py d64-windows-any       # the same in any order
     ... fused_persistent_ab.py short-rows            # 512 / 1k rows, d64 and d128 (`lengths`)
+    ... fused_persistent_ab.py long-rows             # 16k / 32k rows per tile / from the counter
 
 The persistent dq-halves variant (d128) was refused by `gluon.bwd.can_implement` until 0.17.0
 (it lost: the first run's log, `lab/flash-attn/logs/session36-H200-fused-persistent-ab.log`).
@@ -187,6 +188,11 @@ D64_WINDOWS_DYNAMIC = [  # session 42: the d64 window bound (3072) after 0.17.0'
     (64, 1, 16384, 32, True, (w - 1, 0), True) for w in (2048, 3072, 4096, 6144, 8192)
 ] + [(64, 1, 16384, 32, True, (4095, 0), False), (64, 1, 65536, 32, True, (4095, 0), True)]
 D64_WINDOWS_ANY = [(64, 1, 16384, 32, True, (w - 1, 0), False) for w in (2048, 8192)]
+LONG_ROWS = [  # session 44: above FUSED_PERSISTENT_MAX_N after 0.17.3's TMA stores of dk, dv
+    (d, 1, n, 2048 // d, causal, (-1, -1), True)
+    for d in (128, 64)
+    for n, causal in ((16384, True), (16384, False), (32768, True))
+]
 
 
 def d128_dynamic(cases) -> None:
@@ -290,6 +296,7 @@ MODES = {  # argv[1] -> the run (none or "d64-windows": the walks of `variants`)
     "d64-windows-any": lambda: d128_dynamic(D64_WINDOWS_ANY),
     "short-rows": lambda: lengths(SHORT_ROWS),
     "d64-lengths": lengths,
+    "long-rows": lambda: d128_dynamic(LONG_ROWS),
 }
 
 
