@@ -12,6 +12,7 @@ rows), windows, causal and not, d64 / d128 at 16k tokens. On an sm_90 GPU:
     ... fused_persistent_ab.py d64-windows-any       # the same in any order
     ... fused_persistent_ab.py short-rows            # 512 / 1k rows, d64 and d128 (`lengths`)
     ... fused_persistent_ab.py long-rows             # 16k / 32k rows per tile / from the counter
+    ... fused_persistent_ab.py long-rows-rest        # the same: leaderboard, GQA, a long window
 
 The persistent dq-halves variant (d128) was refused by `gluon.bwd.can_implement` until 0.17.0
 (it lost: the first run's log, `lab/flash-attn/logs/session36-H200-fused-persistent-ab.log`).
@@ -193,6 +194,14 @@ LONG_ROWS = [  # session 44: above FUSED_PERSISTENT_MAX_N after 0.17.3's TMA sto
     for d in (128, 64)
     for n, causal in ((16384, True), (16384, False), (32768, True))
 ]
+# not yet measured (session 44's open cases): the leaderboard shape, GQA at 16k, a long window
+LONG_ROWS_REST = [  # d, b, n, heads, kv heads, causal, window
+    (64, 16, 16384, 1, 1, True, (-1, -1)),
+    (64, 16, 16384, 1, 1, False, (-1, -1)),
+    (64, 1, 16384, 32, 8, True, (-1, -1)),
+    (128, 1, 16384, 32, 8, False, (-1, -1)),
+    (128, 1, 16384, 16, 16, True, (12287, 0)),
+]
 
 
 def d128_dynamic(cases) -> None:
@@ -206,10 +215,11 @@ def d128_dynamic(cases) -> None:
         _dynamic_case(d, b, n, h, causal, window, det, cap[0] if cap else 0.0)
 
 
-def _dynamic_case(d, b, n, h, causal, window, det, cap) -> None:
-    """One case of `d128_dynamic`."""
-    q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
-                   for _ in range(4))  # fmt: skip
+def _dynamic_case(d, b, n, h, causal, window, det, cap, hkv=None) -> None:
+    """One case of `d128_dynamic` (hkv kv heads: GQA)."""
+    hkv = hkv or h
+    q, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     scale = d**-0.5
     o, lse = L.forward(q, k, v, causal, scale, softcap=cap, window=window)
     p = L.backward_problem(do, q, k, v, causal, cap, window, deterministic=det)
@@ -217,7 +227,7 @@ def _dynamic_case(d, b, n, h, causal, window, det, cap) -> None:
     blocks = -(-n // chosen.dkdv.block_n)
     walks = {}
     for walked in (False, True):
-        heads = C.tile_heads(b * h, blocks, p.target.sms, causal, walked, det)
+        heads = C.tile_heads(b * hkv, blocks, p.target.sms, causal, walked, det)
         walks[walked] = dataclasses.replace(chosen, persistent=walked, dynamic=walked,
                                             tile_heads=heads)  # fmt: skip
 
@@ -231,7 +241,7 @@ def _dynamic_case(d, b, n, h, causal, window, det, cap) -> None:
     err = max((x.float() - y.float()).abs().max().item() for x, y in zip(a, bb))
     res = interleaved_ms(fns, rounds=7)
     cells = "  ".join(f"{k} {ms:.3f}ms (±{sp * 100:.0f}%)" for k, (ms, sp) in res.items())
-    print(f"d{d} b{b} n{n} h{h} causal={causal} window={window} det={det} softcap={cap}"
+    print(f"d{d} b{b} n{n} h{h}/{hkv} causal={causal} window={window} det={det} softcap={cap}"
           f" [{chosen}]: "
           f"bitwise {same} (max diff {err:.2e})  {cells}", flush=True)  # fmt: skip
 
@@ -297,6 +307,9 @@ MODES = {  # argv[1] -> the run (none or "d64-windows": the walks of `variants`)
     "short-rows": lambda: lengths(SHORT_ROWS),
     "d64-lengths": lengths,
     "long-rows": lambda: d128_dynamic(LONG_ROWS),
+    "long-rows-rest": lambda: [
+        _dynamic_case(d, b, n, h, c, w, True, 0.0, hkv) for d, b, n, h, hkv, c, w in LONG_ROWS_REST
+    ],
 }
 
 
