@@ -19,11 +19,12 @@ however few programs are resident. Three partitions:
   S^T = K q^T and dP^T = V do^T (both asynchronous: the softmax of S^T runs under dP^T),
   then dV += P^T do and dK += dS^T q with P^T / dS^T as register A operands (dV runs under
   dS^T). K and V stay in shared memory as wgmma operands; the portable dk/dv kernel holds
-  them in registers, which made its d = 128 tiles spill. At a tile's end each writes its dk,
-  dv into shared memory and hands them to TMA stores (`_store_dkdv`), then starts the next. Softcap (SOFTCAP, tanh.approx): P
-  (the dV product's operand) and P (1 - tanh^2), the cap's derivative folded in, are held in
-  16 bits (scaled by 2^15: P_SCALE_LOG2) until dS (with P and the tanh in float32 across the
-  dP^T wait the consumers spilled, and that variant lost to the portable backward: NOTES.md).
+  them in registers, which made its d = 128 tiles spill. At a tile's end each writes its dk, dv
+  into shared memory and hands them to TMA stores (`_store_dkdv`), then starts the next. Softcap
+  (SOFTCAP, tanh.approx): P (the dV product's operand) and P (1 - tanh^2), the cap's derivative
+  folded in, are held in 16 bits (scaled by 2^15: P_SCALE_LOG2) until dS (with P and the tanh in
+  float32 across the dP^T wait the consumers spilled, and that variant lost to the portable
+  backward: NOTES.md).
 The same 4 block products per tile pair as the portable kernel, summed in the same order
 (dk, dv bitwise equal to it on the H100 without softcap).
 
@@ -262,11 +263,11 @@ def attn_bwd_gluon_kernel(
     a = BwdArgs(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, dk_desc, dv_desc,
                 q_smem, do_smem, rows_smem, k_smem, v_smem, ds_smem, dq_smem, out_smem, kv_bar,
                 kv_empty, ready, empty, ds_ready, ds_free, dq_ready, dq_free, K, V, stride_kb,
-                stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv, GROUP, Nq, Nk, n_tiles,
-                tile_heads, qk_scale, sm_scale, SEM, sem_stride, cap_scale, lo_shift, hi_shift,
-                CAUSAL, LOCAL, SOFTCAP, ROWS_SCALED, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, STAGES,
-                DQ_MODE, DQ_HALVES, KV_REGS, PERSISTENT, TILE_CTR, ids, id_ready, id_free,
-                DYNAMIC)  # fmt: skip
+                stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv, GROUP,
+                Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale, SEM, sem_stride, cap_scale,
+                lo_shift, hi_shift, CAUSAL, LOCAL, SOFTCAP, ROWS_SCALED, HEAD_DIM, BLOCK_M, BLOCK_N,
+                BLOCK_D, STAGES, DQ_MODE, DQ_HALVES, KV_REGS, PERSISTENT, TILE_CTR, ids, id_ready,
+                id_free, DYNAMIC)  # fmt: skip
     # Three partition lists (fixed-order dq: two reducer warps; any order: one; dk/dv only):
     # Gluon takes the (function, args) pairs as a literal list. (One list with a second reducer
     # warp idle in any order would do, but that variant was never timed.)

@@ -215,11 +215,11 @@ class BwdArgs:
     def __init__(self, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, dk_desc,
                  dv_desc, q_smem, do_smem, rows_smem, k_smem, v_smem, ds_smem, dq_smem, out_smem,
                  kv_bar, kv_empty, ready, empty, ds_ready, ds_free, dq_ready, dq_free, K, V,
-                 stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H, Hkv, GROUP, Nq, Nk,
-                 n_tiles, tile_heads, qk_scale, sm_scale, SEM, sem_stride, cap_scale, lo_shift,
-                 hi_shift, CAUSAL, LOCAL, SOFTCAP, ROWS_SCALED, HEAD_DIM, BLOCK_M, BLOCK_N,
-                 BLOCK_D, STAGES, DQ_MODE, DQ_HALVES, KV_REGS, PERSISTENT, CTR, ids, id_ready,
-                 id_free, DYNAMIC):  # fmt: skip
+                 stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, vec_stride, H,
+                 Hkv, GROUP, Nq, Nk, n_tiles, tile_heads, qk_scale, sm_scale, SEM, sem_stride,
+                 cap_scale, lo_shift, hi_shift, CAUSAL, LOCAL, SOFTCAP, ROWS_SCALED, HEAD_DIM,
+                 BLOCK_M, BLOCK_N, BLOCK_D, STAGES, DQ_MODE, DQ_HALVES, KV_REGS, PERSISTENT, CTR,
+                 ids, id_ready, id_free, DYNAMIC):  # fmt: skip
         self.q_desc, self.do_desc, self.k_desc, self.v_desc = q_desc, do_desc, k_desc, v_desc
         self.lse_desc, self.delta_desc, self.dq_desc = lse_desc, delta_desc, dq_desc
         self.dk_desc, self.dv_desc = dk_desc, dv_desc
@@ -661,8 +661,8 @@ def _out_buf(a, j: gl.constexpr, WG: gl.constexpr):
     layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BWD_WG_KEYS, a.BLOCK_D],
                                                                 a.q_smem.dtype)  # fmt: skip
     if a.DQ_HALVES:
-        return a.dq_smem.index(2 * j + WG)._reinterpret(a.q_smem.dtype,
-                                                        [BWD_WG_KEYS, a.BLOCK_D], layout)  # fmt: skip
+        buf = a.dq_smem.index(2 * j + WG)
+        return buf._reinterpret(a.q_smem.dtype, [BWD_WG_KEYS, a.BLOCK_D], layout)
     else:
         return a.out_smem.index(2 * j + WG)
 
