@@ -9,8 +9,9 @@ each case (forced, so nothing is replayed). On an sm_90 GPU:
 
 accuracy: max error of dq / dk / dv against a float32 reference at (2, 1024, 4, d) and the
 worst relative error of the dk rows of rarely attended keys (softcap 30, bf16; the bf16
-PyTorch reference's beside it). speed: median ms and TFLOP/s over interleaved rounds. warm: one call of each case (only=: of
-that module) to fill Triton's cache from parallel processes before a timed run.
+PyTorch reference's beside it). speed: median ms and TFLOP/s over interleaved rounds. warm: one
+call of each case (only=: of that module) to fill Triton's cache from parallel processes before
+a timed run.
 Writes $OUT/gluon_bwd_module_ab.json. Logs: `lab/flash-attn/logs/session37-H200-*-ab.log`.
 """
 
@@ -70,10 +71,33 @@ class Commit37:
         return self.mod.launch(*args)
 
 
+OPTIONS = ("cases", "rounds", "only", "d")  # key=value arguments that are not modules
+
+
+def option(argv, key: str, default: str | None) -> str | None:
+    """The value of `key=value` in argv, or `default`."""
+    return next((a.split("=", 1)[1] for a in argv if a.startswith(f"{key}=")), default)
+
+
+def warm(fns, only: str | None) -> None:
+    """One call of `only`'s function (of each without `only`), to compile it."""
+    for name, fn in fns.items():
+        if only in (None, name):
+            fn()
+    torch.cuda.synchronize()
+
+
+def visible_pairs(n: int, causal: bool, window) -> float:
+    """(query, key) pairs a causal / windowed / full n x n attention computes."""
+    if window[0] >= 0:
+        return sum(min(i + 1, window[0] + 1) for i in range(n))
+    return n * n * (0.5 if causal else 1.0)
+
+
 def modules(argv) -> dict:
     mods = {"new": L.gluon_bwd}
     for a in argv:
-        if "=" in a and a.split("=")[0] not in ("cases", "rounds", "only", "d"):
+        if "=" in a and a.split("=")[0] not in OPTIONS:
             name, path = a.split("=", 1)
             mod = load(name, path)
             if hasattr(mod, "rows_scaled"):
@@ -177,10 +201,8 @@ def main() -> None:
     argv = sys.argv[1:]
     mods = modules(argv)
     mode = next((a for a in argv if a in ("speed", "accuracy", "both", "warm")), "both")
-    which = next((a.split("=")[1] for a in argv if a.startswith("cases=")), "all")
-    rounds = int(next((a.split("=")[1] for a in argv if a.startswith("rounds=")), "7"))
-    only = next((a.split("=")[1] for a in argv if a.startswith("only=")), None)
-    head_d = int(next((a.split("=")[1] for a in argv if a.startswith("d=")), "0"))
+    which, only = option(argv, "cases", "all"), option(argv, "only", None)
+    rounds, head_d = int(option(argv, "rounds", "7")), int(option(argv, "d", "0"))
     rows = {"accuracy": [], "rare": [], "speed": []}
     if mode in ("accuracy", "both"):
         for d in (128, 64):
@@ -200,16 +222,10 @@ def main() -> None:
         k, v = (torch.randn(b, n, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         do = torch.randn_like(q)
         fns, cfg = backward_fns(mods, q, k, v, do, causal, window, cap, det)
-        if mode == "warm":  # one call of `only`'s kernel (all modules without only=)
-            for name, fn in fns.items():
-                if only in (None, name):
-                    fn()
-            torch.cuda.synchronize()
+        if mode == "warm":
+            warm(fns, only)
             continue
-        pairs = n * n * (0.5 if causal else 1.0)
-        if window[0] >= 0:
-            pairs = sum(min(i + 1, window[0] + 1) for i in range(n))
-        flops = 2.5 * 4 * b * hq * pairs * d
+        flops = 2.5 * 4 * b * hq * visible_pairs(n, causal, window) * d
         base = fns["new"]()
         diff = {name: max((a.float() - r.float()).abs().max().item()
                           for a, r in zip(fn(), base)) for name, fn in fns.items()}  # fmt: skip

@@ -21,7 +21,13 @@ import os
 import sys
 
 import torch
-from gluon_bwd_module_ab import load  # (this folder is on sys.path when run as a script)
+from gluon_bwd_module_ab import (  # (this folder is on sys.path when run as a script)
+    OPTIONS,
+    load,
+    option,
+    visible_pairs,
+    warm,
+)
 
 from kernelkit.flash_attn import choose as C
 from kernelkit.flash_attn import launch as L
@@ -32,7 +38,7 @@ from kernelkit.shared.bench import interleaved_ms
 def modules(argv) -> dict:
     mods = {"shipped": L.gluon_fwd}
     for a in argv:
-        if "=" in a and a.split("=")[0] not in ("cases", "rounds", "only"):
+        if "=" in a and a.split("=")[0] not in OPTIONS:
             name, path = a.split("=", 1)
             mods[name] = load(name, path)
     return mods
@@ -91,9 +97,8 @@ def main() -> None:
     argv = sys.argv[1:]
     mods = modules(argv)
     mode = next((a for a in argv if a in ("speed", "accuracy", "both", "warm")), "both")
-    only = next((a.split("=")[1] for a in argv if a.startswith("only=")), None)
-    which = next((a.split("=")[1] for a in argv if a.startswith("cases=")), "all")
-    rounds = int(next((a.split("=")[1] for a in argv if a.startswith("rounds=")), "5"))
+    which, only = option(argv, "cases", "all"), option(argv, "only", None)
+    rounds = int(option(argv, "rounds", "5"))
     rows = {"accuracy": [], "speed": []}
     if mode in ("accuracy", "both"):
         for d in (64, 128):
@@ -109,15 +114,9 @@ def main() -> None:
         q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         fns, cfg = forward_fns(mods, q, k, v, causal, window, cap)
         if mode == "warm":
-            for name, fn in fns.items():
-                if only in (None, name):
-                    fn()
-            torch.cuda.synchronize()
+            warm(fns, only)
             continue
-        pairs = n * n * (0.5 if causal else 1.0)
-        if window[0] >= 0:
-            pairs = sum(min(i + 1, window[0] + 1) for i in range(n))
-        flops = 4 * b * h * pairs * d
+        flops = 4 * b * h * visible_pairs(n, causal, window) * d
         res = interleaved_ms(fns, rounds=rounds)
         rows["speed"].append(dict(d=d, b=b, n=n, h=h, causal=causal, window=window, cap=cap,
                                   cfg=str(cfg), ms={k: ms for k, (ms, _) in res.items()}))  # fmt: skip
