@@ -250,21 +250,25 @@ def test_gluon_backward_launches_are_compile_checked():
     assert [kw["PERSISTENT"] for kw in kernels] == walked
     assert [kw["DYNAMIC"] for kw in kernels] == walked
     assert [kw["ZERO_DQ"] for *_, kw in fused if "ZERO_DQ" in kw] == [True] * 18
-    # in the fixed order on rows too long for that walk, with a window too long for it and
-    # without one: one program per tile
+    # in the fixed order on rows too long for that walk at d64 (tables.FUSED_PERSISTENT_MAX_N),
+    # with a window too long for it and without one: one program per tile; d128 walks its
+    # tiles from the counter at any length
+    assert T.FUSED_PERSISTENT_MAX_N[128] is None
     long_rows = []
     for d in (64, 128):
-        n = T.FUSED_PERSISTENT_MAX_N[d] + 256
+        n = T.FUSED_PERSISTENT_MAX_N[64] + 256
         q, k, v = qkv(1, n, n, 2, 1, d, torch.bfloat16, "cpu")
         do = torch.randn_like(q)
         for window in ((T.FUSED_PERSISTENT_MAX_WINDOW[d], 0), (-1, -1)):
             p = fa_launch.backward_problem(do, q, k, v, True, 0.0, window, target=H100)
             cfg = check_bwd(p, gluon_bwd_config(p, T.FUSED_DQ_DKDV, DQ_ORDERED))
-            long_rows += _probe_backward_as_on_h100(cfg, do, q, k, v, True, True, 0.0,
-                                                    window).launches[1:2]  # fmt: skip
+            launches = _probe_backward_as_on_h100(cfg, do, q, k, v, True, True, 0.0,
+                                                  window).launches  # fmt: skip
+            long_rows += [launch for launch in launches
+                          if kernel_name(launch[0]) == "attn_bwd_gluon_kernel"]  # fmt: skip
     assert [(kw["LOCAL"], kw["PERSISTENT"], kw["DYNAMIC"], kw["DQ_HALVES"])
             for *_, kw in long_rows] == [(True, False, False, False), (False, False, False, False),
-                                         (True, False, False, True), (False, False, False, True)]  # fmt: skip
+                                         (True, True, True, True), (False, True, True, True)]  # fmt: skip
     for kernel, _, args, kwargs in gluon + fused + long_rows:
         record_launch(kernel, args, kwargs)
 
@@ -520,17 +524,18 @@ def test_fused_dq_rule():
             assert (cfg.kernel, cfg.dkdv, cfg.dq_mode, cfg.dq) == (BWD_GLUON, T.FUSED_DQ_DKDV,
                                                                    mode, None)  # fmt: skip
             assert (cfg.kv_regs, cfg.dq_halves) == (d == 64, d == 128)
-            # (in the fixed order: from the counter, up to FUSED_PERSISTENT_MAX_N rows)
-            walked = deterministic and n <= T.FUSED_PERSISTENT_MAX_N[d]
+            # (in the fixed order: from the counter, up to FUSED_PERSISTENT_MAX_N rows; None:
+            # any length)
+            most = T.FUSED_PERSISTENT_MAX_N[d]
+            walked = deterministic and (most is None or n <= most)
             assert cfg.persistent == cfg.dynamic == walked and f"from {n} query rows" in cfg.why
             assert ("one program per SM" in cfg.why) == walked
             by = "its consumers" if d == 128 else "a dq warpgroup"
             assert f"(by {by})" in cfg.why
             long = meta_problem(1, 1 << 20, 1 << 20, 2, 2, d, **opts)
             assert choose_bwd(long) == gluon_bwd_config(long, T.FUSED_DQ_DKDV, mode)
-            assert not choose_bwd(long).persistent
-            if walked:  # the last row count walked, and the first one tile a program
-                most = T.FUSED_PERSISTENT_MAX_N[d]
+            assert choose_bwd(long).persistent == (walked and most is None)
+            if walked and most is not None:  # the last row count walked, then one tile a program
                 for rows, want in ((most, True), (most + 1, False)):
                     cfg = choose_bwd(meta_problem(1, rows, rows, 2, 2, d, **opts))
                     assert cfg.persistent == cfg.dynamic == want and cfg.dq_mode == mode
@@ -549,7 +554,7 @@ def test_fused_dq_rule():
             assert choose_fwd(p) == choose_fwd(replace(p, deterministic=not deterministic))
     for causal in (False, True):
         assert T.FUSED_DQ_MIN_N[64][causal] <= T.FUSED_PERSISTENT_MAX_N[64]
-        assert T.FUSED_DQ_MIN_N[128][causal] <= T.FUSED_PERSISTENT_MAX_N[128]
+        assert T.FUSED_PERSISTENT_MAX_N[128] is None  # (d128 walks at any length)
         assert T.FUSED_DQ_MIN_N[128][causal] <= T.GLUON_BWD_PERSISTENT_MAX_N
 
 
@@ -585,10 +590,10 @@ def test_fused_persistent_window_rule():
     """The fused-dq backward (d64: a dq warpgroup; d128: dq halves) walks its tiles with one
     program per SM where a window with both edges spans at most FUSED_PERSISTENT_MAX_WINDOW[d]
     keys, in either order, and says so; longer windows, a left edge alone and no window run
-    one program per tile (rows beyond FUSED_PERSISTENT_MAX_N: the fixed order walks shorter
-    rows from the counter whatever the window). As on an H100."""
+    one program per tile (rows beyond FUSED_PERSISTENT_MAX_N[64]: the fixed order walks shorter
+    rows from the counter whatever the window, and d128's at any length). As on an H100."""
     most, most128 = T.FUSED_PERSISTENT_MAX_WINDOW[64], T.FUSED_PERSISTENT_MAX_WINDOW[128]
-    n = max(T.FUSED_PERSISTENT_MAX_N.values()) + 256
+    n = T.FUSED_PERSISTENT_MAX_N[64] + 256
     for det in (True, False):
         for left, right, causal, d, want in ((most - 1, -1, True, 64, True),
                                              (most - 65, 64, False, 64, True),
@@ -604,9 +609,11 @@ def test_fused_persistent_window_rule():
                              deterministic=det)  # fmt: skip
             cfg = choose_bwd(p)
             assert cfg.kernel == BWD_GLUON and cfg.dq_mode != DQ_KERNEL, (left, right, d, cfg)
-            assert cfg.persistent == want, (left, right, causal, d, det, cfg)
-            assert cfg.dynamic == want  # (a fixed order's waits: tiles from a counter)
-            assert ("one program per SM" in cfg.why) == want
+            rows = det and T.FUSED_PERSISTENT_MAX_N[d] is None  # (d128 fixed order: any length)
+            assert cfg.persistent == (want or rows), (left, right, causal, d, det, cfg)
+            assert cfg.dynamic == cfg.persistent  # (a fixed order's waits: tiles from a counter)
+            assert ("one program per SM" in cfg.why) == cfg.persistent
+            assert ("a window of at most" in cfg.why) == want
             assert check_bwd(p, cfg) == cfg
 
 

@@ -39,8 +39,9 @@ P128 = dict(b=2, nq=300, nk=300, h=4, hkv=2, d=128)
 E128 = dict(b=2, nq=256, nk=256, h=4, hkv=2, d=128)  # an even number of query blocks: pairs
 N128 = dict(nq=2176, nk=2176, h=2, hkv=2, d=128)  # d128: dq summed by the consumers (fixed order)
 ANY128 = dict(N128, deterministic=False)  # and in any order
-# d128 in the fixed order past tables.FUSED_PERSISTENT_MAX_N rows (shorter rows walk their tiles
-# from a counter), and a causal window too long for that walk
+# d128 past tables.FUSED_PERSISTENT_MAX_N[64] rows (in the fixed order walked from a counter at
+# any length; in any order one program per tile), and a causal window too long for the window's
+# walk
 L128 = dict(nq=8448, nk=8448, h=2, hkv=2, d=128)
 LONG_WIN128 = (T.FUSED_PERSISTENT_MAX_WINDOW[128], -1)
 GQA128 = dict(nq=4224, nk=4224, d=128)  # GQA causal in a fixed order: the dq kernel beside
@@ -134,7 +135,7 @@ FAMILY_CASES = [
     ("fwd-gluon(d128,causal,local,softcap,fixed-shift,dynamic)",
      "bwd-gluon(d128,causal,local,softcap,dq-kernel,persistent)",
      Call(**P128, causal=True, window=WIN, softcap=5.0)),
-    # d128 in the fixed order up to tables.FUSED_PERSISTENT_MAX_N rows: walked from the counter
+    # d128 in the fixed order: walked from the counter at any length (tables.FUSED_PERSISTENT_MAX_N)
     ("fwd-gluon(d128)", "bwd-gluon(d128,dq-ordered,dq-halves,persistent,dynamic)", Call(**N128)),
     ("fwd-gluon(d128,causal)", "bwd-gluon(d128,causal,dq-ordered,dq-halves,persistent,dynamic)",
      Call(**N128, causal=True)),
@@ -145,15 +146,9 @@ FAMILY_CASES = [
      Call(**N128, window=(-1, 64))),
     ("fwd-gluon(d128,causal,local,dynamic)", "bwd-gluon(d128,causal,local,dq-ordered,dq-halves,persistent,dynamic)",
      Call(**N128, causal=True, window=WIN)),
-    # and past it (a causal window past FUSED_PERSISTENT_MAX_WINDOW[128] too): one program per tile
-    ("fwd-gluon(d128)", "bwd-gluon(d128,dq-ordered,dq-halves)", Call(**L128)),
-    ("fwd-gluon(d128,causal,pairs)", "bwd-gluon(d128,causal,dq-ordered,dq-halves)",
-     Call(**L128, causal=True)),
-    ("fwd-gluon(d128,local,dynamic)", "bwd-gluon(d128,local,dq-ordered,dq-halves)",
-     Call(**L128, window=WIN)),
-    ("fwd-gluon(d128,causal,pairs)", "bwd-gluon(d128,causal,dq-ordered,dq-halves)",
-     Call(**L128, window=(-1, 64))),
-    ("fwd-gluon(d128,causal,local,dynamic)", "bwd-gluon(d128,causal,local,dq-ordered,dq-halves)",
+    # long rows with a causal window past FUSED_PERSISTENT_MAX_WINDOW[128]: walked all the same
+    ("fwd-gluon(d128,causal,local,dynamic)",
+     "bwd-gluon(d128,causal,local,dq-ordered,dq-halves,persistent,dynamic)",
      Call(**L128, causal=True, window=LONG_WIN128)),
     ("fwd-gluon(d128)", "bwd-gluon(d128,dq-any-order,dq-halves)", Call(**ANY128)),
     ("fwd-gluon(d128,causal)", "bwd-gluon(d128,causal,dq-any-order,dq-halves)",
@@ -175,15 +170,9 @@ FAMILY_CASES = [
     ("fwd-gluon(d128,causal,local,softcap,fixed-shift,dynamic)",
      "bwd-gluon(d128,causal,local,softcap,dq-ordered,dq-halves,persistent,dynamic)",
      Call(**N128, causal=True, window=WIN, softcap=5.0)),
-    ("fwd-gluon(d128,softcap,fixed-shift)", "bwd-gluon(d128,softcap,dq-ordered,dq-halves)",
-     Call(**L128, softcap=5.0)),
-    ("fwd-gluon(d128,causal,pairs,softcap,fixed-shift)", "bwd-gluon(d128,causal,softcap,dq-ordered,dq-halves)",
+    ("fwd-gluon(d128,causal,pairs,softcap,fixed-shift)",
+     "bwd-gluon(d128,causal,softcap,dq-ordered,dq-halves,persistent,dynamic)",
      Call(**L128, causal=True, softcap=5.0)),
-    ("fwd-gluon(d128,local,softcap,fixed-shift,dynamic)", "bwd-gluon(d128,local,softcap,dq-ordered,dq-halves)",
-     Call(**L128, window=WIN, softcap=5.0)),
-    ("fwd-gluon(d128,causal,local,softcap,fixed-shift,dynamic)",
-     "bwd-gluon(d128,causal,local,softcap,dq-ordered,dq-halves)",
-     Call(**L128, causal=True, window=LONG_WIN128, softcap=5.0)),
     ("fwd-gluon(d128,softcap,fixed-shift)", "bwd-gluon(d128,softcap,dq-any-order,dq-halves)",
      Call(**ANY128, softcap=5.0)),
     ("fwd-gluon(d128,causal,softcap)", "bwd-gluon(d128,causal,softcap,dq-any-order,dq-halves)",

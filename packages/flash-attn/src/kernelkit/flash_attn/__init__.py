@@ -7,7 +7,7 @@ from .adapter import FlashAttentionFunction
 from .kvcache import flash_attn_with_kvcache
 from .op import explain, flash_attn, flash_attn_backward, flash_attn_varlen
 
-__version__ = "0.17.3"
+__version__ = "0.17.4"
 __all__ = [
     "FlashAttentionFunction",
     "__version__",

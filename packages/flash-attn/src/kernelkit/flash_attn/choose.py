@@ -319,22 +319,23 @@ def gluon_bwd_config(p: Problem, tile: Tile, dq_mode: int, dq: Tile | None = Non
     by the consumers in column halves (`dq_halves`); one program per SM for the
     dq-kernel variant up to GLUON_BWD_PERSISTENT_MAX_N query rows and for fused dq on windows
     of up to FUSED_PERSISTENT_MAX_WINDOW keys or, summing in the fixed order, up to
-    FUSED_PERSISTENT_MAX_N rows, which takes its tiles from a counter
+    FUSED_PERSISTENT_MAX_N rows (d128: any length), which takes its tiles from a counter
     (`dynamic`: its sums wait on tiles before them); the tile order (`tile_heads`)."""
     fused = dq_mode != DQ_KERNEL
     ordered = dq_mode == DQ_ORDERED
     halves = fused and p.block_d > T.GLUON_FUSED_DQ_MAX_D
     dq = None if fused else dq or table_tiles(p)[2]
     short_window = fused and _short_window(p, T.FUSED_PERSISTENT_MAX_WINDOW.get(p.block_d, 0))
-    short_rows = ordered and max(p.nq, p.nk) <= T.FUSED_PERSISTENT_MAX_N.get(p.block_d, 0)
+    most_rows = T.FUSED_PERSISTENT_MAX_N.get(p.block_d, 0)  # (None: any length)
+    short_rows = ordered and (most_rows is None or max(p.nq, p.nk) <= most_rows)
     short_dq_kernel = not fused and p.nq <= T.GLUON_BWD_PERSISTENT_MAX_N
     persistent = bool(short_dq_kernel or short_window or short_rows)
     if short_window:
         why += (f"; one program per SM taking tiles from a counter (a window of at most"
                 f" {T.FUSED_PERSISTENT_MAX_WINDOW[p.block_d]} keys)")  # fmt: skip
     elif short_rows:
-        why += (f"; one program per SM taking tiles from a counter (at most"
-                f" {T.FUSED_PERSISTENT_MAX_N[p.block_d]} rows, dq in a fixed order)")  # fmt: skip
+        bound = "" if most_rows is None else f"at most {most_rows} rows, "
+        why += f"; one program per SM taking tiles from a counter ({bound}dq in a fixed order)"
     heads = tile_heads(p.batch * p.kv_heads, cdiv(p.nk, tile.block_n), p.target.sms, p.causal,
                        persistent, ordered)  # fmt: skip
     return BwdConfig(BWD_GLUON, tile, True, dq_mode, dq, dq is not None and dq.tma and p.tma_kv,

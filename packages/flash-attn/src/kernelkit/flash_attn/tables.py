@@ -141,7 +141,17 @@ FUSED_PERSISTENT_MAX_WINDOW = {64: 8192, 128: 8192}
 # 2.919; 8k 5.640 / 5.457; 16k 10.735 / 10.532, 10.894 / 10.828; softcap 30 causal 2k 1.117 /
 # 1.012, 4k 1.853 / 1.743, 8k 3.343 / 3.190, non-causal 4k 3.192 / 3.034. d64 at 16k with the
 # ring: causal 5.645 / 5.559, non-causal 10.961 / 10.690 (within the spread: not taken).
-FUSED_PERSISTENT_MAX_N = {64: 8192, 128: 8192}
+# d128 at any length since 0.17.4: with 0.17.3's TMA stores of dk and dv a walked program starts
+# its next tile under its last one's stores (one program per tile waits for them before it
+# exits). H200, sessions 44 and 45, fixed order, 7 interleaved rounds, ms per tile / walked,
+# gradients bitwise equal: causal 16k 5.576 / 5.273 and 5.711 / 5.413, 32k 21.337 / 21.163 and
+# 22.335 / 21.692; a 12k window 5.315 / 5.060; non-causal 16k 10.265 / 10.301 and 10.580 /
+# 10.505; GQA 32 / 8 non-causal 16k 20.812 / 21.143 (the spread, 10-19%). d64 mixed, kept at 8k:
+# causal 16k 5.679 / 5.608 and 5.802 / 5.717, non-causal 10.959 / 10.654 and 11.332 / 10.891,
+# 32k causal 22.178 / 22.087 and 22.177 / 22.438, the leaderboard shape (B 16, H 1) causal
+# 2.929 / 2.948, non-causal 5.584 / 5.470, GQA 32 / 8 causal 6.178 / 6.350
+# (`lab/flash-attn/logs/session44-H200-long-rows-walk-ab.log`, `session45-...`). None: any length.
+FUSED_PERSISTENT_MAX_N = {64: 8192, 128: None}
 
 # ---------------------------------------------------------------------------------------------
 # Split-KV forward (decoding)
