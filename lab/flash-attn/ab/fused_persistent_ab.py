@@ -13,6 +13,7 @@ rows), windows, causal and not, d64 / d128 at 16k tokens. On an sm_90 GPU:
     ... fused_persistent_ab.py short-rows            # 512 / 1k rows, d64 and d128 (`lengths`)
     ... fused_persistent_ab.py long-rows             # 16k / 32k rows per tile / from the counter
     ... fused_persistent_ab.py long-rows-rest        # the same: leaderboard, GQA, a long window
+    ... fused_persistent_ab.py tile-order            # causal fixed order: shortest / longest first
 
 The persistent dq-halves variant (d128) was refused by `gluon.bwd.can_implement` until 0.17.0
 (it lost: the first run's log, `lab/flash-attn/logs/session36-H200-fused-persistent-ab.log`).
@@ -298,6 +299,53 @@ def hold() -> None:
               f"{time.perf_counter() - t0:.2f} s, bitwise {same}", flush=True)  # fmt: skip
 
 
+TILE_ORDER = [  # session 45: causal, fixed order, 16k tokens; d, b, n, heads
+    (128, 8, 2048, 16), (128, 4, 4096, 16), (128, 2, 8192, 16), (128, 1, 16384, 16),
+    (64, 8, 2048, 32), (64, 4, 4096, 32), (64, 2, 8192, 32), (64, 1, 16384, 32),
+    (64, 16, 16384, 1),
+]  # fmt: skip
+
+
+def tile_order() -> None:
+    """Causal dq sums in the fixed order: the chooser's tile order (tile_heads < 0: each group
+    of heads from its last key block down, the shortest tiles first, so the walk ends on its
+    longest) against the first key block first (tile_heads > 0: the sums go key block 0, 1,
+    ...; the longest tiles first, a short tail), in groups of the chooser's size, twice it and
+    all heads. Gradients differ by the sums' order only: the max difference from the
+    chooser's. Median ms of 7 interleaved rounds."""
+    for d, b, n, h in TILE_ORDER:
+        _tile_order_case(d, b, n, h)
+
+
+def _tile_order_case(d, b, n, h) -> None:
+    """One case of `tile_order`."""
+    q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(4))  # fmt: skip
+    scale = d**-0.5
+    o, lse = L.forward(q, k, v, True, scale)
+    chosen = C.choose_bwd(L.backward_problem(do, q, k, v, True, 0.0, (-1, -1)))
+    g = abs(chosen.tile_heads)
+    cfgs = {f"th={chosen.tile_heads}": chosen}
+    for th in dict.fromkeys((g, min(2 * g, b * h), b * h)):
+        if (b * h) % th == 0:
+            cfgs[f"th=+{th}"] = dataclasses.replace(chosen, tile_heads=th)
+
+    def run(cfg):
+        return lambda: L.backward(do, q, k, v, o, lse, None, True, scale, config=cfg)
+
+    fns = {name: run(cfg) for name, cfg in cfgs.items()}
+    ref = next(iter(fns.values()))()
+    diffs = []
+    for name, fn in list(fns.items())[1:]:
+        got = fn()
+        err = max((x.float() - y.float()).abs().max().item() for x, y in zip(ref, got))
+        diffs.append(f"{name} {err:.1e}")
+    res = interleaved_ms(fns, rounds=7)
+    cells = "  ".join(f"{k} {ms:.3f}ms (±{sp * 100:.0f}%)" for k, (ms, sp) in res.items())
+    print(f"d{d} b{b} n{n} h{h} causal [{chosen}]: max diff {', '.join(diffs)}  {cells}",
+          flush=True)  # fmt: skip
+
+
 MODES = {  # argv[1] -> the run (none or "d64-windows": the walks of `variants`)
     "hold": hold,
     "d128-dynamic": lambda: d128_dynamic(D128_DYNAMIC),
@@ -307,6 +355,7 @@ MODES = {  # argv[1] -> the run (none or "d64-windows": the walks of `variants`)
     "short-rows": lambda: lengths(SHORT_ROWS),
     "d64-lengths": lengths,
     "long-rows": lambda: d128_dynamic(LONG_ROWS),
+    "tile-order": tile_order,
     "long-rows-rest": lambda: [
         _dynamic_case(d, b, n, h, c, w, True, 0.0, hkv) for d, b, n, h, hkv, c, w in LONG_ROWS_REST
     ],
