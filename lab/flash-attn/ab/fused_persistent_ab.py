@@ -14,6 +14,7 @@ rows), windows, causal and not, d64 / d128 at 16k tokens. On an sm_90 GPU:
     ... fused_persistent_ab.py long-rows             # 16k / 32k rows per tile / from the counter
     ... fused_persistent_ab.py long-rows-rest        # the same: leaderboard, GQA, a long window
     ... fused_persistent_ab.py tile-order            # causal fixed order: shortest / longest first
+    ... fused_persistent_ab.py tile-groups           # the tile groups' size (heads per group)
 
 The persistent dq-halves variant (d128) was refused by `gluon.bwd.can_implement` until 0.17.0
 (it lost: the first run's log, `lab/flash-attn/logs/session36-H200-fused-persistent-ab.log`).
@@ -317,21 +318,42 @@ def tile_order() -> None:
         _tile_order_case(d, b, n, h)
 
 
-def _tile_order_case(d, b, n, h) -> None:
-    """One case of `tile_order`."""
+TILE_GROUPS = [  # session 45: fixed order, 16k tokens; d, b, n, heads, causal
+    (128, 4, 4096, 16, False), (128, 4, 4096, 16, True), (128, 2, 8192, 16, False),
+    (128, 2, 8192, 16, True), (128, 1, 16384, 16, True), (64, 16, 16384, 1, True),
+]  # fmt: skip
+
+
+def tile_groups() -> None:
+    """The size of the chooser's tile groups (`choose.tile_heads`: about one wave of programs
+    on a group of heads), its order kept: the chooser's group against a quarter, half, twice,
+    four times it and all heads. Median ms of 7 interleaved rounds."""
+    for d, b, n, h, causal in TILE_GROUPS:
+        _tile_order_case(d, b, n, h, causal, sizes=_group_sizes, same_order=True)
+
+
+def _group_sizes(g, bhk):
+    """`tile_groups`' sizes around the chooser's g of bhk (batch, kv head)s."""
+    return g // 4, g // 2, 2 * g, 4 * g, bhk
+
+
+def _tile_order_case(d, b, n, h, causal=True, sizes=None, same_order=False) -> None:
+    """One case of `tile_order` (tile groups of `sizes(g, bhk)` heads, g the chooser's, ascending
+    or with `same_order` in the chooser's order)."""
     q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
                    for _ in range(4))  # fmt: skip
     scale = d**-0.5
-    o, lse = L.forward(q, k, v, True, scale)
-    chosen = C.choose_bwd(L.backward_problem(do, q, k, v, True, 0.0, (-1, -1)))
+    o, lse = L.forward(q, k, v, causal, scale)
+    chosen = C.choose_bwd(L.backward_problem(do, q, k, v, causal, 0.0, (-1, -1)))
     g = abs(chosen.tile_heads)
+    sign = -1 if same_order and chosen.tile_heads < 0 else 1
     cfgs = {f"th={chosen.tile_heads}": chosen}
-    for th in dict.fromkeys((g, min(2 * g, b * h), b * h)):
-        if (b * h) % th == 0:
-            cfgs[f"th=+{th}"] = dataclasses.replace(chosen, tile_heads=th)
+    for th in dict.fromkeys(sizes(g, b * h) if sizes else (g, min(2 * g, b * h), b * h)):
+        if 0 < th <= b * h and (b * h) % th == 0 and sign * th != chosen.tile_heads:
+            cfgs[f"th={sign * th:+d}"] = dataclasses.replace(chosen, tile_heads=sign * th)
 
     def run(cfg):
-        return lambda: L.backward(do, q, k, v, o, lse, None, True, scale, config=cfg)
+        return lambda: L.backward(do, q, k, v, o, lse, None, causal, scale, config=cfg)
 
     fns = {name: run(cfg) for name, cfg in cfgs.items()}
     ref = next(iter(fns.values()))()
@@ -342,7 +364,7 @@ def _tile_order_case(d, b, n, h) -> None:
         diffs.append(f"{name} {err:.1e}")
     res = interleaved_ms(fns, rounds=7)
     cells = "  ".join(f"{k} {ms:.3f}ms (±{sp * 100:.0f}%)" for k, (ms, sp) in res.items())
-    print(f"d{d} b{b} n{n} h{h} causal [{chosen}]: max diff {', '.join(diffs)}  {cells}",
+    print(f"d{d} b{b} n{n} h{h} causal={causal} [{chosen}]: max diff {', '.join(diffs)}  {cells}",
           flush=True)  # fmt: skip
 
 
@@ -356,6 +378,7 @@ MODES = {  # argv[1] -> the run (none or "d64-windows": the walks of `variants`)
     "d64-lengths": lengths,
     "long-rows": lambda: d128_dynamic(LONG_ROWS),
     "tile-order": tile_order,
+    "tile-groups": tile_groups,
     "long-rows-rest": lambda: [
         _dynamic_case(d, b, n, h, c, w, True, 0.0, hkv) for d, b, n, h, hkv, c, w in LONG_ROWS_REST
     ],
