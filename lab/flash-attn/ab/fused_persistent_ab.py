@@ -13,6 +13,7 @@ rows), windows, causal and not, d64 / d128 at 16k tokens. On an sm_90 GPU:
     ... fused_persistent_ab.py short-rows            # 512 / 1k rows, d64 and d128 (`lengths`)
     ... fused_persistent_ab.py long-rows             # 16k / 32k rows per tile / from the counter
     ... fused_persistent_ab.py long-rows-rest        # the same: leaderboard, GQA, a long window
+    ... fused_persistent_ab.py d64-long-rows         # d64 past 8k rows, 11 rounds
     ... fused_persistent_ab.py tile-order            # causal fixed order: shortest / longest first
     ... fused_persistent_ab.py tile-groups           # the tile groups' size (heads per group)
 
@@ -205,6 +206,12 @@ LONG_ROWS_REST = [  # d, b, n, heads, kv heads, causal, window
     (128, 1, 16384, 16, 16, True, (12287, 0)),
 ]
 
+D64_LONG_ROWS = [  # session 45: d64 past FUSED_PERSISTENT_MAX_N[64], 11 rounds; b, n, h, hkv, causal
+    (16, 16384, 1, 1, True), (16, 16384, 1, 1, False), (1, 16384, 32, 8, True),
+    (1, 16384, 32, 8, False), (1, 16384, 32, 32, True), (1, 16384, 32, 32, False),
+    (1, 32768, 32, 32, True), (2, 12288, 16, 16, True),
+]  # fmt: skip
+
 
 def d128_dynamic(cases) -> None:
     """The fused-dq backward (d128: dq summed by the consumers in column halves, refused on the
@@ -217,8 +224,8 @@ def d128_dynamic(cases) -> None:
         _dynamic_case(d, b, n, h, causal, window, det, cap[0] if cap else 0.0)
 
 
-def _dynamic_case(d, b, n, h, causal, window, det, cap, hkv=None) -> None:
-    """One case of `d128_dynamic` (hkv kv heads: GQA)."""
+def _dynamic_case(d, b, n, h, causal, window, det, cap, hkv=None, rounds=7) -> None:
+    """One case of `d128_dynamic` (hkv kv heads: GQA; `rounds` interleaved)."""
     hkv = hkv or h
     q, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -241,7 +248,7 @@ def _dynamic_case(d, b, n, h, causal, window, det, cap, hkv=None) -> None:
     a, bb = fns["per-tile"](), fns["dynamic"]()
     same = all(torch.equal(x, y) for x, y in zip(a, bb))
     err = max((x.float() - y.float()).abs().max().item() for x, y in zip(a, bb))
-    res = interleaved_ms(fns, rounds=7)
+    res = interleaved_ms(fns, rounds=rounds)
     cells = "  ".join(f"{k} {ms:.3f}ms (±{sp * 100:.0f}%)" for k, (ms, sp) in res.items())
     print(f"d{d} b{b} n{n} h{h}/{hkv} causal={causal} window={window} det={det} softcap={cap}"
           f" [{chosen}]: "
@@ -379,6 +386,10 @@ MODES = {  # argv[1] -> the run (none or "d64-windows": the walks of `variants`)
     "long-rows": lambda: d128_dynamic(LONG_ROWS),
     "tile-order": tile_order,
     "tile-groups": tile_groups,
+    "d64-long-rows": lambda: [
+        _dynamic_case(64, b, n, h, c, (-1, -1), True, 0.0, hkv, rounds=11)
+        for b, n, h, hkv, c in D64_LONG_ROWS
+    ],
     "long-rows-rest": lambda: [
         _dynamic_case(d, b, n, h, c, w, True, 0.0, hkv) for d, b, n, h, hkv, c, w in LONG_ROWS_REST
     ],
