@@ -250,13 +250,13 @@ def test_gluon_backward_launches_are_compile_checked():
     assert [kw["PERSISTENT"] for kw in kernels] == walked
     assert [kw["DYNAMIC"] for kw in kernels] == walked
     assert [kw["ZERO_DQ"] for *_, kw in fused if "ZERO_DQ" in kw] == [True] * 18
-    # in the fixed order on rows too long for that walk at d64 (tables.FUSED_PERSISTENT_MAX_N),
-    # with a window too long for it and without one: one program per tile; d128 walks its
-    # tiles from the counter at any length
-    assert T.FUSED_PERSISTENT_MAX_N[128] is None
+    # causal in the fixed order on rows too long for that walk at d64
+    # (tables.FUSED_PERSISTENT_MAX_N), with a window too long for it and without one: one
+    # program per tile; d128 walks its tiles from the counter at any length
+    assert T.FUSED_PERSISTENT_MAX_N[128] == (None, None)
     long_rows = []
     for d in (64, 128):
-        n = T.FUSED_PERSISTENT_MAX_N[64] + 256
+        n = T.FUSED_PERSISTENT_MAX_N[64][True] + 256
         q, k, v = qkv(1, n, n, 2, 1, d, torch.bfloat16, "cpu")
         do = torch.randn_like(q)
         for window in ((T.FUSED_PERSISTENT_MAX_WINDOW[d], 0), (-1, -1)):
@@ -526,7 +526,7 @@ def test_fused_dq_rule():
             assert (cfg.kv_regs, cfg.dq_halves) == (d == 64, d == 128)
             # (in the fixed order: from the counter, up to FUSED_PERSISTENT_MAX_N rows; None:
             # any length)
-            most = T.FUSED_PERSISTENT_MAX_N[d]
+            most = T.FUSED_PERSISTENT_MAX_N[d][causal]
             walked = deterministic and (most is None or n <= most)
             assert cfg.persistent == cfg.dynamic == walked and f"from {n} query rows" in cfg.why
             assert ("one program per SM" in cfg.why) == walked
@@ -553,8 +553,9 @@ def test_fused_dq_rule():
             # The forward does not read `deterministic`.
             assert choose_fwd(p) == choose_fwd(replace(p, deterministic=not deterministic))
     for causal in (False, True):
-        assert T.FUSED_DQ_MIN_N[64][causal] <= T.FUSED_PERSISTENT_MAX_N[64]
-        assert T.FUSED_PERSISTENT_MAX_N[128] is None  # (d128 walks at any length)
+        for d in (64, 128):  # (None: the walk at any length)
+            most = T.FUSED_PERSISTENT_MAX_N[d][causal]
+            assert most is None or T.FUSED_DQ_MIN_N[d][causal] <= most
         assert T.FUSED_DQ_MIN_N[128][causal] <= T.GLUON_BWD_PERSISTENT_MAX_N
 
 
@@ -590,10 +591,11 @@ def test_fused_persistent_window_rule():
     """The fused-dq backward (d64: a dq warpgroup; d128: dq halves) walks its tiles with one
     program per SM where a window with both edges spans at most FUSED_PERSISTENT_MAX_WINDOW[d]
     keys, in either order, and says so; longer windows, a left edge alone and no window run
-    one program per tile (rows beyond FUSED_PERSISTENT_MAX_N[64]: the fixed order walks shorter
-    rows from the counter whatever the window, and d128's at any length). As on an H100."""
+    one program per tile (rows beyond FUSED_PERSISTENT_MAX_N's d64 causal bound: the fixed
+    order walks shorter rows from the counter whatever the window, and the rest at any length).
+    As on an H100."""
     most, most128 = T.FUSED_PERSISTENT_MAX_WINDOW[64], T.FUSED_PERSISTENT_MAX_WINDOW[128]
-    n = T.FUSED_PERSISTENT_MAX_N[64] + 256
+    n = T.FUSED_PERSISTENT_MAX_N[64][True] + 256
     for det in (True, False):
         for left, right, causal, d, want in ((most - 1, -1, True, 64, True),
                                              (most - 65, 64, False, 64, True),
@@ -609,7 +611,7 @@ def test_fused_persistent_window_rule():
                              deterministic=det)  # fmt: skip
             cfg = choose_bwd(p)
             assert cfg.kernel == BWD_GLUON and cfg.dq_mode != DQ_KERNEL, (left, right, d, cfg)
-            rows = det and T.FUSED_PERSISTENT_MAX_N[d] is None  # (d128 fixed order: any length)
+            rows = det and T.FUSED_PERSISTENT_MAX_N[d][p.causal] is None  # (fixed order)
             assert cfg.persistent == (want or rows), (left, right, causal, d, det, cfg)
             assert cfg.dynamic == cfg.persistent  # (a fixed order's waits: tiles from a counter)
             assert ("one program per SM" in cfg.why) == cfg.persistent

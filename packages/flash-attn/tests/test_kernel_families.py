@@ -47,11 +47,11 @@ LONG_WIN128 = (T.FUSED_PERSISTENT_MAX_WINDOW[128], -1)
 GQA128 = dict(nq=4224, nk=4224, d=128)  # GQA causal in a fixed order: the dq kernel beside
 N64 = dict(
     nq=8448, nk=8448, h=6, hkv=2
-)  # d64: the fused-dq Gluon backward, in a fixed order, per tile
+)  # d64: the fused-dq Gluon backward, in a fixed order, per tile where causal
 ANY64 = dict(nq=4096, nk=4096, deterministic=False)  # and in any order
 # in any order with a causal window too long for the walk (tables.FUSED_PERSISTENT_MAX_WINDOW)
 ANYL64 = dict(nq=8448, nk=8448, h=4, hkv=2, deterministic=False)
-S64 = dict(nq=4096, nk=4096, h=6, hkv=2)  # d64 fixed order, at most FUSED_PERSISTENT_MAX_N rows
+S64 = dict(nq=4096, nk=4096, h=6, hkv=2)  # d64 fixed order, walked (FUSED_PERSISTENT_MAX_N)
 CAP_MAX = 60.0  # a softcap above the fixed shift's bound: the forward keeps the running maximum
 MLA = dict(b=2, nq=300, nk=300, h=4, hkv=2, d=192, dv=128)  # a value head dim of its own
 
@@ -192,9 +192,13 @@ FAMILY_CASES = [
      Call(**GQA128, causal=True, softcap=5.0)),
     ("fwd-gluon(d128,causal)", "bwd-gluon(d128,causal,dq-kernel,persistent)",
      Call(**dict(GQA128, nq=2176, nk=2176), window=(-1, 64))),
-    ("fwd-gluon(d64)", "bwd-gluon(d64,dq-ordered)", Call(**N64)),
-    ("fwd-gluon(d64,local,dynamic)", "bwd-gluon(d64,local,dq-ordered)", Call(**N64, window=WIN)),
-    ("fwd-gluon(d64,local,softcap,fixed-shift,dynamic)", "bwd-gluon(d64,local,softcap,dq-ordered)",
+    # d64 non-causal in the fixed order: walked from the counter at any length
+    # (tables.FUSED_PERSISTENT_MAX_N); causal past its bound (below): one program per tile
+    ("fwd-gluon(d64)", "bwd-gluon(d64,dq-ordered,persistent,dynamic)", Call(**N64)),
+    ("fwd-gluon(d64,local,dynamic)", "bwd-gluon(d64,local,dq-ordered,persistent,dynamic)",
+     Call(**N64, window=WIN)),
+    ("fwd-gluon(d64,local,softcap,fixed-shift,dynamic)",
+     "bwd-gluon(d64,local,softcap,dq-ordered,persistent,dynamic)",
      Call(**N64, window=WIN, softcap=5.0)),
     ("fwd-gluon(d64,causal,local,softcap,fixed-shift,dynamic)", "bwd-gluon(d64,causal,local,softcap,dq-ordered,persistent,dynamic)",
      Call(b=2, nq=2176, nk=2176, h=4, hkv=2, causal=True, window=WIN, softcap=5.0)),
@@ -207,8 +211,8 @@ FAMILY_CASES = [
     ("fwd-gluon(d64,causal,local,dynamic)",
      "bwd-gluon(d64,causal,local,dq-ordered,persistent,dynamic)",
      Call(**N64, causal=True, window=WIN)),
-    # d64 summing dq in the fixed order up to tables.FUSED_PERSISTENT_MAX_N rows: walked from
-    # the counter too, windows or not
+    # d64 summing dq in the fixed order up to tables.FUSED_PERSISTENT_MAX_N rows (causal; the
+    # rest at any length): walked from the counter too, windows or not
     ("fwd", "bwd-gluon(d64,dq-ordered,persistent,dynamic)", Call(**S64)),
     ("fwd(softcap,fixed-shift)", "bwd-gluon(d64,softcap,dq-ordered,persistent,dynamic)",
      Call(**S64, softcap=5.0)),
@@ -232,7 +236,8 @@ FAMILY_CASES = [
      Call(b=2, nq=2176, nk=2176, h=4, hkv=2, causal=True, softcap=5.0)),
     ("fwd-gluon(d64,causal,pairs,softcap,fixed-shift)", "bwd-gluon(d64,causal,softcap,dq-ordered,persistent,dynamic)",
      Call(nq=4096, nk=4096, h=6, hkv=2, causal=True, softcap=5.0)),
-    ("fwd-gluon(d64,softcap,fixed-shift)", "bwd-gluon(d64,softcap,dq-ordered)", Call(**N64, softcap=5.0)),
+    ("fwd-gluon(d64,softcap,fixed-shift)", "bwd-gluon(d64,softcap,dq-ordered,persistent,dynamic)",
+     Call(**N64, softcap=5.0)),
     ("fwd-gluon(d64,causal,pairs,softcap,fixed-shift)", "bwd-gluon(d64,causal,softcap,dq-ordered)",
      Call(**N64, window=(-1, 64), softcap=5.0)),
     ("fwd-gluon(d64,causal,local,softcap,dynamic)",
@@ -281,13 +286,15 @@ FAMILY_CASES = [
     ("fwd-gluon(d128,causal,local,softcap,dynamic)",
      "bwd-gluon(d128,causal,local,softcap,dq-kernel,persistent)",
      Call(**P128, causal=True, window=WIN, softcap=CAP_MAX)),
-    ("fwd-gluon(d64,local,softcap,dynamic)", "bwd-gluon(d64,local,softcap,dq-ordered)",
+    ("fwd-gluon(d64,local,softcap,dynamic)",
+     "bwd-gluon(d64,local,softcap,dq-ordered,persistent,dynamic)",
      Call(**N64, window=WIN, softcap=CAP_MAX)),
     ("fwd-gluon(d64,causal,softcap)", "bwd-gluon(d64,causal,softcap,dq-ordered,persistent,dynamic)",
      Call(b=2, nq=2176, nk=2176, h=4, hkv=2, causal=True, softcap=CAP_MAX)),
     ("fwd-gluon(d64,causal,pairs,softcap)", "bwd-gluon(d64,causal,softcap,dq-ordered,persistent,dynamic)",
      Call(nq=4096, nk=4096, h=6, hkv=2, causal=True, softcap=CAP_MAX)),
-    ("fwd-gluon(d64,softcap)", "bwd-gluon(d64,softcap,dq-ordered)", Call(**N64, softcap=CAP_MAX)),
+    ("fwd-gluon(d64,softcap)", "bwd-gluon(d64,softcap,dq-ordered,persistent,dynamic)",
+     Call(**N64, softcap=CAP_MAX)),
     # v's head dim other than q's (the portable kernels' BLOCK_DV): d128 would take the Gluon
     # kernels, which cannot run it; MLA's 192 / 128, causal; decoding; packed.
     ("fwd", "bwd", Call(**P128, dv=64)),
@@ -389,7 +396,7 @@ def test_explain_names_the_families(fwd, bwd, call):
 
 LEADERBOARD_FAMILIES = {
     True: ("fwd-gluon(d64,causal,pairs)", "bwd-gluon(d64,causal,dq-ordered)"),
-    False: ("fwd-gluon(d64)", "bwd-gluon(d64,dq-ordered)"),
+    False: ("fwd-gluon(d64)", "bwd-gluon(d64,dq-ordered,persistent,dynamic)"),
 }
 
 

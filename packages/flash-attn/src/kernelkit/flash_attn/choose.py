@@ -313,20 +313,20 @@ def _gluon_bwd_wanted(p: Problem) -> tuple[Tile, int, str] | None:
 
 def gluon_bwd_config(p: Problem, tile: Tile, dq_mode: int, dq: Tile | None = None,
                      why: str = "") -> BwdConfig:  # fmt: skip
-    """The Gluon backward's config for `p`: dk/dv `tile` (2 x 64 keys), dq by the dq kernel with
-    tile `dq` (DQ_KERNEL; default the tables') or summed in the kernel (DQ_ANY_ORDER,
+    """The Gluon backward's config for `p`: dk/dv `tile` (2 x 64 keys), dq by the dq kernel
+    with tile `dq` (DQ_KERNEL; default the tables') or summed in the kernel (DQ_ANY_ORDER,
     DQ_ORDERED): by a dq warpgroup with K/V in registers up to GLUON_FUSED_DQ_MAX_D, above it
-    by the consumers in column halves (`dq_halves`); one program per SM for the
-    dq-kernel variant up to GLUON_BWD_PERSISTENT_MAX_N query rows and for fused dq on windows
-    of up to FUSED_PERSISTENT_MAX_WINDOW keys or, summing in the fixed order, up to
-    FUSED_PERSISTENT_MAX_N rows (d128: any length), which takes its tiles from a counter
-    (`dynamic`: its sums wait on tiles before them); the tile order (`tile_heads`)."""
+    by the consumers in column halves (`dq_halves`); one program per SM for the dq-kernel
+    variant up to GLUON_BWD_PERSISTENT_MAX_N query rows and for fused dq on windows of up to
+    FUSED_PERSISTENT_MAX_WINDOW keys or, summing in the fixed order, up to
+    FUSED_PERSISTENT_MAX_N rows (d64 causal; any length otherwise), which takes its tiles from
+    a counter (`dynamic`: its sums wait on tiles before them); the tile order (`tile_heads`)."""
     fused = dq_mode != DQ_KERNEL
     ordered = dq_mode == DQ_ORDERED
     halves = fused and p.block_d > T.GLUON_FUSED_DQ_MAX_D
     dq = None if fused else dq or table_tiles(p)[2]
     short_window = fused and _short_window(p, T.FUSED_PERSISTENT_MAX_WINDOW.get(p.block_d, 0))
-    most_rows = T.FUSED_PERSISTENT_MAX_N.get(p.block_d, 0)  # (None: any length)
+    most_rows = T.FUSED_PERSISTENT_MAX_N.get(p.block_d, (0, 0))[p.causal]  # (None: any length)
     short_rows = ordered and (most_rows is None or max(p.nq, p.nk) <= most_rows)
     short_dq_kernel = not fused and p.nq <= T.GLUON_BWD_PERSISTENT_MAX_N
     persistent = bool(short_dq_kernel or short_window or short_rows)

@@ -146,12 +146,15 @@ FUSED_PERSISTENT_MAX_WINDOW = {64: 8192, 128: 8192}
 # exits). H200, sessions 44 and 45, fixed order, 7 interleaved rounds, ms per tile / walked,
 # gradients bitwise equal: causal 16k 5.576 / 5.273 and 5.711 / 5.413, 32k 21.337 / 21.163 and
 # 22.335 / 21.692; a 12k window 5.315 / 5.060; non-causal 16k 10.265 / 10.301 and 10.580 /
-# 10.505; GQA 32 / 8 non-causal 16k 20.812 / 21.143 (the spread, 10-19%). d64 mixed, kept at 8k:
-# causal 16k 5.679 / 5.608 and 5.802 / 5.717, non-causal 10.959 / 10.654 and 11.332 / 10.891,
-# 32k causal 22.178 / 22.087 and 22.177 / 22.438, the leaderboard shape (B 16, H 1) causal
-# 2.929 / 2.948, non-causal 5.584 / 5.470, GQA 32 / 8 causal 6.178 / 6.350
-# (`lab/flash-attn/logs/session44-H200-long-rows-walk-ab.log`, `session45-...`). None: any length.
-FUSED_PERSISTENT_MAX_N = {64: 8192, 128: None}
+# 10.505; GQA 32 / 8 non-causal 16k 20.812 / 21.143 (the spread, 10-19%). d64 non-causal at any
+# length too (0.17.4; the third run 11 rounds): 16k 10.959 / 10.654, 11.332 / 10.891 and
+# 11.146 / 10.901; the leaderboard shape (B 16, H 1) 5.584 / 5.470 and 5.561 / 5.422; GQA 32 / 8
+# 11.145 / 10.949. d64 causal keeps 8k: the leaderboard shape 2.929 / 2.948 and 2.860 / 2.906,
+# GQA 32 / 8 6.178 / 6.350 and 6.112 / 6.250, 32k 22.178 / 22.087, 22.177 / 22.438 and 22.086 /
+# 22.457, against 16k 5.679 / 5.608, 5.802 / 5.717 and 5.754 / 5.688, 12k (B 2, H 16) 3.347 /
+# 3.241 (`lab/flash-attn/logs/session44-H200-long-rows-walk-ab.log`, `session45-...`).
+# By BLOCK_D: (non-causal, causal) bounds; None: any length.
+FUSED_PERSISTENT_MAX_N = {64: (None, 8192), 128: (None, None)}
 
 # ---------------------------------------------------------------------------------------------
 # Split-KV forward (decoding)

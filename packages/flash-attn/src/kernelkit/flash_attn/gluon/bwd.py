@@ -6,10 +6,10 @@ kernel (its shared memory, barriers and partitions) and its host side (`can_impl
 A tile = BLOCK_N = 2 x 64 keys of one kv head; one program per tile, or with PERSISTENT (the
 dk/dv-only kernel up to tables.GLUON_BWD_PERSISTENT_MAX_N rows; fused dq on short windows,
 tables.FUSED_PERSISTENT_MAX_WINDOW, and in the fixed order on rows up to
-FUSED_PERSISTENT_MAX_N, at d128 any) one per SM walking its share of the tiles; fused dq
-(DYNAMIC) takes each next tile from a counter, so that tiles go out in increasing order to
-programs that run: a tile waits on the dq sums of tiles before it only, so the first unfinished
-tile always runs, however few programs are resident. Three partitions:
+FUSED_PERSISTENT_MAX_N, d64 causal, any otherwise) one per SM walking its share of the tiles;
+fused dq (DYNAMIC) takes each next tile from a counter, so that tiles go out in increasing
+order to programs that run: a tile waits on the dq sums of tiles before it only, so the first
+unfinished tile always runs, however few programs are resident. Three partitions:
 - a producer warp loads each tile's K and V block (once the consumers are done with the last
   tile's), then for each (query head of the GQA group, query block) step the BLOCK_M-row
   tiles of q and do and their rows' lse2 and delta into a STAGES-deep ring (4-D (B, N, H, D)
